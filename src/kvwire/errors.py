@@ -1,0 +1,157 @@
+"""One error hierarchy for kvwire, branched by phase.
+
+Foreign exceptions (NIXL's, msgspec's, OS errors) are translated into these at the boundary where they
+are raised, so callers above that boundary catch only ``KvwireError`` subclasses.
+"""
+
+from __future__ import annotations
+
+
+class KvwireError(Exception):
+    """Root of every error kvwire raises on purpose."""
+
+
+class ConfigError(KvwireError):
+    """A configuration value is missing, malformed or inconsistent."""
+
+
+# --- protocol (sans-IO core) -------------------------------------------------------------------------
+
+
+class ProtocolError(KvwireError):
+    """A message or frame broke the wire contract."""
+
+
+class MalformedMessage(ProtocolError):
+    """Bytes that do not decode into a valid message (truncated, wrong magic, wrong types, ...)."""
+
+
+class UnknownMessageType(MalformedMessage):
+    """A well-formed message whose ``type`` this version does not know."""
+
+
+class FrameTooLarge(ProtocolError):
+    """A side-channel frame announced a length above the limit."""
+
+
+class VersionMismatch(ProtocolError):
+    """The peer speaks another major version of the wire contract."""
+
+
+class StaleMessage(ProtocolError):
+    """A message from an older incarnation of a peer, or for a transfer that is no longer known."""
+
+
+class AuthError(ProtocolError):
+    """A side-channel request without valid authentication while a shared secret is configured."""
+
+
+class IllegalTransition(ProtocolError):
+    """A state machine was given an event that its current state does not accept."""
+
+    def __init__(self, role: str, state: str, event: str) -> None:
+        super().__init__(f"{role}: event {event} is illegal in state {state}")
+        self.role = role
+        self.state = state
+        self.event = event
+
+
+# --- kv layout and allocation ------------------------------------------------------------------------
+
+
+class KVError(KvwireError):
+    """KV layout, mapping or allocation error."""
+
+
+class LayoutError(KVError):
+    """A layout or TP/PP/block-size combination that kvwire cannot map."""
+
+
+class AllocationError(KVError):
+    """Out of blocks, double free, foreign block id, or a block used in the wrong state."""
+
+
+class BlockRangeError(KVError):
+    """A block id outside the peer's cache, or listed twice."""
+
+
+# --- transport (NIXL boundary) -----------------------------------------------------------------------
+
+
+class TransportError(KvwireError):
+    """The transfer engine refused or failed an operation."""
+
+
+class PeerNotFound(TransportError):
+    """The remote agent is not loaded (never added, removed, or reaped)."""
+
+
+class NotAddressable(TransportError):
+    """The peer is loaded notif-only (or its memory is unknown): its memory cannot be read or written."""
+
+
+class PeerDisconnected(TransportError):
+    """The peer's connection is gone (NIXL_ERR_REMOTE_DISCONNECT)."""
+
+
+class TransferFailed(TransportError):
+    """A posted transfer ended in failure, or could not be posted."""
+
+
+class HandleReleased(TransportError):
+    """A transfer or descriptor-list handle was used after it was released."""
+
+
+class RegistrationError(TransportError):
+    """Memory could not be registered or deregistered."""
+
+
+class AgentClosed(TransportError):
+    """The local agent was closed."""
+
+
+# --- handshake ---------------------------------------------------------------------------------------
+
+
+class HandshakeError(KvwireError):
+    """The side-channel handshake with a peer failed."""
+
+
+class HandshakeTimeout(HandshakeError):
+    """The peer did not answer the side channel within the per-peer timeout."""
+
+
+class IncompatiblePeer(HandshakeError):
+    """Compat hash, layout, TP/PP or block geometry does not match."""
+
+
+class Unauthorized(HandshakeError):
+    """The peer refused our credentials (or we refused theirs)."""
+
+
+class NoSuchRank(HandshakeError):
+    """The peer does not serve the requested (pp, tp) rank."""
+
+
+# --- requests and transfers --------------------------------------------------------------------------
+
+
+class RequestError(KvwireError):
+    """A request's KV transfer ended badly."""
+
+
+class TransferAborted(RequestError):
+    """The request was aborted (by the client, the router or a fence)."""
+
+
+class KVLoadFailed(RequestError):
+    """D could not obtain the request's KV: the reason says why (peer dead, write failed, fence expired)."""
+
+    def __init__(self, transfer_id: str, reason: str) -> None:
+        super().__init__(f"KV load for {transfer_id} failed: {reason}")
+        self.transfer_id = transfer_id
+        self.reason = reason
+
+
+class UnknownTransfer(RequestError):
+    """A message named a transfer id this side does not hold."""

@@ -1,0 +1,197 @@
+"""The Agent interface: NIXL's model, typed.
+
+Both backends implement it: ``nixl`` (real NIXL, the default) and ``inproc`` (agents in one process that
+really copy bytes, with fault injection). ``kvwire.testing`` holds the conformance suite they both pass.
+
+Vocabulary follows NIXL: an agent registers memory, publishes metadata, loads remote agents, prepares
+descriptor lists and posts transfers between them. Two ways to load a peer:
+
+* **notif-only**: load the peer from its connection-only metadata (``conn_metadata()``): notifications
+  work, any transfer into or from its memory fails with ``NotAddressable``;
+* **full**: load the peer from its full metadata (``metadata()``): its registered memory is addressable.
+  Loading full metadata over a notif-only entry upgrades it in place.
+
+Agent names carry the owner's incarnation (``make_agent_name``) because NIXL breaks an entry when a
+restarted peer is re-added under the same name.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class MemKind(enum.Enum):
+    DRAM = "DRAM"
+    VRAM = "VRAM"
+
+
+class XferOp(enum.Enum):
+    WRITE = "WRITE"
+    READ = "READ"
+
+
+class XferStatus(enum.Enum):
+    IN_PROGRESS = "IN_PROGRESS"
+    DONE = "DONE"
+    FAILED = "FAILED"
+
+
+class PeerMode(enum.Enum):
+    NOTIF_ONLY = "notif_only"
+    FULL = "full"
+
+
+@dataclass(frozen=True, slots=True)
+class Desc:
+    """One contiguous byte range: address, length, device id (0 for DRAM)."""
+
+    addr: int
+    length: int
+    device_id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """A registered buffer. ``addr`` is the address of its first byte."""
+
+    addr: int
+    length: int
+    kind: MemKind = MemKind.DRAM
+    device_id: int = 0
+    token: int = field(default=0, compare=False)
+
+
+@dataclass(slots=True)
+class DescListHandle:
+    """A prepared descriptor list (local, or on one remote peer)."""
+
+    peer: str | None
+    descs: tuple[Desc, ...]
+    raw: object = None
+    released: bool = False
+
+
+@dataclass(slots=True)
+class XferHandle:
+    """A posted transfer. Use ``Agent.status``; ``Agent.release`` when finished (idempotent)."""
+
+    op: XferOp
+    peer: str
+    nbytes: int
+    raw: object = None
+    released: bool = False
+    failed_reason: str | None = None
+
+
+def make_agent_name(engine_id: str, incarnation: str, pp_rank: int, tp_rank: int) -> str:
+    """An agent name unique per process life: a restarted peer gets a new name (NIXL #795)."""
+    return f"{engine_id}/{incarnation}/pp{pp_rank}/tp{tp_rank}"
+
+
+def new_incarnation() -> str:
+    return secrets.token_hex(6)
+
+
+def array_desc(array: np.ndarray) -> Desc:
+    """The byte range of a C-contiguous array."""
+    if not array.flags.c_contiguous:
+        raise ValueError("array must be C-contiguous to be registered or transferred")
+    return Desc(int(array.ctypes.data), int(array.nbytes), 0)
+
+
+class Agent(abc.ABC):
+    """One transfer agent (one per engine rank)."""
+
+    name: str
+
+    # -- memory --------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def register(self, array: np.ndarray, kind: MemKind = MemKind.DRAM) -> Registration: ...
+
+    @abc.abstractmethod
+    def deregister(self, reg: Registration) -> None: ...
+
+    # -- metadata and peers --------------------------------------------------------------------------
+    @abc.abstractmethod
+    def metadata(self) -> bytes:
+        """Full metadata: connection info and every registered region."""
+
+    @abc.abstractmethod
+    def conn_metadata(self) -> bytes:
+        """Connection-only metadata: enough to load this agent notif-only."""
+
+    @abc.abstractmethod
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a remote agent from its (full or connection-only) metadata; returns its agent name."""
+
+    @abc.abstractmethod
+    def remove_peer(self, peer: str) -> None:
+        """Unload a remote agent; transfers and notifications to it then fail with ``PeerNotFound``."""
+
+    @abc.abstractmethod
+    def peer_mode(self, peer: str) -> PeerMode | None:
+        """How ``peer`` is loaded here, or None when it is not."""
+
+    # -- descriptor lists and transfers --------------------------------------------------------------
+    @abc.abstractmethod
+    def prep_local(self, descs: Sequence[Desc]) -> DescListHandle: ...
+
+    @abc.abstractmethod
+    def prep_remote(self, peer: str, descs: Sequence[Desc]) -> DescListHandle: ...
+
+    @abc.abstractmethod
+    def release_dlist(self, handle: DescListHandle) -> None:
+        """Idempotent."""
+
+    @abc.abstractmethod
+    def post_prepped(
+        self,
+        op: XferOp,
+        local: DescListHandle,
+        local_idx: Sequence[int],
+        remote: DescListHandle,
+        remote_idx: Sequence[int],
+        notif: bytes | None = None,
+    ) -> XferHandle:
+        """Post a transfer between entries of two prepared lists; ``notif`` arrives after the data."""
+
+    @abc.abstractmethod
+    def post(
+        self,
+        op: XferOp,
+        local: Sequence[Desc],
+        remote: Sequence[Desc],
+        peer: str,
+        notif: bytes | None = None,
+    ) -> XferHandle:
+        """Post a transfer between two equally long lists of descriptors (no preparation needed)."""
+
+    @abc.abstractmethod
+    def status(self, handle: XferHandle) -> XferStatus:
+        """Poll a transfer; an exception from the engine means FAILED (NIXL raises on a dead peer)."""
+
+    @abc.abstractmethod
+    def release(self, handle: XferHandle) -> None:
+        """Release a transfer handle; idempotent. A released handle cannot be polled again."""
+
+    # -- notifications -------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def send_notif(self, peer: str, msg: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def drain_notifs(self) -> dict[str, list[bytes]]:
+        """Notifications received since the last call, per sending agent, in arrival order."""
+
+    @abc.abstractmethod
+    def progress(self) -> None:
+        """Make progress on pending work; the owner's loop calls this (no progress thread)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release everything; idempotent."""
