@@ -1,25 +1,85 @@
-"""The ``kvwire`` command line."""
+"""The ``kvwire`` command line.
+
+Each command lives in its own module, imported only when that command runs (no import-time side
+effects, and ``kvwire --help`` stays fast). A command module exposes ``add_arguments(parser)`` and
+``run(args) -> int`` (the exit status).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import sys
 from collections.abc import Sequence
 
+# (command path, module, help). Nested commands are written "bench transfer".
+COMMANDS: tuple[tuple[str, str, str], ...] = (
+    ("demo", "kvwire.demo.cli", "run P, D and the router on localhost and check the answers"),
+    ("serve prefill", "kvwire.engine.serve", "run a prefill engine server"),
+    ("serve decode", "kvwire.engine.serve", "run a decode engine server"),
+    ("serve colocated", "kvwire.engine.serve", "run a colocated (prefill and decode) engine server"),
+    ("serve router", "kvwire.router.cli", "run the OpenAI-compatible router"),
+    ("bench transfer", "kvwire.bench.transfer", "raw NIXL WRITE and kvwire push against np.copyto"),
+    ("bench descriptors", "kvwire.bench.descriptors", "descriptor counts and post times"),
+    ("bench handshake", "kvwire.bench.handshake", "notif-only vs full handshakes; a dead peer among many"),
+    ("bench e2e", "kvwire.bench.e2e", "TTFT disaggregated vs colocated"),
+    ("bench overhead", "kvwire.bench.overhead", "control-plane CPU time per request"),
+    ("chaos", "kvwire.chaos", "kill and restart peers under load; count leaks and corruption"),
+    ("transport-demo", "kvwire.transport.demo", "two processes, one NIXL WRITE with a notification"),
+)
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvwire", description=__doc__)
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+
+def _module_available(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _chosen(argv: Sequence[str]) -> str | None:
+    """The command path that argv starts with, so only that command's module is imported."""
+    words = [w for w in argv if not w.startswith("-")]
+    for path, _module, _help in COMMANDS:
+        if words[: len(path.split())] == path.split():
+            return path
+    return None
+
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvwire", description="Move KV caches from prefill to decode.")
+    top = parser.add_subparsers(dest="command", metavar="COMMAND")
+    groups: dict[str, argparse._SubParsersAction[argparse.ArgumentParser]] = {}
+    chosen = _chosen(argv)
+    for path, module, help_text in COMMANDS:
+        if not _module_available(module):
+            continue
+        words = path.split()
+        subs = top
+        if len(words) == 2:
+            if words[0] not in groups:
+                group = top.add_parser(words[0], help=f"{words[0]} commands")
+                groups[words[0]] = group.add_subparsers(
+                    dest="subcommand", metavar="SUBCOMMAND", required=True
+                )
+            subs = groups[words[0]]
+        sub = subs.add_parser(words[-1], help=help_text)
+        sub.set_defaults(_module=module, _path=path)
+        if path == chosen:
+            importlib.import_module(module).add_arguments(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
-    if args.command is None:
+    module = getattr(args, "_module", None)
+    if module is None:
         parser.print_help()
         return 2
-    return 0
+    status: int = importlib.import_module(module).run(args)
+    return status
 
 
 if __name__ == "__main__":

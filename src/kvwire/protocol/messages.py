@@ -1,0 +1,155 @@
+"""Wire contract v1: every message kvwire sends, as msgspec Structs.
+
+Two channels (see ``docs/protocol.md``):
+
+* the **side channel** (TCP, one listener per engine): length-prefixed msgpack frames carrying
+  ``GetMetadata`` requests and ``Metadata`` or ``ErrorReply`` replies;
+* **notifications** through NIXL (``send_notif`` or attached to a WRITE): ``b"KVW1"`` + msgpack.
+
+Compatibility rules: fields may be added with defaults; removing or retyping one bumps ``VERSION``.
+Unknown fields are ignored (msgspec does so by default); unknown ``type`` tags are refused.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+VERSION = 1
+NOTIF_MAGIC = b"KVW1"
+MAX_FRAME_BYTES = 16 * 1024 * 1024
+
+
+class ErrorCode(enum.Enum):
+    INCOMPATIBLE = "incompatible"
+    UNAUTHORIZED = "unauthorized"
+    NO_SUCH_RANK = "no_such_rank"
+    BAD_REQUEST = "bad_request"
+
+
+class FailReason(enum.Enum):
+    """Why a registration ended in ``failed``."""
+
+    WRITE_FAILED = "write_failed"
+    POST_FAILED = "post_failed"
+    TRANSFER_TIMEOUT = "transfer_timeout"
+    FENCE_EXPIRED = "fence_expired"
+    LEASE_EXPIRED = "lease_expired"
+    BAD_REGISTRATION = "bad_registration"
+    INCOMPATIBLE = "incompatible"
+    HANDSHAKE_FAILED = "handshake_failed"
+    PEER_DEAD = "peer_dead"
+    ABORTED = "aborted"
+    SHUTDOWN = "shutdown"
+
+
+# --- side channel ----------------------------------------------------------------------------------
+
+
+class GetMetadata(msgspec.Struct, tag="get_metadata", tag_field="type", kw_only=True):
+    version: int = VERSION
+    pp_rank: int
+    tp_rank: int
+    # Added field (v1-compatible): a notif-only caller only needs connection info, not the regions.
+    notif_only: bool = False
+    nonce: bytes | None = None
+    auth: bytes | None = None
+
+
+class KVInfo(msgspec.Struct, kw_only=True):
+    num_layers: int
+    first_layer: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    block_size: int
+    layout: str  # "HND" | "NHD"
+    mla: bool
+
+
+class RegionMsg(msgspec.Struct, kw_only=True):
+    layer: int
+    kind: str  # "k" | "v" | "kv"
+    base_addr: int
+    block_len: int
+    num_blocks: int
+    device_id: int = 0
+
+
+class Metadata(msgspec.Struct, tag="metadata", tag_field="type", kw_only=True):
+    version: int = VERSION
+    engine_id: str
+    incarnation: str
+    compat_hash: str
+    tp_size: int
+    tp_rank: int
+    pp_size: int
+    pp_rank: int
+    agent_name: str
+    agent_metadata: bytes
+    kv: KVInfo
+    num_blocks: int
+    regions: list[RegionMsg] = []
+    server_time: float = 0.0
+    notif_only: bool = False
+
+
+class ErrorReply(msgspec.Struct, tag="error", tag_field="type", kw_only=True):
+    version: int = VERSION
+    code: ErrorCode
+    message: str
+
+
+SideMessage = GetMetadata | Metadata | ErrorReply
+
+
+# --- notifications ---------------------------------------------------------------------------------
+
+
+class _Notif(msgspec.Struct, kw_only=True):
+    version: int = VERSION
+    transfer_id: str
+    engine_id: str
+    incarnation: str
+
+
+class PushReg(_Notif, tag="push_reg", tag_field="type", kw_only=True):
+    tp_rank: int
+    tp_size: int
+    host: str
+    port: int
+    block_ids: list[int]
+    num_tokens: int
+    num_cached_tokens: int = 0
+    fence_ms: int = 30_000
+
+
+class Done(_Notif, tag="done", tag_field="type", kw_only=True):
+    tp_rank: int
+    pp_rank: int
+    num_blocks: int
+
+
+class Failed(_Notif, tag="failed", tag_field="type", kw_only=True):
+    tp_rank: int
+    pp_rank: int
+    reason: FailReason
+
+
+class Cancel(_Notif, tag="cancel", tag_field="type", kw_only=True):
+    pass
+
+
+class CancelAck(_Notif, tag="cancel_ack", tag_field="type", kw_only=True):
+    tp_rank: int
+    pp_rank: int
+    wrote: bool
+
+
+class Heartbeat(_Notif, tag="heartbeat", tag_field="type", kw_only=True):
+    # transfer_id is unused on heartbeats ("" by convention); the live set is in transfer_ids.
+    transfer_ids: list[str] = []
+
+
+Notification = PushReg | Done | Failed | Cancel | CancelAck | Heartbeat
