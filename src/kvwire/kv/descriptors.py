@@ -1,0 +1,259 @@
+"""Transfer descriptors for one request between one P rank and one D rank, with run coalescing.
+
+``plan_transfer`` maps P's blocks to D's blocks token by token and returns paired descriptor lists:
+push posts ``WRITE(local=src_descs, remote=dst_descs)`` on P; pull posts ``READ(local=dst_descs,
+remote=src_descs)`` on D.
+
+Rules:
+
+* Tokens. ``src_blocks`` and ``dst_blocks`` are the request's blocks on each side in token order, both from
+  token 0 (D's list includes its prefix-hit blocks); extra trailing blocks are ignored. Only tokens
+  ``[num_cached_tokens, num_tokens)`` move, from P's blocks at the same token positions;
+  ``num_cached_tokens`` must be a multiple of D's block size. The unit of copy is a P block: the last one
+  moves whole, so D's positions past ``num_tokens`` inside the last P block receive P's (unused) bytes.
+* Block sizes. D's block size must be a multiple of P's (P block ``i`` lands in D block ``i // r`` at
+  token slot ``(i % r) * P's block size``).
+* Layouts. Both sides use ``spec.layout``. HND (``[heads, tokens, head_dim]``): a head slice of a block is
+  contiguous, so one descriptor per block (per head when block sizes differ). NHD
+  (``[tokens, heads, head_dim]``): whole blocks are contiguous, but a head slice (TP sizes differ) is
+  strided: it is moved with one descriptor per (P block, token). That is correct but costly; prefer HND
+  when P's and D's TP sizes differ.
+* Coalescing. Consecutive units that are adjacent in both P's and D's memory merge into one run; the same
+  runs apply to every (layer, kind) region both ranks hold, so the descriptor count is
+  ``num_runs * num_regions``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvwire.errors import BlockRangeError, LayoutError
+from kvwire.kv.mapping import HeadSlice, RankLayout, pair_slices
+from kvwire.kv.spec import KVSpec, Layout
+from kvwire.transport.base import Desc
+
+_I64 = np.int64
+
+
+class TransferPlan:
+    """Paired descriptors: ``src_descs[i]`` and ``dst_descs[i]`` have the same length.
+
+    ``src_array`` / ``dst_array`` hold the same descriptors as ``[n, 3]`` int64 arrays of (addr, length,
+    device id), the form NIXL's ``get_xfer_descs`` takes without a Python loop; the ``Desc`` lists are
+    built from them on first use (building them is most of the planning cost of a fragmented request).
+    """
+
+    __slots__ = ("_dst", "_src", "dst_array", "nbytes", "num_regions", "num_runs", "src_array")
+
+    def __init__(
+        self,
+        src_array: np.ndarray | None = None,
+        dst_array: np.ndarray | None = None,
+        *,
+        num_runs: int = 0,
+        num_regions: int = 0,
+    ) -> None:
+        self.src_array: np.ndarray = np.zeros((0, 3), dtype=_I64) if src_array is None else src_array
+        self.dst_array: np.ndarray = np.zeros((0, 3), dtype=_I64) if dst_array is None else dst_array
+        self.nbytes = int(self.src_array[:, 1].sum())
+        self.num_runs = num_runs  # runs per region pair
+        self.num_regions = num_regions  # (layer, kind) region pairs both ranks hold
+        self._src: list[Desc] | None = None
+        self._dst: list[Desc] | None = None
+
+    @property
+    def src_descs(self) -> list[Desc]:
+        if self._src is None:
+            self._src = _to_descs(self.src_array)
+        return self._src
+
+    @property
+    def dst_descs(self) -> list[Desc]:
+        if self._dst is None:
+            self._dst = _to_descs(self.dst_array)
+        return self._dst
+
+    @property
+    def empty(self) -> bool:
+        return len(self.src_array) == 0
+
+    @property
+    def num_descs(self) -> int:
+        return len(self.src_array)
+
+    def __repr__(self) -> str:
+        return (
+            f"TransferPlan(num_descs={self.num_descs}, num_runs={self.num_runs}, "
+            f"num_regions={self.num_regions}, nbytes={self.nbytes})"
+        )
+
+
+def _to_descs(arr: np.ndarray) -> list[Desc]:
+    cols = arr.T.tolist()
+    return [Desc(a, n, d) for a, n, d in zip(*cols, strict=True)]
+
+
+@dataclass(frozen=True, slots=True)
+class _Geometry:
+    """Byte geometry of one slice transfer: block lengths and the per-head-token element size."""
+
+    layout: Layout
+    elem: int  # bytes of one (token, head): head_dim * itemsize
+    src_heads: int
+    dst_heads: int
+    src_bs: int
+    dst_bs: int
+
+    @property
+    def src_block_len(self) -> int:
+        return self.src_heads * self.src_bs * self.elem
+
+    @property
+    def dst_block_len(self) -> int:
+        return self.dst_heads * self.dst_bs * self.elem
+
+
+def plan_transfer(
+    spec: KVSpec,
+    src: RankLayout,
+    dst: RankLayout,
+    src_blocks: Sequence[int],
+    dst_blocks: Sequence[int],
+    *,
+    num_tokens: int,
+    num_cached_tokens: int = 0,
+) -> TransferPlan:
+    """Descriptors moving one request's KV from P rank ``src`` into D rank ``dst`` (module doc: rules).
+
+    Empty when the ranks share no heads or no layers, or D's prefix hit covers every P block.
+    Raises ``LayoutError`` for an unsupported geometry and ``BlockRangeError`` for block ids outside
+    either cache or a block listed twice.
+    """
+    first_p, last_p, ratio = _token_range(src, dst, num_tokens, num_cached_tokens)
+    if len(src_blocks) < last_p:
+        raise BlockRangeError(f"{num_tokens} tokens need {last_p} P blocks, got {len(src_blocks)}")
+    if len(dst_blocks) < -(-num_tokens // dst.block_size):
+        raise BlockRangeError(
+            f"{num_tokens} tokens need {-(-num_tokens // dst.block_size)} D blocks, got {len(dst_blocks)}"
+        )
+    # Validate the ids even when this rank pair moves nothing: a bad registration is refused by every rank.
+    src_ids = _block_ids(src_blocks[first_p:last_p], src.num_blocks, "P")
+    d_first, d_last = first_p // ratio, -(-last_p // ratio)
+    dst_used = _block_ids(dst_blocks[d_first:d_last], dst.num_blocks, "D")
+    slices = pair_slices(spec, src.tp_size, dst.tp_size, src.tp_rank, dst.tp_rank)
+    layers = range(max(src.first_layer, dst.first_layer), min(src.layers.stop, dst.layers.stop))
+    if not slices or not layers or first_p >= last_p:
+        return TransferPlan()
+    geo = _Geometry(
+        spec.layout,
+        spec.head_dim * spec.itemsize,
+        src.heads(spec),
+        dst.heads(spec),
+        src.block_size,
+        dst.block_size,
+    )
+    p_index = np.arange(first_p, last_p, dtype=_I64)
+    dst_ids = dst_used[p_index // ratio - d_first]
+    slot = p_index % ratio
+    runs = [_coalesce(*_units(geo, s, src_ids, dst_ids, slot)) for s in slices]
+    run_src, run_dst, run_len = (np.concatenate([r[i] for r in runs]) for i in range(3))
+    return _build_plan(spec, src, dst, layers, geo, run_src, run_dst, run_len)
+
+
+def _token_range(src: RankLayout, dst: RankLayout, num_tokens: int, cached: int) -> tuple[int, int, int]:
+    """(first P block index moved, end P block index, D/P block-size ratio)."""
+    if dst.block_size % src.block_size:
+        raise LayoutError(
+            f"D's block size {dst.block_size} must be a multiple of P's {src.block_size} "
+            "(P's blocks larger than D's are not supported)"
+        )
+    if num_tokens <= 0 or not 0 <= cached <= num_tokens:
+        raise LayoutError(f"bad token counts: num_tokens={num_tokens}, num_cached_tokens={cached}")
+    if cached % dst.block_size:
+        raise LayoutError(f"num_cached_tokens={cached} is not a multiple of D's block size {dst.block_size}")
+    return cached // src.block_size, -(-num_tokens // src.block_size), dst.block_size // src.block_size
+
+
+def _block_ids(ids: Sequence[int], num_blocks: int, side: str) -> np.ndarray:
+    arr = np.asarray(ids, dtype=_I64)
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= num_blocks):
+        bad = next(int(b) for b in arr if not 0 <= b < num_blocks)
+        raise BlockRangeError(f"{side} block id {bad} outside [0, {num_blocks})")
+    if arr.size > 1 and np.unique(arr).size != arr.size:
+        raise BlockRangeError(f"a {side} block id is listed twice")
+    return arr
+
+
+def _units(
+    geo: _Geometry, s: HeadSlice, src_ids: np.ndarray, dst_ids: np.ndarray, slot: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Region-relative (src offsets, dst offsets, unit length) of the smallest pieces contiguous on both
+    sides, in copy order (P block, then head or token)."""
+    e, bp = geo.elem, geo.src_bs
+    src_base = src_ids * geo.src_block_len
+    dst_base = dst_ids * geo.dst_block_len
+    if geo.layout is Layout.HND:
+        if geo.src_bs == geo.dst_bs:  # the slice's heads are adjacent on both sides: one piece per block
+            return src_base + s.src_head * bp * e, dst_base + s.dst_head * bp * e, s.num_heads * bp * e
+        k = np.arange(s.num_heads, dtype=_I64)
+        src_off = src_base[:, None] + (s.src_head + k)[None, :] * bp * e
+        dst_off = (dst_base + slot * bp * e)[:, None] + (s.dst_head + k)[None, :] * geo.dst_bs * e
+        return src_off.reshape(-1), dst_off.reshape(-1), bp * e
+    if s.num_heads == geo.src_heads == geo.dst_heads:  # NHD, whole blocks: token rows are contiguous
+        return src_base, dst_base + slot * bp * geo.dst_heads * e, bp * geo.src_heads * e
+    o = np.arange(bp, dtype=_I64)
+    src_off = src_base[:, None] + (o * geo.src_heads + s.src_head)[None, :] * e
+    dst_tok = slot[:, None] * bp + o[None, :]
+    dst_off = dst_base[:, None] + (dst_tok * geo.dst_heads + s.dst_head) * e
+    return src_off.reshape(-1), dst_off.reshape(-1), s.num_heads * e
+
+
+def _coalesce(
+    src_off: np.ndarray, dst_off: np.ndarray, unit: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge consecutive units adjacent on both sides: (run src offsets, run dst offsets, run lengths)."""
+    n = src_off.size
+    brk = np.empty(n, dtype=bool)
+    brk[0] = True
+    np.not_equal(src_off[1:], src_off[:-1] + unit, out=brk[1:])
+    brk[1:] |= dst_off[1:] != dst_off[:-1] + unit
+    starts = np.flatnonzero(brk)
+    lengths = np.diff(np.append(starts, n)) * unit
+    return src_off[starts], dst_off[starts], lengths
+
+
+def _build_plan(
+    spec: KVSpec,
+    src: RankLayout,
+    dst: RankLayout,
+    layers: range,
+    geo: _Geometry,
+    run_src: np.ndarray,
+    run_dst: np.ndarray,
+    run_len: np.ndarray,
+) -> TransferPlan:
+    """Apply the region-relative runs to every region pair (layer-major, then kind, then run)."""
+    pairs = src.region_pairs(dst, layers, spec.kinds)
+    src_len, dst_len = geo.src_block_len, geo.dst_block_len
+    for sr, dr in pairs:
+        if sr.block_len != src_len or dr.block_len != dst_len:
+            raise LayoutError(
+                f"layer {sr.layer} {sr.kind.value}: block_len P {sr.block_len} / D {dr.block_len}, "
+                f"expected {src_len} / {dst_len} for this geometry"
+            )
+    bases = np.array(
+        [(sr.base_addr, sr.device_id, dr.base_addr, dr.device_id) for sr, dr in pairs], dtype=_I64
+    )
+    n_pairs, n_runs = len(pairs), len(run_len)
+    src_arr = np.empty((n_pairs, n_runs, 3), dtype=_I64)
+    dst_arr = np.empty((n_pairs, n_runs, 3), dtype=_I64)
+    src_arr[:, :, 0] = bases[:, 0:1] + run_src
+    src_arr[:, :, 1] = run_len
+    src_arr[:, :, 2] = bases[:, 1:2]
+    dst_arr[:, :, 0] = bases[:, 2:3] + run_dst
+    dst_arr[:, :, 1] = run_len
+    dst_arr[:, :, 2] = bases[:, 3:4]
+    return TransferPlan(src_arr.reshape(-1, 3), dst_arr.reshape(-1, 3), num_runs=n_runs, num_regions=n_pairs)
