@@ -56,6 +56,11 @@ class IllegalTransition(ProtocolError):
         self.event = event
 
 
+class UnexpectedSender(ProtocolError):
+    """A rank's message that the request does not expect: a rank it never registered with, or one that
+    already ended the registration (duplicate ``done``, ``failed`` or ``cancel_ack``)."""
+
+
 # --- kv layout and allocation ------------------------------------------------------------------------
 
 
@@ -133,6 +138,10 @@ class NoSuchRank(HandshakeError):
     """The peer does not serve the requested (pp, tp) rank."""
 
 
+class PeerUnreachable(HandshakeError):
+    """The peer's side channel refused or dropped the connection before answering (worth retrying)."""
+
+
 # --- requests and transfers --------------------------------------------------------------------------
 
 
@@ -155,3 +164,11 @@ class KVLoadFailed(RequestError):
 
 class UnknownTransfer(RequestError):
     """A message named a transfer id this side does not hold."""
+
+
+class InvalidRequest(RequestError):
+    """An engine refused a request as malformed or impossible to serve (HTTP 400)."""
+
+
+class EngineOverloaded(RequestError):
+    """An engine refused a request because its queue is full or it is shutting down (HTTP 503)."""

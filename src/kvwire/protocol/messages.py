@@ -13,12 +13,26 @@ Unknown fields are ignored (msgspec does so by default); unknown ``type`` tags a
 from __future__ import annotations
 
 import enum
+from typing import Annotated
 
 import msgspec
 
 VERSION = 1
 NOTIF_MAGIC = b"KVW1"
 MAX_FRAME_BYTES = 16 * 1024 * 1024
+
+# Value constraints are checked on decode only (constructing a Struct does not validate). They do not change
+# the encoding: a peer that sends a negative rank or block id is refused as malformed, before any lookup.
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+Version = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class TransferMode(enum.Enum):
+    """Who moves the bytes: in PUSH P writes into D's blocks, in PULL D reads P's blocks."""
+
+    PUSH = "push"
+    PULL = "pull"
 
 
 class ErrorCode(enum.Enum):
@@ -48,9 +62,9 @@ class FailReason(enum.Enum):
 
 
 class GetMetadata(msgspec.Struct, tag="get_metadata", tag_field="type", kw_only=True):
-    version: int = VERSION
-    pp_rank: int
-    tp_rank: int
+    version: Version = VERSION
+    pp_rank: NonNeg
+    tp_rank: NonNeg
     # Added field (v1-compatible): a notif-only caller only needs connection info, not the regions.
     notif_only: bool = False
     nonce: bytes | None = None
@@ -58,45 +72,45 @@ class GetMetadata(msgspec.Struct, tag="get_metadata", tag_field="type", kw_only=
 
 
 class KVInfo(msgspec.Struct, kw_only=True):
-    num_layers: int
-    first_layer: int
-    kv_heads: int
-    head_dim: int
+    num_layers: Positive
+    first_layer: NonNeg
+    kv_heads: Positive
+    head_dim: Positive
     dtype: str
-    block_size: int
+    block_size: Positive
     layout: str  # "HND" | "NHD"
     mla: bool
 
 
 class RegionMsg(msgspec.Struct, kw_only=True):
-    layer: int
+    layer: NonNeg
     kind: str  # "k" | "v" | "kv"
-    base_addr: int
-    block_len: int
-    num_blocks: int
-    device_id: int = 0
+    base_addr: NonNeg
+    block_len: Positive
+    num_blocks: NonNeg
+    device_id: NonNeg = 0
 
 
 class Metadata(msgspec.Struct, tag="metadata", tag_field="type", kw_only=True):
-    version: int = VERSION
+    version: Version = VERSION
     engine_id: str
     incarnation: str
     compat_hash: str
-    tp_size: int
-    tp_rank: int
-    pp_size: int
-    pp_rank: int
+    tp_size: Positive
+    tp_rank: NonNeg
+    pp_size: Positive
+    pp_rank: NonNeg
     agent_name: str
     agent_metadata: bytes
     kv: KVInfo
-    num_blocks: int
+    num_blocks: NonNeg
     regions: list[RegionMsg] = []
     server_time: float = 0.0
     notif_only: bool = False
 
 
 class ErrorReply(msgspec.Struct, tag="error", tag_field="type", kw_only=True):
-    version: int = VERSION
+    version: Version = VERSION
     code: ErrorCode
     message: str
 
@@ -108,32 +122,32 @@ SideMessage = GetMetadata | Metadata | ErrorReply
 
 
 class _Notif(msgspec.Struct, kw_only=True):
-    version: int = VERSION
+    version: Version = VERSION
     transfer_id: str
     engine_id: str
     incarnation: str
 
 
 class PushReg(_Notif, tag="push_reg", tag_field="type", kw_only=True):
-    tp_rank: int
-    tp_size: int
+    tp_rank: NonNeg
+    tp_size: Positive
     host: str
-    port: int
-    block_ids: list[int]
-    num_tokens: int
-    num_cached_tokens: int = 0
-    fence_ms: int = 30_000
+    port: NonNeg
+    block_ids: list[NonNeg]
+    num_tokens: NonNeg
+    num_cached_tokens: NonNeg = 0
+    fence_ms: Positive = 30_000
 
 
 class Done(_Notif, tag="done", tag_field="type", kw_only=True):
-    tp_rank: int
-    pp_rank: int
-    num_blocks: int
+    tp_rank: NonNeg
+    pp_rank: NonNeg
+    num_blocks: NonNeg
 
 
 class Failed(_Notif, tag="failed", tag_field="type", kw_only=True):
-    tp_rank: int
-    pp_rank: int
+    tp_rank: NonNeg
+    pp_rank: NonNeg
     reason: FailReason
 
 
@@ -142,8 +156,8 @@ class Cancel(_Notif, tag="cancel", tag_field="type", kw_only=True):
 
 
 class CancelAck(_Notif, tag="cancel_ack", tag_field="type", kw_only=True):
-    tp_rank: int
-    pp_rank: int
+    tp_rank: NonNeg
+    pp_rank: NonNeg
     wrote: bool
 
 

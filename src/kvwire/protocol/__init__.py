@@ -1,0 +1,95 @@
+"""Sans-IO protocol core: wire contract v1 messages, their codecs, auth, compat hash and state machines.
+
+Nothing here does I/O or imports asyncio, socket, threading or NIXL (a test checks it): drivers feed bytes
+and events in, and act on the messages and states that come out.
+"""
+
+from kvwire.protocol.auth import ReplayGuard, sign, verify
+from kvwire.protocol.codec import (
+    FrameDecoder,
+    decode_notif,
+    decode_side,
+    encode_frame,
+    encode_notif,
+    parse_frame_header,
+)
+from kvwire.protocol.compat import compat_hash
+from kvwire.protocol.messages import (
+    MAX_FRAME_BYTES,
+    NOTIF_MAGIC,
+    VERSION,
+    Cancel,
+    CancelAck,
+    Done,
+    ErrorCode,
+    ErrorReply,
+    Failed,
+    FailReason,
+    GetMetadata,
+    Heartbeat,
+    KVInfo,
+    Metadata,
+    Notification,
+    PushReg,
+    RegionMsg,
+    SideMessage,
+    TransferMode,
+)
+from kvwire.protocol.ranks import RankEnd, RankKey, RankTracker
+from kvwire.protocol.states import (
+    ConsumerEvent,
+    ConsumerRequest,
+    ConsumerState,
+    HandshakeEvent,
+    HandshakeState,
+    PeerHandshake,
+    ProducerEvent,
+    ProducerRegistration,
+    ProducerState,
+    TransitionTable,
+)
+
+__all__ = [
+    "MAX_FRAME_BYTES",
+    "NOTIF_MAGIC",
+    "VERSION",
+    "Cancel",
+    "CancelAck",
+    "ConsumerEvent",
+    "ConsumerRequest",
+    "ConsumerState",
+    "Done",
+    "ErrorCode",
+    "ErrorReply",
+    "FailReason",
+    "Failed",
+    "FrameDecoder",
+    "GetMetadata",
+    "HandshakeEvent",
+    "HandshakeState",
+    "Heartbeat",
+    "KVInfo",
+    "Metadata",
+    "Notification",
+    "PeerHandshake",
+    "ProducerEvent",
+    "ProducerRegistration",
+    "ProducerState",
+    "PushReg",
+    "RankEnd",
+    "RankKey",
+    "RankTracker",
+    "RegionMsg",
+    "ReplayGuard",
+    "SideMessage",
+    "TransferMode",
+    "TransitionTable",
+    "compat_hash",
+    "decode_notif",
+    "decode_side",
+    "encode_frame",
+    "encode_notif",
+    "parse_frame_header",
+    "sign",
+    "verify",
+]
