@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/kvwire demo
+	$(BIN)/kvwire transport-demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

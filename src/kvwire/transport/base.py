@@ -69,12 +69,18 @@ class Registration:
 
 @dataclass(slots=True)
 class DescListHandle:
-    """A prepared descriptor list (local, or on one remote peer)."""
+    """A prepared descriptor list (local, or on one remote peer).
+
+    ``epoch`` is the load of ``peer`` it was prepared against: a list prepared before the peer was removed
+    (or re-added) is stale and refused, because NIXL requires remote lists to be prepared again.
+    """
 
     peer: str | None
     descs: tuple[Desc, ...]
     raw: object = None
     released: bool = False
+    kind: MemKind = MemKind.DRAM
+    epoch: int = 0
 
 
 @dataclass(slots=True)
@@ -87,6 +93,8 @@ class XferHandle:
     raw: object = None
     released: bool = False
     failed_reason: str | None = None
+    # The last state seen; DONE and FAILED are final, so later polls answer from here.
+    state: XferStatus = XferStatus.IN_PROGRESS
 
 
 def make_agent_name(engine_id: str, incarnation: str, pp_rank: int, tp_rank: int) -> str:
@@ -140,10 +148,12 @@ class Agent(abc.ABC):
 
     # -- descriptor lists and transfers --------------------------------------------------------------
     @abc.abstractmethod
-    def prep_local(self, descs: Sequence[Desc]) -> DescListHandle: ...
+    def prep_local(self, descs: Sequence[Desc], kind: MemKind = MemKind.DRAM) -> DescListHandle:
+        """Prepare local descriptors (each inside one registration) to be used by index."""
 
     @abc.abstractmethod
-    def prep_remote(self, peer: str, descs: Sequence[Desc]) -> DescListHandle: ...
+    def prep_remote(self, peer: str, descs: Sequence[Desc], kind: MemKind = MemKind.DRAM) -> DescListHandle:
+        """Prepare descriptors of a full peer's registered memory; ``NotAddressable`` otherwise."""
 
     @abc.abstractmethod
     def release_dlist(self, handle: DescListHandle) -> None:
@@ -169,8 +179,13 @@ class Agent(abc.ABC):
         remote: Sequence[Desc],
         peer: str,
         notif: bytes | None = None,
+        kind: MemKind = MemKind.DRAM,
     ) -> XferHandle:
-        """Post a transfer between two equally long lists of descriptors (no preparation needed)."""
+        """Post a transfer between two equally long lists of descriptors (no preparation needed).
+
+        Pairs must have equal lengths. Failing to post raises (``PeerNotFound``, ``NotAddressable``,
+        ``PeerDisconnected``, ``TransferFailed``); a failure after posting shows as ``XferStatus.FAILED``.
+        """
 
     @abc.abstractmethod
     def status(self, handle: XferHandle) -> XferStatus:
@@ -194,4 +209,10 @@ class Agent(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Release everything; idempotent."""
+        """Release everything; idempotent. Any later call raises ``AgentClosed``."""
+
+    def __enter__(self) -> Agent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

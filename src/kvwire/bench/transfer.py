@@ -1,0 +1,192 @@
+"""``kvwire bench transfer``: raw NIXL WRITE between two processes against an in-process ``np.copyto``.
+
+P (this process) writes into D (a ``kvwire.bench.peer`` child) over real NIXL. The NIXL figure times
+``transfer()`` plus polling until DONE on a transfer prepared once and reposted (raw NIXL, no kvwire
+bookkeeping); the memcpy figure copies the same bytes (the same scatter for the scattered case) inside
+one process. Each figure is the median of ``--reps`` runs after one warm-up. D verifies every byte of
+each case after it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvwire.bench.common import bar_plot, envelope, gbps, median_seconds, print_table, write_json
+from kvwire.bench.peer import PeerProcess, pattern
+from kvwire.errors import TransferFailed
+from kvwire.transport import Desc, XferOp, make_agent_name, new_incarnation
+
+SEED = 3
+POLL_LIMIT_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    name: str
+    blocks: int
+    block: int
+    scattered: bool
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks * self.block
+
+
+FULL_CASES = (
+    Case("1MiB", 1, 1 << 20, False),
+    Case("16MiB", 1, 16 << 20, False),
+    Case("256MiB", 1, 256 << 20, False),
+    Case("4096x16KiB-scattered", 4096, 16 << 10, True),
+)
+# For smoke tests: the same shapes, small.
+SMALL_CASES = (
+    Case("64KiB", 1, 64 << 10, False),
+    Case("1MiB", 1, 1 << 20, False),
+    Case("256x4KiB-scattered", 256, 4 << 10, True),
+)
+
+
+def buffer_bytes(cases: Sequence[Case]) -> int:
+    """One buffer size for P's source and D's target that fits every case (a scatter spans 2x)."""
+    return max(c.nbytes * (2 if c.scattered else 1) for c in cases)
+
+
+@dataclass(slots=True)
+class Layout:
+    """Which blocks move for one case: indices into P's and D's buffers cut into ``case.block`` blocks."""
+
+    src_idx: np.ndarray
+    dst_idx: np.ndarray
+
+
+def layout(case: Case, dst_bytes: int, rng: np.random.Generator) -> Layout:
+    if not case.scattered:
+        return Layout(np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64))
+    n_dst = dst_bytes // case.block
+    return Layout(np.arange(case.blocks), rng.choice(n_dst, size=case.blocks, replace=False))
+
+
+class RawNixlWriter:
+    """Raw NIXL WRITEs from P into a peer process: one prepared transfer per case, reposted each run."""
+
+    def __init__(self, peer: PeerProcess, src: np.ndarray) -> None:
+        from kvwire.transport.nixl import NixlAgent
+
+        self.peer = peer
+        self.src = src
+        self.agent = NixlAgent(make_agent_name("bench-p", new_incarnation(), 0, 0))
+        self.agent.register(src)
+        self.agent.add_peer(peer.metadata)
+
+    def time_case(self, case: Case, lay: Layout, dst_bytes: int, reps: int) -> float:
+        a = self.agent
+        n_src, n_dst = self.src.nbytes // case.block, dst_bytes // case.block
+        local = a.prep_local([Desc(self.src.ctypes.data + i * case.block, case.block) for i in range(n_src)])
+        remote = a.prep_remote(
+            self.peer.name, [Desc(self.peer.addr + i * case.block, case.block) for i in range(n_dst)]
+        )
+        raw = a.raw_agent
+        xfer = raw.make_prepped_xfer(
+            XferOp.WRITE.value,
+            local.raw,
+            lay.src_idx.astype(np.int32),
+            remote.raw,
+            lay.dst_idx.astype(np.int32),
+            b"",
+        )
+
+        def once() -> None:
+            state = raw.transfer(xfer)
+            deadline = time.monotonic() + POLL_LIMIT_S
+            while state == "PROC" and time.monotonic() < deadline:
+                state = raw.check_xfer_state(xfer)
+            if state != "DONE":
+                raise TransferFailed(f"{case.name}: NIXL WRITE ended {state}")
+
+        try:
+            return median_seconds(once, reps)
+        finally:
+            raw.release_xfer_handle(xfer)
+            a.release_dlist(local)
+            a.release_dlist(remote)
+
+    def close(self) -> None:
+        self.agent.close()
+
+
+def time_memcpy(case: Case, lay: Layout, src: np.ndarray, dst: np.ndarray, reps: int) -> float:
+    if not case.scattered:
+        return median_seconds(lambda: np.copyto(dst[: case.nbytes], src[: case.nbytes]), reps)
+    src_blocks = src.reshape(-1, case.block)[: case.blocks]
+    dst_blocks = dst.reshape(-1, case.block)
+
+    def scatter() -> None:
+        dst_blocks[lay.dst_idx] = src_blocks[lay.src_idx]
+
+    return median_seconds(scatter, reps)
+
+
+def run_cases(cases: Sequence[Case], reps: int) -> list[dict[str, Any]]:
+    size = buffer_bytes(cases)
+    src = pattern(size, SEED)
+    local_dst = np.zeros(size, dtype=np.uint8)
+    rng = np.random.default_rng(SEED)
+    results = []
+    with PeerProcess(make_agent_name("bench-d", new_incarnation(), 0, 0), size) as peer:
+        writer = RawNixlWriter(peer, src)
+        try:
+            for case in cases:
+                lay = layout(case, size, rng)
+                peer.call(("zero",))
+                nixl_s = writer.time_case(case, lay, size, reps)
+                check = peer.verify(case.block, SEED, size, lay.src_idx.tolist(), lay.dst_idx.tolist())
+                if check["bad_blocks"] or check["dirty_untouched_blocks"]:
+                    raise TransferFailed(f"{case.name}: D found wrong bytes: {check}")
+                memcpy_s = time_memcpy(case, lay, src, local_dst, reps)
+                results.append(
+                    {
+                        "case": case.name,
+                        "bytes": case.nbytes,
+                        "nixl_gbps": gbps(case.nbytes, nixl_s),
+                        "memcpy_gbps": gbps(case.nbytes, memcpy_s),
+                        "nixl_ms": nixl_s * 1e3,
+                        "memcpy_ms": memcpy_s * 1e3,
+                        "reps": reps,
+                    }
+                )
+        finally:
+            writer.close()
+    return results
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--reps", type=int, default=7, help="timed runs per case (median reported)")
+    parser.add_argument("--small", action="store_true", help="tiny sizes, for smoke tests")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG bar plot")
+
+
+def run(args: argparse.Namespace) -> int:
+    cases = SMALL_CASES if args.small else FULL_CASES
+    results = run_cases(cases, args.reps)
+    rows = [
+        (r["case"], r["bytes"], r["nixl_ms"], r["nixl_gbps"], r["memcpy_ms"], r["memcpy_gbps"])
+        for r in results
+    ]
+    columns = ("case", "bytes", "NIXL ms", "NIXL GB/s", "memcpy ms", "memcpy GB/s")
+    print_table(f"transfer: raw NIXL WRITE (2 processes) vs np.copyto, median of {args.reps}", columns, rows)
+    if args.json:
+        write_json(args.json, envelope("transfer", results))
+    if args.plot:
+        series = {
+            "NIXL WRITE": [r["nixl_gbps"] for r in results],
+            "np.copyto": [r["memcpy_gbps"] for r in results],
+        }
+        bar_plot(args.plot, "transfer throughput", [r["case"] for r in results], series, "GB/s")
+    return 0

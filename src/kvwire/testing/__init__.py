@@ -1,0 +1,1 @@
+"""Test support shipped with kvwire: the transport conformance suite (``kvwire.testing.conformance``)."""

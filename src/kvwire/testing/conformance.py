@@ -1,0 +1,326 @@
+"""The transport conformance suite: every backend of ``kvwire.transport`` must pass it.
+
+Pytest-style tests parametrized by backend name; a test module runs them by importing them::
+
+    from kvwire.testing.conformance import conformance_pair, test_conformance_registration, ...
+
+For ``nixl`` both agents live in this one process (NIXL supports that); for ``inproc`` they share a fresh
+fabric. Waits are bounded loops that fail with a message, never assertions on time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvwire.errors import (
+    AgentClosed,
+    HandleReleased,
+    NotAddressable,
+    PeerNotFound,
+    RegistrationError,
+    TransportError,
+)
+from kvwire.transport.base import (
+    Agent,
+    Desc,
+    PeerMode,
+    XferHandle,
+    XferOp,
+    XferStatus,
+    array_desc,
+    make_agent_name,
+    new_incarnation,
+)
+from kvwire.transport.factory import create_agent
+
+BACKENDS = ("nixl", "inproc")
+WAIT_S = 10.0
+BLOCK = 4096
+
+__all__ = [
+    "BACKENDS",
+    "conformance_pair",
+    "test_conformance_attached_notif_after_data",
+    "test_conformance_close_idempotent",
+    "test_conformance_double_release",
+    "test_conformance_full_peer_write_read",
+    "test_conformance_metadata_round_trip",
+    "test_conformance_notif_only_peer",
+    "test_conformance_registration",
+    "test_conformance_remove_then_transfer_fails",
+    "test_conformance_scattered_indices",
+]
+
+
+def make_pair(backend: str) -> tuple[Agent, Agent]:
+    """Two fresh agents of ``backend`` that can reach each other (P-like ``a``, D-like ``b``)."""
+    incarnation = new_incarnation()
+    names = (make_agent_name("conf-a", incarnation, 0, 0), make_agent_name("conf-b", incarnation, 0, 0))
+    if backend == "inproc":
+        from kvwire.transport.inproc import InprocFabric
+
+        fabric = InprocFabric()
+        return create_agent(backend, names[0], fabric=fabric), create_agent(backend, names[1], fabric=fabric)
+    return create_agent(backend, names[0]), create_agent(backend, names[1])
+
+
+@pytest.fixture(params=BACKENDS)
+def conformance_pair(request: pytest.FixtureRequest) -> Iterator[tuple[Agent, Agent]]:
+    a, b = make_pair(str(request.param))
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+
+
+def wait_done(agent: Agent, handle: XferHandle, *others: Agent) -> XferStatus:
+    """Poll until the transfer leaves IN_PROGRESS (bounded); ``others`` are progressed meanwhile."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        state = agent.status(handle)
+        if state is not XferStatus.IN_PROGRESS:
+            return state
+        for other in others:
+            other.progress()
+        time.sleep(0.0005)
+    raise AssertionError(f"transfer still in progress after {WAIT_S} s")
+
+
+def wait_notifs(receiver: Agent, sender: Agent, count: int) -> list[bytes]:
+    """Collect ``count`` notifications from ``sender`` at ``receiver`` (bounded), progressing both."""
+    got: list[bytes] = []
+    deadline = time.monotonic() + WAIT_S
+    while len(got) < count and time.monotonic() < deadline:
+        sender.progress()
+        got.extend(receiver.drain_notifs().get(sender.name, []))
+        if len(got) < count:
+            time.sleep(0.0005)
+    assert len(got) >= count, f"got {len(got)} of {count} notifications"
+    return got
+
+
+def pattern(nbytes: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size=nbytes, dtype=np.uint8)
+
+
+def blocks(array: np.ndarray, block: int = BLOCK) -> list[Desc]:
+    base = array_desc(array)
+    return [Desc(base.addr + i * block, block) for i in range(base.length // block)]
+
+
+def connect_full(a: Agent, b: Agent) -> None:
+    assert a.add_peer(b.metadata()) == b.name
+
+
+def test_conformance_registration(conformance_pair: tuple[Agent, Agent]) -> None:
+    a, b = conformance_pair
+    buf = np.zeros(8 * BLOCK, dtype=np.uint8)
+    reg = a.register(buf)
+    assert (reg.addr, reg.length) == (buf.ctypes.data, buf.nbytes)
+    with pytest.raises(RegistrationError):
+        a.register(np.zeros((64, 64), dtype=np.uint8)[:, ::2])  # not contiguous
+    # Memory outside a registration cannot be transferred, locally or remotely.
+    dst = np.zeros(8 * BLOCK, dtype=np.uint8)
+    b.register(dst)
+    connect_full(a, b)
+    inside, outside = Desc(dst.ctypes.data, BLOCK), Desc(dst.ctypes.data + 7 * BLOCK + 1, BLOCK)
+    with pytest.raises(NotAddressable):
+        a.post(XferOp.WRITE, [Desc(buf.ctypes.data, BLOCK)], [outside], b.name)
+    stray = np.zeros(BLOCK, dtype=np.uint8)
+    with pytest.raises(NotAddressable):
+        a.post(XferOp.WRITE, [array_desc(stray)], [inside], b.name)
+    a.deregister(reg)
+    with pytest.raises(RegistrationError):
+        a.deregister(reg)
+
+
+def test_conformance_metadata_round_trip(conformance_pair: tuple[Agent, Agent]) -> None:
+    a, b = conformance_pair
+    b.register(np.zeros(BLOCK, dtype=np.uint8))
+    full, conn = b.metadata(), b.conn_metadata()
+    assert isinstance(full, bytes) and isinstance(conn, bytes) and full and conn
+    assert a.peer_mode(b.name) is None
+    assert a.add_peer(full) == b.name
+    assert a.peer_mode(b.name) is PeerMode.FULL
+    assert a.add_peer(full) == b.name  # loading the same metadata again is harmless
+    assert a.add_peer(conn) == b.name  # a full peer stays full for notif-only callers
+    assert a.peer_mode(b.name) is PeerMode.FULL
+    assert b.add_peer(a.conn_metadata()) == a.name
+    assert b.peer_mode(a.name) is PeerMode.NOTIF_ONLY
+    with pytest.raises(TransportError):
+        a.add_peer(b"not metadata at all")
+
+
+def test_conformance_notif_only_peer(conformance_pair: tuple[Agent, Agent]) -> None:
+    a, b = conformance_pair
+    src, dst = pattern(BLOCK, 1), np.zeros(BLOCK, dtype=np.uint8)
+    a.register(src)
+    b.register(dst)
+    assert a.add_peer(b.conn_metadata()) == b.name
+    assert a.peer_mode(b.name) is PeerMode.NOTIF_ONLY
+    a.send_notif(b.name, b"hello")
+    assert wait_notifs(b, a, 1) == [b"hello"]
+    with pytest.raises(NotAddressable):
+        a.post(XferOp.WRITE, [array_desc(src)], [array_desc(dst)], b.name)
+    with pytest.raises(NotAddressable):
+        a.prep_remote(b.name, [array_desc(dst)])
+    assert not dst.any()
+    # Loading the full metadata upgrades the entry in place.
+    a.add_peer(b.metadata())
+    assert a.peer_mode(b.name) is PeerMode.FULL
+    handle = a.post(XferOp.WRITE, [array_desc(src)], [array_desc(dst)], b.name)
+    assert wait_done(a, handle, b) is XferStatus.DONE
+    a.release(handle)
+    assert np.array_equal(dst, src)
+
+
+def test_conformance_full_peer_write_read(conformance_pair: tuple[Agent, Agent]) -> None:
+    a, b = conformance_pair
+    nbytes = 1 << 20
+    src, remote = pattern(nbytes, 2), pattern(nbytes, 3)
+    expected_remote = remote.copy()
+    a.register(src)
+    b.register(remote)
+    connect_full(a, b)
+    # READ first: pulls b's bytes into a.
+    read = a.post(XferOp.READ, [array_desc(src)], [array_desc(remote)], b.name)
+    assert read.nbytes == nbytes
+    assert wait_done(a, read, b) is XferStatus.DONE
+    assert np.array_equal(src, expected_remote)
+    a.release(read)
+    # WRITE through prepared lists: b receives a's new bytes.
+    src[:] = pattern(nbytes, 4)
+    local, far = a.prep_local(blocks(src)), a.prep_remote(b.name, blocks(remote))
+    n = nbytes // BLOCK
+    write = a.post_prepped(XferOp.WRITE, local, range(n), far, range(n))
+    assert wait_done(a, write, b) is XferStatus.DONE
+    assert np.array_equal(remote, src)
+    a.release(write)
+    a.release_dlist(local)
+    a.release_dlist(far)
+
+
+def test_conformance_scattered_indices(conformance_pair: tuple[Agent, Agent]) -> None:
+    a, b = conformance_pair
+    n_src, n_dst, n = 64, 128, 48
+    src, dst = pattern(n_src * BLOCK, 5), np.zeros(n_dst * BLOCK, dtype=np.uint8)
+    a.register(src)
+    b.register(dst)
+    connect_full(a, b)
+    rng = np.random.default_rng(6)
+    src_idx = rng.choice(n_src, size=n, replace=False)
+    dst_idx = rng.choice(n_dst, size=n, replace=False)
+    local, far = a.prep_local(blocks(src)), a.prep_remote(b.name, blocks(dst))
+    handle = a.post_prepped(XferOp.WRITE, local, src_idx.tolist(), far, dst_idx.tolist())
+    assert handle.nbytes == n * BLOCK
+    assert wait_done(a, handle, b) is XferStatus.DONE
+    got, want = dst.reshape(n_dst, BLOCK), src.reshape(n_src, BLOCK)
+    assert np.array_equal(got[dst_idx], want[src_idx])
+    untouched = np.setdiff1d(np.arange(n_dst), dst_idx)
+    assert not got[untouched].any()
+    # The same with unprepared descriptor lists.
+    dst[:] = 0
+    handle2 = a.post(
+        XferOp.WRITE, [blocks(src)[i] for i in src_idx], [blocks(dst)[i] for i in dst_idx], b.name
+    )
+    assert wait_done(a, handle2, b) is XferStatus.DONE
+    assert np.array_equal(got[dst_idx], want[src_idx])
+    assert not got[untouched].any()
+    for h in (handle, handle2):
+        a.release(h)
+
+
+def test_conformance_attached_notif_after_data(conformance_pair: tuple[Agent, Agent]) -> None:
+    a, b = conformance_pair
+    nbytes = 8 << 20
+    src, dst = pattern(nbytes, 7), np.zeros(nbytes, dtype=np.uint8)
+    a.register(src)
+    b.register(dst)
+    connect_full(a, b)
+    b.add_peer(a.conn_metadata())
+    handle = a.post(XferOp.WRITE, [array_desc(src)], [array_desc(dst)], b.name, notif=b"xfer-1 done")
+    # Look at the bytes the moment the notification shows up, before the initiator's status says DONE.
+    deadline = time.monotonic() + WAIT_S
+    got: list[bytes] = []
+    while not got and time.monotonic() < deadline:
+        a.progress()
+        got = b.drain_notifs().get(a.name, [])
+    assert got == [b"xfer-1 done"]
+    assert np.array_equal(dst, src)
+    assert wait_done(a, handle) is XferStatus.DONE
+    a.release(handle)
+
+
+def test_conformance_remove_then_transfer_fails(conformance_pair: tuple[Agent, Agent]) -> None:
+    a, b = conformance_pair
+    src, dst = pattern(BLOCK, 8), np.zeros(BLOCK, dtype=np.uint8)
+    a.register(src)
+    b.register(dst)
+    connect_full(a, b)
+    far = a.prep_remote(b.name, [array_desc(dst)])
+    local = a.prep_local([array_desc(src)])
+    a.remove_peer(b.name)
+    assert a.peer_mode(b.name) is None
+    with pytest.raises(PeerNotFound):
+        a.post(XferOp.WRITE, [array_desc(src)], [array_desc(dst)], b.name)
+    with pytest.raises(PeerNotFound):
+        a.post_prepped(XferOp.WRITE, local, [0], far, [0])
+    with pytest.raises(PeerNotFound):
+        a.send_notif(b.name, b"anyone?")
+    with pytest.raises(PeerNotFound):
+        a.remove_peer(b.name)
+    # A list prepared before the removal stays refused after the peer is loaded again.
+    connect_full(a, b)
+    with pytest.raises(PeerNotFound):
+        a.post_prepped(XferOp.WRITE, local, [0], far, [0])
+    a.release_dlist(far)
+    fresh = a.prep_remote(b.name, [array_desc(dst)])
+    handle = a.post_prepped(XferOp.WRITE, local, [0], fresh, [0])
+    assert wait_done(a, handle, b) is XferStatus.DONE
+    assert np.array_equal(dst, src)
+    a.release(handle)
+    assert not dst.any() or np.array_equal(dst, src)
+
+
+def test_conformance_double_release(conformance_pair: tuple[Agent, Agent]) -> None:
+    a, b = conformance_pair
+    src, dst = pattern(BLOCK, 9), np.zeros(BLOCK, dtype=np.uint8)
+    a.register(src)
+    b.register(dst)
+    connect_full(a, b)
+    local, far = a.prep_local([array_desc(src)]), a.prep_remote(b.name, [array_desc(dst)])
+    handle = a.post_prepped(XferOp.WRITE, local, [0], far, [0])
+    assert wait_done(a, handle, b) is XferStatus.DONE
+    a.release(handle)
+    a.release(handle)
+    with pytest.raises(HandleReleased):
+        a.status(handle)
+    a.release_dlist(far)
+    a.release_dlist(far)
+    with pytest.raises(HandleReleased):
+        a.post_prepped(XferOp.WRITE, local, [0], far, [0])
+    a.release_dlist(local)
+
+
+def test_conformance_close_idempotent(conformance_pair: tuple[Agent, Agent]) -> None:
+    a, b = conformance_pair
+    src, dst = pattern(BLOCK, 10), np.zeros(BLOCK, dtype=np.uint8)
+    a.register(src)
+    b.register(dst)
+    connect_full(a, b)
+    handle = a.post(XferOp.WRITE, [array_desc(src)], [array_desc(dst)], b.name)
+    wait_done(a, handle, b)
+    a.close()
+    a.close()
+    a.release(handle)  # still safe after close
+    with pytest.raises(AgentClosed):
+        a.send_notif(b.name, b"x")
+    with pytest.raises(AgentClosed):
+        a.register(np.zeros(BLOCK, dtype=np.uint8))
+    with pytest.raises(AgentClosed):
+        a.metadata()

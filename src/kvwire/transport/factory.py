@@ -1,0 +1,50 @@
+"""Create an agent of a chosen backend."""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING
+
+from kvwire.errors import ConfigError
+from kvwire.transport.base import Agent
+
+if TYPE_CHECKING:
+    from kvwire.transport.inproc import InprocFabric, InprocFaults
+
+
+class Backend(enum.Enum):
+    NIXL = "nixl"
+    INPROC = "inproc"
+
+
+_default_fabric: InprocFabric | None = None
+
+
+def default_fabric() -> InprocFabric:
+    """The process-wide fabric used when ``create_agent("inproc", ...)`` is given none."""
+    global _default_fabric
+    if _default_fabric is None:
+        from kvwire.transport.inproc import InprocFabric
+
+        _default_fabric = InprocFabric()
+    return _default_fabric
+
+
+def create_agent(
+    backend: str | Backend,
+    name: str,
+    *,
+    fabric: InprocFabric | None = None,
+    faults: InprocFaults | None = None,
+) -> Agent:
+    """An agent named ``name`` (see ``make_agent_name``). ``fabric``/``faults`` apply to ``inproc`` only."""
+    try:
+        chosen = Backend(backend)
+    except ValueError as exc:
+        raise ConfigError(f"unknown transport backend {backend!r}; known: nixl, inproc") from exc
+    if chosen is Backend.NIXL:
+        # Imported here so that the inproc backend works where NIXL is not installed.
+        from kvwire.transport.nixl import NixlAgent
+
+        return NixlAgent(name)
+    return (fabric or default_fabric()).create_agent(name, faults)

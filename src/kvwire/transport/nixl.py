@@ -1,0 +1,395 @@
+"""The real NIXL backend: ``kvwire.transport.base.Agent`` over ``nixl._api.nixl_agent``.
+
+NIXL's exceptions are translated here and nowhere else. Three facts shape this module
+(see shared/reference/nixl-faults.md):
+
+* NIXL *raises* on a dead peer (``transfer``, ``check_xfer_state``, ``send_notif``) rather than returning
+  "ERR"; both mean FAILED.
+* With the progress thread off, notifications (attached or not) leave only when the owner makes a progress
+  call, so ``progress()`` pulls notifications into a local inbox that ``drain_notifs()`` empties.
+* A released NIXL handle answers meaningless states, so released handles are refused here.
+
+Metadata is wrapped in a 6-byte header saying whether it is full or connection-only, because NIXL's own
+blob does not tell a loader which one it got, and the peer mode must be known before any transfer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvwire.errors import (
+    AgentClosed,
+    HandleReleased,
+    NotAddressable,
+    PeerDisconnected,
+    PeerNotFound,
+    RegistrationError,
+    TransferFailed,
+    TransportError,
+)
+from kvwire.transport.base import (
+    Agent,
+    Desc,
+    DescListHandle,
+    MemKind,
+    PeerMode,
+    Registration,
+    XferHandle,
+    XferOp,
+    XferStatus,
+    array_desc,
+)
+
+_MAGIC = b"KVWN\x01"
+_FULL = b"F"
+_CONN = b"C"
+_LOCAL = "NIXL_INIT_AGENT"
+
+
+def wrap_metadata(raw: bytes, mode: PeerMode) -> bytes:
+    return _MAGIC + (_FULL if mode is PeerMode.FULL else _CONN) + raw
+
+
+def unwrap_metadata(metadata: bytes) -> tuple[bytes, PeerMode]:
+    """Split kvwire's header off; bare NIXL metadata (no header) is taken as full."""
+    if metadata.startswith(_MAGIC) and len(metadata) > len(_MAGIC):
+        tag = metadata[len(_MAGIC) : len(_MAGIC) + 1]
+        mode = PeerMode.FULL if tag == _FULL else PeerMode.NOTIF_ONLY
+        return metadata[len(_MAGIC) + 1 :], mode
+    return metadata, PeerMode.FULL
+
+
+def _nixl() -> tuple[Any, Any, Any]:
+    # UCX's ib modules make every process that created an agent segfault at exit on hosts with Debian's
+    # ibverbs-providers (nixl-on-cpu.md); UCX reads this when the first agent is created.
+    os.environ.setdefault("UCX_MODULES", "^ib*")
+    import nixl._api as api
+    import nixl._bindings as bindings
+
+    return api.nixl_agent, api.nixl_agent_config, bindings
+
+
+def _translate(exc: Exception, what: str, bindings: Any) -> TransportError:
+    if isinstance(exc, bindings.nixlRemoteDisconnectError):
+        return PeerDisconnected(f"{what}: peer disconnected ({exc})")
+    if isinstance(exc, bindings.nixlNotFoundError):
+        return NotAddressable(f"{what}: NIXL_ERR_NOT_FOUND ({exc})")
+    return TransferFailed(f"{what}: {type(exc).__name__} ({exc})")
+
+
+@dataclass(slots=True)
+class _Peer:
+    mode: PeerMode
+    epoch: int
+
+
+def _desc_array(descs: Sequence[Desc]) -> np.ndarray:
+    out = np.empty((len(descs), 3), dtype=np.uint64)
+    for i, d in enumerate(descs):
+        out[i] = (d.addr, d.length, d.device_id)
+    return out
+
+
+def _indices(idx: Sequence[int], size: int, side: str) -> np.ndarray:
+    arr = np.asarray(idx, dtype=np.int32)
+    if arr.ndim != 1:
+        raise TransferFailed(f"{side} indices must be one-dimensional")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= size):
+        raise TransferFailed(f"{side} index out of range for a list of {size}")
+    return arr
+
+
+class NixlAgent(Agent):
+    """One NIXL agent with the UCX backend and the progress thread off."""
+
+    def __init__(self, name: str, backends: Sequence[str] = ("UCX",)) -> None:
+        nixl_agent, nixl_agent_config, self._b = _nixl()
+        self.name = name
+        self._backends = list(backends)
+        try:
+            config = nixl_agent_config(enable_prog_thread=False, backends=self._backends)
+            self._agent: Any = nixl_agent(name, config)
+        except Exception as exc:
+            raise TransportError(f"cannot create NIXL agent {name}: {exc}") from exc
+        self._regs: dict[int, tuple[Registration, Any, np.ndarray]] = {}
+        self._tokens = itertools.count(1)
+        self._epochs = itertools.count(1)
+        self._peers: dict[str, _Peer] = {}
+        self._dlists: list[DescListHandle] = []
+        self._xfers: list[XferHandle] = []
+        self._inbox: dict[str, list[bytes]] = {}
+        self._closed = False
+
+    @property
+    def raw_agent(self) -> Any:
+        """The underlying ``nixl_agent`` (benchmarks time raw NIXL calls through it)."""
+        self._check_open()
+        return self._agent
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise AgentClosed(f"agent {self.name} is closed")
+
+    @contextmanager
+    def _boundary(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except TransportError:
+            raise
+        except Exception as exc:
+            raise _translate(exc, what, self._b) from exc
+
+    # -- memory --------------------------------------------------------------------------------------
+    def register(self, array: np.ndarray, kind: MemKind = MemKind.DRAM) -> Registration:
+        self._check_open()
+        try:
+            desc = array_desc(array)
+        except ValueError as exc:
+            raise RegistrationError(str(exc)) from exc
+        if desc.length == 0:
+            raise RegistrationError("cannot register an empty buffer")
+        try:
+            raw = self._agent.register_memory(_desc_array([desc]), kind.value)
+        except Exception as exc:
+            raise RegistrationError(f"register {desc.length} B failed: {exc}") from exc
+        reg = Registration(desc.addr, desc.length, kind, desc.device_id, next(self._tokens))
+        self._regs[reg.token] = (reg, raw, array)
+        return reg
+
+    def deregister(self, reg: Registration) -> None:
+        self._check_open()
+        entry = self._regs.pop(reg.token, None)
+        if entry is None:
+            raise RegistrationError(f"not registered here: {reg}")
+        try:
+            self._agent.deregister_memory(entry[1])
+        except Exception as exc:
+            raise RegistrationError(f"deregister failed: {exc}") from exc
+
+    # -- metadata and peers --------------------------------------------------------------------------
+    def metadata(self) -> bytes:
+        self._check_open()
+        with self._boundary("metadata"):
+            return wrap_metadata(bytes(self._agent.get_agent_metadata()), PeerMode.FULL)
+
+    def conn_metadata(self) -> bytes:
+        self._check_open()
+        with self._boundary("conn_metadata"):
+            empty = self._b.nixlRegDList(self._b.DRAM_SEG)
+            raw = self._agent.get_partial_agent_metadata(empty, True, self._backends)
+        return wrap_metadata(bytes(raw), PeerMode.NOTIF_ONLY)
+
+    def add_peer(self, metadata: bytes) -> str:
+        self._check_open()
+        raw, mode = unwrap_metadata(metadata)
+        try:
+            loaded = self._agent.add_remote_agent(raw)
+        except Exception as exc:
+            raise TransportError(f"cannot load remote agent metadata: {type(exc).__name__} {exc}") from exc
+        name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        current = self._peers.get(name)
+        if current is None:
+            self._peers[name] = _Peer(mode, next(self._epochs))
+        elif mode is PeerMode.FULL:
+            # NIXL accepts the full metadata over a notif-only entry (checked on 1.5.1): upgrade in place.
+            current.mode = PeerMode.FULL
+        # Connection-only metadata over a full entry leaves it full: it serves notif-only callers as is.
+        return name
+
+    def remove_peer(self, peer: str) -> None:
+        self._check_open()
+        if self._peers.pop(peer, None) is None:
+            raise PeerNotFound(f"peer {peer} is not loaded")
+        with self._boundary(f"remove {peer}"):
+            self._agent.remove_remote_agent(peer)
+
+    def peer_mode(self, peer: str) -> PeerMode | None:
+        entry = self._peers.get(peer)
+        return None if entry is None else entry.mode
+
+    def _full_peer(self, peer: str) -> _Peer:
+        entry = self._peers.get(peer)
+        if entry is None:
+            raise PeerNotFound(f"peer {peer} is not loaded")
+        if entry.mode is not PeerMode.FULL:
+            raise NotAddressable(f"peer {peer} is loaded notif-only: its memory is not addressable")
+        return entry
+
+    # -- descriptor lists ----------------------------------------------------------------------------
+    def prep_local(self, descs: Sequence[Desc], kind: MemKind = MemKind.DRAM) -> DescListHandle:
+        self._check_open()
+        with self._boundary("prep_local"):
+            raw = self._agent.prep_xfer_dlist(_LOCAL, _desc_array(descs), kind.value)
+        handle = DescListHandle(None, tuple(descs), raw, kind=kind)
+        self._dlists.append(handle)
+        return handle
+
+    def prep_remote(self, peer: str, descs: Sequence[Desc], kind: MemKind = MemKind.DRAM) -> DescListHandle:
+        self._check_open()
+        entry = self._full_peer(peer)
+        with self._boundary(f"prep_remote {peer}"):
+            raw = self._agent.prep_xfer_dlist(peer, _desc_array(descs), kind.value)
+        handle = DescListHandle(peer, tuple(descs), raw, kind=kind, epoch=entry.epoch)
+        self._dlists.append(handle)
+        return handle
+
+    def release_dlist(self, handle: DescListHandle) -> None:
+        if handle.released:
+            return
+        handle.released = True
+        if handle in self._dlists:
+            self._dlists.remove(handle)
+        if not self._closed and handle.raw is not None:
+            with self._boundary("release_dlist"):
+                self._agent.release_dlist_handle(handle.raw)
+
+    # -- transfers -----------------------------------------------------------------------------------
+    def post_prepped(
+        self,
+        op: XferOp,
+        local: DescListHandle,
+        local_idx: Sequence[int],
+        remote: DescListHandle,
+        remote_idx: Sequence[int],
+        notif: bytes | None = None,
+    ) -> XferHandle:
+        self._check_open()
+        if local.released or remote.released:
+            raise HandleReleased("descriptor list used after release")
+        if local.peer is not None or remote.peer is None:
+            raise TransferFailed("post_prepped takes a local list and a remote list, in that order")
+        entry = self._full_peer(remote.peer)
+        if remote.epoch != entry.epoch:
+            raise PeerNotFound(f"remote list was prepared for an earlier load of {remote.peer}")
+        lidx = _indices(local_idx, len(local.descs), "local")
+        ridx = _indices(remote_idx, len(remote.descs), "remote")
+        if lidx.size != ridx.size or lidx.size == 0:
+            raise TransferFailed(f"{lidx.size} local indices and {ridx.size} remote ones")
+        nbytes = sum(local.descs[i].length for i in lidx.tolist())
+        with self._boundary(f"{op.value} to {remote.peer}"):
+            raw = self._agent.make_prepped_xfer(op.value, local.raw, lidx, remote.raw, ridx, notif or b"")
+        return self._start(XferHandle(op, remote.peer, nbytes, raw))
+
+    def post(
+        self,
+        op: XferOp,
+        local: Sequence[Desc],
+        remote: Sequence[Desc],
+        peer: str,
+        notif: bytes | None = None,
+        kind: MemKind = MemKind.DRAM,
+    ) -> XferHandle:
+        self._check_open()
+        self._full_peer(peer)
+        if len(local) != len(remote):
+            raise TransferFailed(f"{len(local)} local descriptors but {len(remote)} remote ones")
+        if not local:
+            raise TransferFailed("a transfer needs at least one descriptor")
+        with self._boundary(f"{op.value} to {peer}"):
+            ldescs = self._agent.get_xfer_descs(_desc_array(local), kind.value)
+            rdescs = self._agent.get_xfer_descs(_desc_array(remote), kind.value)
+            raw = self._agent.initialize_xfer(op.value, ldescs, rdescs, peer, notif or b"")
+        return self._start(XferHandle(op, peer, sum(d.length for d in local), raw))
+
+    def _start(self, handle: XferHandle) -> XferHandle:
+        try:
+            state = self._agent.transfer(handle.raw)
+        except Exception as exc:
+            self._drop_raw(handle)
+            raise _translate(exc, f"{handle.op.value} to {handle.peer}", self._b) from exc
+        if state == "ERR":
+            self._drop_raw(handle)
+            raise TransferFailed(f"{handle.op.value} to {handle.peer}: NIXL could not post it")
+        handle.state = XferStatus.DONE if state == "DONE" else XferStatus.IN_PROGRESS
+        self._xfers.append(handle)
+        return handle
+
+    def status(self, handle: XferHandle) -> XferStatus:
+        if handle.released:
+            raise HandleReleased(f"{handle.op.value} to {handle.peer} was released")
+        self._check_open()
+        if handle.state is not XferStatus.IN_PROGRESS:
+            return handle.state
+        try:
+            state = self._agent.check_xfer_state(handle.raw)
+        except Exception as exc:  # NIXL raises on a dead peer instead of answering "ERR"
+            handle.state = XferStatus.FAILED
+            handle.failed_reason = f"{type(exc).__name__}: {exc}"
+            return handle.state
+        if state == "DONE":
+            handle.state = XferStatus.DONE
+        elif state == "ERR":
+            handle.state = XferStatus.FAILED
+            handle.failed_reason = "NIXL reported ERR"
+        return handle.state
+
+    def release(self, handle: XferHandle) -> None:
+        if handle.released:
+            return
+        handle.released = True
+        if handle in self._xfers:
+            self._xfers.remove(handle)
+        if not self._closed:
+            self._drop_raw(handle)
+
+    def _drop_raw(self, handle: XferHandle) -> None:
+        # Releasing an in-flight handle cancels it; if NIXL refuses, its own finaliser retries at exit.
+        try:
+            self._agent.release_xfer_handle(handle.raw)
+        except Exception as exc:
+            handle.failed_reason = handle.failed_reason or f"release failed: {exc}"
+
+    # -- notifications -------------------------------------------------------------------------------
+    def send_notif(self, peer: str, msg: bytes) -> None:
+        self._check_open()
+        if peer not in self._peers:
+            raise PeerNotFound(f"peer {peer} is not loaded")
+        try:
+            self._agent.send_notif(peer, msg)
+        except Exception as exc:
+            if isinstance(exc, self._b.nixlNotFoundError):
+                raise PeerNotFound(f"send_notif to {peer}: {exc}") from exc
+            raise _translate(exc, f"send_notif to {peer}", self._b) from exc
+
+    def progress(self) -> None:
+        self._check_open()
+        # The UCX backend sends a WRITE's attached notification from the status check that sees the
+        # data complete, so transfers in flight are polled here too.
+        for handle in self._xfers:
+            if handle.state is XferStatus.IN_PROGRESS:
+                self.status(handle)
+        with self._boundary("progress"):
+            new: dict[str, list[bytes]] = self._agent.get_new_notifs()
+        for sender, msgs in new.items():
+            self._inbox.setdefault(str(sender), []).extend(bytes(m) for m in msgs)
+
+    def drain_notifs(self) -> dict[str, list[bytes]]:
+        self.progress()
+        out, self._inbox = self._inbox, {}
+        return out
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        for xfer in list(self._xfers):
+            self.release(xfer)
+        # Best effort: close must finish even when a peer is already gone.
+        for dlist in list(self._dlists):
+            with suppress(TransportError):
+                self.release_dlist(dlist)
+        for peer in list(self._peers):
+            with suppress(TransportError):
+                self.remove_peer(peer)
+        for token in list(self._regs):
+            with suppress(TransportError):
+                self.deregister(self._regs[token][0])
+        self._closed = True
+        self._agent = None

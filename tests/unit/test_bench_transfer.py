@@ -1,0 +1,21 @@
+"""Smoke test of ``kvwire bench transfer`` at tiny sizes: it runs over real NIXL and writes the JSON shape."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvwire.cli import main
+
+
+def test_bench_transfer_small_json_shape(tmp_path: Path) -> None:
+    out, plot = tmp_path / "transfer.json", tmp_path / "transfer.png"
+    assert main(["bench", "transfer", "--small", "--reps", "2", "--json", str(out), "--plot", str(plot)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["suite"] == "transfer"
+    assert set(doc["machine"]) >= {"cpus", "python", "nixl"}
+    assert [c["case"] for c in doc["cases"]] == ["64KiB", "1MiB", "256x4KiB-scattered"]
+    for case in doc["cases"]:
+        assert set(case) >= {"case", "bytes", "nixl_gbps", "memcpy_gbps"}
+        assert case["bytes"] > 0 and case["nixl_gbps"] > 0 and case["memcpy_gbps"] > 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
