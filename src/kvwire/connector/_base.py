@@ -1,0 +1,302 @@
+"""What the producer and the consumer share: the background loop, the notification pump, handshakes.
+
+Threading. Every call on an agent, on a handshake manager and on the connector's request state happens
+on ONE thread: the background asyncio loop's. The engine's call sites (``request_finished``,
+``request_allocated``, ``abort``) only schedule work there (``call_soon_threadsafe``) and return at once;
+``poll`` only pops events from a queue. So the engine thread never waits on the network, and neither the
+agents (NIXL's Python layer is not thread-safe) nor the state need locks.
+
+The loop runs a ticker: progress every agent, drain and dispatch its notifications, poll posted transfers,
+and every few milliseconds check the timers (fences, leases, liveness, heartbeats, idle peers). It ticks
+every ``poll_interval_s`` while transfers are live and every ``idle_poll_interval_s`` otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+from kvwire.connector.config import ConnectorConfig
+from kvwire.connector.events import ConnectorStats
+from kvwire.errors import ConfigError, KvwireError, ProtocolError, TransportError
+from kvwire.handshake.loop import BackgroundLoop
+from kvwire.handshake.manager import HandshakeManager
+from kvwire.handshake.server import SideChannelServer
+from kvwire.handshake.types import EngineInfo, LocalRank, PeerRank
+from kvwire.protocol.codec import decode_notif, encode_notif
+from kvwire.protocol.messages import Notification
+from kvwire.transport.base import PeerMode, Registration
+
+log = logging.getLogger("kvwire.connector")
+
+RankKey = tuple[int, int]  # (pp_rank, tp_rank) of a local rank
+E = TypeVar("E")
+
+_TIMER_PERIOD_S = 0.005
+_START_TIMEOUT_S = 10.0
+
+
+def sender_matches(sender: str, engine_id: str, incarnation: str) -> bool:
+    """Whether a NIXL sender name belongs to the engine life a message claims (``make_agent_name``)."""
+    return sender.startswith(f"{engine_id}/{incarnation}/")
+
+
+class ConnectorBase(Generic[E]):
+    """Owns the loop thread, the side-channel server, one handshake manager per local rank."""
+
+    role = "connector"
+
+    def __init__(
+        self,
+        engine: EngineInfo,
+        ranks: Sequence[LocalRank],
+        config: ConnectorConfig | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        secret: bytes | None = None,
+        loop: BackgroundLoop | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = engine
+        self.config = config or ConnectorConfig()
+        if self.config.mode is not engine.transfer_mode:
+            raise ConfigError(
+                f"config mode {self.config.mode.value} != engine's {engine.transfer_mode.value}"
+            )
+        self.ranks: dict[RankKey, LocalRank] = {(r.pp_rank, r.tp_rank): r for r in ranks}
+        if not ranks or len(self.ranks) != len(ranks):
+            raise ConfigError("a connector needs at least one local rank, each (pp, tp) once")
+        self.host = host
+        self._port = port
+        self._secret = secret
+        self._clock = clock
+        self._own_loop = loop is None
+        self._bg = loop
+        self._server: SideChannelServer | None = None
+        self.managers: dict[RankKey, HandshakeManager] = {}
+        self._regs: list[tuple[LocalRank, Registration]] = []
+        self._events: collections.deque[E] = collections.deque()
+        self._ticker: concurrent.futures.Future[None] | None = None
+        self._tasks: set[asyncio.Future[Any]] = set()
+        self._next_timers = 0.0
+        self._broken: set[RankKey] = set()
+        self._started = False
+        self._closed = False
+        self.stats = ConnectorStats()
+        self._setup()
+
+    def _setup(self) -> None:
+        """Subclasses create their request table here."""
+
+    # -- lifecycle (engine thread) ---------------------------------------------------------------------
+    def start(self) -> int:
+        """Register every local cache, start the side channel and the ticker; returns the bound port."""
+        if self._started:
+            return self._port
+        for rank in self.ranks.values():
+            self._regs.append((rank, rank.agent.register(rank.cache.slab)))
+        if self._bg is None:
+            self._bg = BackgroundLoop(name=f"kvwire-{self.role}")
+        self._server = SideChannelServer(
+            self.engine, list(self.ranks.values()), self.host, self._port, self._secret
+        )
+        self._port = self._bg.run(self._server.start(), _START_TIMEOUT_S)
+        cfg = self.config
+        self.managers = {
+            key: HandshakeManager(
+                self.engine,
+                rank,
+                timeout_s=cfg.handshake_timeout_s,
+                retries=cfg.handshake_retries,
+                secret=self._secret,
+            )
+            for key, rank in self.ranks.items()
+        }
+        self._ticker = self._bg.submit(self._run())
+        self._started = True
+        return self._port
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    def poll(self) -> list[E]:
+        """Events since the last call (thread-safe, never blocks)."""
+        out: list[E] = []
+        pop = self._events.popleft
+        while self._events:
+            out.append(pop())
+        return out
+
+    def close(self) -> None:
+        """Tell peers what ends here, stop the ticker and the side channel, unload peers; idempotent."""
+        if self._closed or not self._started or self._bg is None:
+            self._closed = True
+            return
+        self._closed = True
+        bg = self._bg
+        with contextlib.suppress(Exception):
+            bg.run(self._shutdown(), _START_TIMEOUT_S)
+        if self._own_loop:
+            bg.close()
+        for rank, reg in self._regs:
+            with contextlib.suppress(TransportError):
+                rank.agent.deregister(reg)
+        self._regs.clear()
+
+    async def _shutdown(self) -> None:
+        self._on_shutdown()
+        if self._ticker is not None:
+            self._ticker.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        for mgr in self.managers.values():
+            with contextlib.suppress(Exception):
+                await mgr.close()
+        if self._server is not None:
+            await self._server.close()
+
+    def __enter__(self) -> ConnectorBase[E]:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- hand-off from the engine thread ---------------------------------------------------------------
+    def _call(self, fn: Callable[..., None], *args: Any) -> None:
+        if not self._started or self._closed or self._bg is None:
+            raise ConfigError(f"the {self.role} is not running (call start() first)")
+        self._bg.loop.call_soon_threadsafe(self._guarded, fn, args)
+
+    def _guarded(self, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+        # A bug in one handler must not stop the loop that every other request depends on.
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("%s: %s failed", self.role, getattr(fn, "__name__", fn))
+
+    def _emit(self, event: E) -> None:
+        self._events.append(event)
+
+    # -- the ticker (loop thread) ----------------------------------------------------------------------
+    async def _run(self) -> None:
+        cfg = self.config
+        while True:
+            now = self._clock()
+            self._guarded(self._tick, (now,))
+            await asyncio.sleep(cfg.poll_interval_s if self._busy() else cfg.idle_poll_interval_s)
+
+    def _tick(self, now: float) -> None:
+        for key, rank in self.ranks.items():
+            try:
+                inbox = rank.agent.drain_notifs()
+            except TransportError as exc:
+                # Once per rank: a closed or dead agent would otherwise log at every tick.
+                if key not in self._broken:
+                    self._broken.add(key)
+                    log.warning(
+                        "%s: draining notifications of %s failed: %s", self.role, rank.agent.name, exc
+                    )
+                continue
+            for sender, msgs in inbox.items():
+                for raw in msgs:
+                    self._receive(key, sender, raw, now)
+        self._poll_transfers(now)
+        if now >= self._next_timers:
+            self._next_timers = now + _TIMER_PERIOD_S
+            self._timers(now)
+
+    def _receive(self, key: RankKey, sender: str, raw: bytes, now: float) -> None:
+        try:
+            msg = decode_notif(raw)
+        except ProtocolError as exc:
+            self._drop("malformed", f"from {sender}: {exc}")
+            return
+        if not sender_matches(sender, msg.engine_id, msg.incarnation):
+            self._drop(
+                "wrong_sender",
+                f"{type(msg).__name__} claims {msg.engine_id}/{msg.incarnation}, sent by {sender}",
+            )
+            return
+        self._on_notif(key, sender, msg, now)
+
+    def _drop(self, why: str, detail: str) -> None:
+        self.stats.dropped_notifs[why] += 1
+        log.debug("%s: dropped notification (%s): %s", self.role, why, detail)
+
+    def _send(self, key: RankKey, peer: str, msg: Notification) -> bool:
+        """Send one notification; False (logged) when the transport refuses."""
+        try:
+            self.ranks[key].agent.send_notif(peer, encode_notif(msg))
+        except TransportError as exc:
+            log.debug("%s: %s to %s not sent: %s", self.role, type(msg).__name__, peer, exc)
+            return False
+        return True
+
+    def _handshake(
+        self,
+        key: RankKey,
+        host: str,
+        port: int,
+        remote: RankKey,
+        mode: PeerMode,
+        done: Callable[[PeerRank | None, BaseException | None], None],
+        engine_id: str | None = None,
+    ) -> None:
+        """Start ``ensure`` on the loop; ``done(peer, error)`` runs on the loop when it ends."""
+        self.stats.handshakes_started += 1
+        coro = self.managers[key].ensure(host, port, remote[0], remote[1], mode, engine_id=engine_id)
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+
+        def finished(t: asyncio.Future[PeerRank]) -> None:
+            self._tasks.discard(t)
+            if t.cancelled():
+                return
+            exc = t.exception()
+            if exc is not None and not isinstance(exc, KvwireError):
+                log.error("%s: handshake with %s:%d raised %r", self.role, host, port, exc)
+            if exc is not None:
+                self.stats.handshakes_failed += 1
+            self._guarded(done, (None if exc is not None else t.result(), exc))
+
+        task.add_done_callback(finished)
+
+    def _forget_peer(self, engine_id: str) -> None:
+        for mgr in self.managers.values():
+            mgr.forget(engine_id)
+
+    def _touch_peer(self, engine_id: str) -> None:
+        now = time.monotonic()  # the managers' scale, whatever clock the connector's timers use
+        for mgr in self.managers.values():
+            mgr.touch(engine_id, now)
+
+    def _reap(self) -> None:
+        # The managers keep time.monotonic(), whatever clock the connector's timers use.
+        now = time.monotonic()
+        for mgr in self.managers.values():
+            mgr.reap_idle(now, self.config.engine_ttl_s)
+
+    # -- hooks -----------------------------------------------------------------------------------------
+    def _busy(self) -> bool:
+        return False
+
+    def _on_notif(self, key: RankKey, sender: str, msg: Notification, now: float) -> None:
+        raise NotImplementedError
+
+    def _poll_transfers(self, now: float) -> None:
+        pass
+
+    def _timers(self, now: float) -> None:
+        pass
+
+    def _on_shutdown(self) -> None:
+        pass

@@ -1,0 +1,70 @@
+"""The connector's knobs (names follow vLLM's where it has one), validated once at construction."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvwire.errors import ConfigError
+from kvwire.protocol.messages import TransferMode
+
+
+class LoadFailurePolicy(enum.Enum):
+    """What D does with a request whose KV could not be loaded (vLLM's ``kv_load_failure_policy``)."""
+
+    FAIL = "fail"  # end the request with an error to the client
+    RECOMPUTE = "recompute"  # prefill locally, once the connector has released the blocks
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """Timeouts are in seconds unless the name says otherwise; every wait the connector does is bounded."""
+
+    mode: TransferMode = TransferMode.PUSH
+    # P keeps a finished request's blocks this long for D to register (or read); D's heartbeats extend it.
+    kv_lease_duration_s: float = 30.0
+    # P starts no write more than this after it received the push_reg (D's value is sent in the push_reg).
+    fence_ms: int = 30_000
+    heartbeat_interval_s: float = 1.0
+    # A peer silent this long (no notification of any kind) while we hold transfers with it is dead.
+    liveness_timeout_s: float = 5.0
+    # After a peer is declared dead, D waits this long before reusing blocks registered to it: a frozen
+    # peer that resumes could still finish a write it had posted.
+    dead_peer_grace_s: float = 1.0
+    # A posted transfer still in progress after this is released and reported failed (NIXL #2047).
+    transfer_timeout_s: float = 30.0
+    # Peers unused this long are reaped (agents removed, descriptors released).
+    engine_ttl_s: float = 3600.0
+    kv_load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.FAIL
+    handshake_timeout_s: float = 5.0
+    handshake_retries: int = 3
+    # How often the background loop progresses the agents and drains notifications: fast while
+    # transfers are live, slower when idle (NIXL has no descriptor to wait on).
+    poll_interval_s: float = 0.0005
+    idle_poll_interval_s: float = 0.002
+    # How long P remembers an ended registration, to answer a late cancel or push_reg correctly.
+    tombstone_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        positive = {
+            "kv_lease_duration_s": self.kv_lease_duration_s,
+            "fence_ms": self.fence_ms,
+            "heartbeat_interval_s": self.heartbeat_interval_s,
+            "liveness_timeout_s": self.liveness_timeout_s,
+            "transfer_timeout_s": self.transfer_timeout_s,
+            "engine_ttl_s": self.engine_ttl_s,
+            "handshake_timeout_s": self.handshake_timeout_s,
+            "poll_interval_s": self.poll_interval_s,
+            "idle_poll_interval_s": self.idle_poll_interval_s,
+            "tombstone_s": self.tombstone_s,
+        }
+        for name, value in positive.items():
+            if not value > 0:
+                raise ConfigError(f"{name} must be positive, got {value!r}")
+        if self.dead_peer_grace_s < 0 or self.handshake_retries < 0:
+            raise ConfigError("dead_peer_grace_s and handshake_retries must not be negative")
+        if self.liveness_timeout_s <= self.heartbeat_interval_s:
+            raise ConfigError(
+                f"liveness_timeout_s ({self.liveness_timeout_s}) must exceed heartbeat_interval_s "
+                f"({self.heartbeat_interval_s}), or live peers would be declared dead"
+            )

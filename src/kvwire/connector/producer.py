@@ -1,0 +1,564 @@
+"""The producer (P side): writes finished requests' KV into D's blocks (push), or lends it to D (pull).
+
+Engine call sites (any thread; none waits on the network):
+
+* ``start() -> port``: registers every local rank's cache with its agent, starts the side channel.
+* ``request_finished(transfer_id, block_ids, num_tokens)``: prefill is over; the connector now holds the
+  blocks (the same block ids on every local rank) until it reports them freeable.
+* ``poll() -> list[ProducerEvent]``: exactly one event per ``request_finished``: its blocks may be freed.
+* ``abort(transfer_id)``: the engine drops the request; no new write starts for it (writes in flight
+  finish first, then the event comes).
+* ``close()``.
+
+Push, per (request, local rank, D rank) a ``ProducerRegistration`` machine: ``push_reg`` and the end of
+prefill may come in either order. The full handshake with D starts as soon as the ``push_reg`` arrives
+(it overlaps the prefill); when both are in, the request is mapped (``plan_transfer``: coalesced
+descriptors, D's prefix hit trimmed) and ONE write is posted with ``done`` attached. Block ids are
+checked against D's block count from the handshake (``failed``/``bad_registration``, no write). No
+write starts more than ``fence_ms`` after the ``push_reg`` was received (``failed``/``fence_expired``);
+a ``cancel`` is answered with ``cancel_ack`` only when no write of ours is in flight; a failed post or
+write sends ``failed`` at once; a write in progress past ``transfer_timeout_s`` is released, then
+reported failed. The request's blocks are freeable when every registration every local rank expects
+(from D's TP size) has ended, or when the lease (``kv_lease_duration_s`` after prefill, extended by D's
+heartbeats) runs out with no write in flight. An ended request is remembered ``tombstone_s`` so that a
+late ``push_reg`` or ``cancel`` gets the right answer at once.
+
+Pull: the blocks are held until D's ``done`` or ``failed`` (from any of D's ranks: D sends them only
+once every one of its reads has finished), or the lease runs out.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvwire.connector._base import ConnectorBase, RankKey
+from kvwire.connector.events import ProducerEvent, ProducerOutcome
+from kvwire.errors import BlockRangeError, KvwireError, LayoutError, TransportError
+from kvwire.handshake.types import PeerRank
+from kvwire.kv.descriptors import plan_transfer
+from kvwire.kv.mapping import RankLayout, tp_peers
+from kvwire.protocol.codec import encode_notif
+from kvwire.protocol.messages import (
+    Cancel,
+    CancelAck,
+    Done,
+    Failed,
+    FailReason,
+    Heartbeat,
+    Notification,
+    PushReg,
+    TransferMode,
+)
+from kvwire.protocol.states import (
+    FAIL_REASONS,
+    ProducerRegistration,
+    ProducerState,
+)
+from kvwire.protocol.states import ProducerEvent as PE
+from kvwire.transport.base import PeerMode, XferHandle, XferOp, XferStatus
+
+log = logging.getLogger("kvwire.connector")
+
+
+class _Phase(enum.Enum):
+    """The request's hold on P's blocks."""
+
+    PREFILLING = "prefilling"  # registrations may arrive; no blocks held yet
+    HELD = "held"  # prefill finished: the connector holds the blocks
+    ENDED = "ended"  # freeable event emitted (or never held); kept as a tombstone
+
+
+@dataclass(eq=False)
+class _Reg:
+    """One ``push_reg``: from one D rank (agent ``sender``) to one local rank ``key``."""
+
+    key: RankKey
+    sender: str
+    msg: PushReg
+    fence_at: float
+    machine: ProducerRegistration = field(default_factory=ProducerRegistration)
+    peer: PeerRank | None = None
+    handshake_failed: bool = False
+    handle: XferHandle | None = None
+    posted_at: float = 0.0
+    wrote: bool = False
+    outbox: list[Notification] = field(default_factory=list)  # to send once D is loaded
+
+    @property
+    def state(self) -> ProducerState:
+        return self.machine.state
+
+
+@dataclass(eq=False)
+class _Request:
+    transfer_id: str
+    phase: _Phase = _Phase.PREFILLING
+    block_ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    lease_until: float = math.inf
+    regs: dict[tuple[RankKey, str], _Reg] = field(default_factory=dict)
+    d_tp_size: int | None = None
+    aborted: bool = False
+    outcome: ProducerOutcome | None = None
+    forget_at: float = math.inf
+
+
+_TOMB_REASON = {
+    ProducerOutcome.ABORTED: FailReason.ABORTED,
+    ProducerOutcome.SHUTDOWN: FailReason.SHUTDOWN,
+}
+
+
+class Producer(ConnectorBase[ProducerEvent]):
+    """P side of kvwire for one engine and all its local (pp, tp) ranks."""
+
+    role = "producer"
+
+    def _setup(self) -> None:
+        self._requests: dict[str, _Request] = {}
+        self._inflight: set[_Reg] = set()
+        self._layouts = {
+            key: RankLayout.from_cache(rank.cache, pp_size=self.engine.pp_size, pp_rank=key[0])
+            for key, rank in self.ranks.items()
+        }
+        self._next_heartbeat = 0.0
+
+    # -- engine call sites -----------------------------------------------------------------------------
+    def request_finished(self, transfer_id: str, block_ids: Sequence[int], num_tokens: int) -> None:
+        ids = [int(b) for b in block_ids]
+        num_blocks = min(r.cache.num_blocks for r in self.ranks.values())
+        bad = [b for b in ids if not 0 <= b < num_blocks]
+        if bad or len(set(ids)) != len(ids):
+            raise BlockRangeError(f"{transfer_id}: bad or repeated local block ids {bad[:4] or ids[:8]}")
+        self._call(self._finished, transfer_id, ids, int(num_tokens))
+
+    def abort(self, transfer_id: str) -> None:
+        self._call(self._abort, transfer_id)
+
+    # -- request lifecycle (loop thread) ---------------------------------------------------------------
+    def _request(self, transfer_id: str) -> _Request:
+        req = self._requests.get(transfer_id)
+        if req is None:
+            req = self._requests[transfer_id] = _Request(transfer_id)
+        return req
+
+    def _finished(self, transfer_id: str, block_ids: list[int], num_tokens: int) -> None:
+        now = self._clock()
+        req = self._request(transfer_id)
+        if req.phase is _Phase.ENDED:  # aborted, or every registration already ended: nothing to send
+            self._emit(ProducerEvent(transfer_id, req.outcome or ProducerOutcome.FAILED))
+            return
+        if req.phase is _Phase.HELD:
+            log.warning("producer: %s finished twice; ignored", transfer_id)
+            return
+        req.phase, req.block_ids, req.num_tokens = _Phase.HELD, block_ids, num_tokens
+        req.lease_until = now + self.config.kv_lease_duration_s
+        for reg in list(req.regs.values()):
+            self._fire(req, reg, PE.PREFILL_DONE)
+            self._advance(req, reg, now)
+        self._settle(req, now)
+
+    def _abort(self, transfer_id: str) -> None:
+        now = self._clock()
+        req = self._request(transfer_id)
+        if req.phase is _Phase.ENDED:
+            return
+        req.aborted = True
+        for reg in list(req.regs.values()):
+            self._fail(req, reg, PE.ABORT)
+        if req.phase is _Phase.PREFILLING:
+            self._end(req, ProducerOutcome.ABORTED, now, emit=False)
+        self._settle(req, now)
+
+    def _end(self, req: _Request, outcome: ProducerOutcome, now: float, *, emit: bool) -> None:
+        req.phase, req.outcome = _Phase.ENDED, outcome
+        req.forget_at = now + self.config.tombstone_s
+        for reg in req.regs.values():
+            if reg.machine.accepts(PE.RELEASE):
+                reg.machine.handle(PE.RELEASE)
+        if emit:
+            self._emit(ProducerEvent(req.transfer_id, outcome))
+
+    def _settle(self, req: _Request, now: float) -> None:
+        """Emit the freeable event once nothing more can happen to a held request's blocks."""
+        if req.phase is _Phase.PREFILLING:
+            if req.regs and all(r.machine.registration_ended for r in req.regs.values()):
+                self._end(req, self._outcome(req), now, emit=False)
+            return
+        if req.phase is not _Phase.HELD or any(r.machine.writes_in_flight for r in req.regs.values()):
+            return
+        if self.config.mode is TransferMode.PULL:
+            return
+        if req.aborted:
+            self._end(req, ProducerOutcome.ABORTED, now, emit=True)
+        elif self._all_ended(req):
+            self._end(req, self._outcome(req), now, emit=True)
+        elif now >= req.lease_until:
+            for reg in list(req.regs.values()):
+                self._fail(req, reg, PE.LEASE_EXPIRED)
+            self._end(req, ProducerOutcome.EXPIRED, now, emit=True)
+
+    def _all_ended(self, req: _Request) -> bool:
+        if req.d_tp_size is None:
+            return False
+        for key in self.ranks:
+            want = {
+                s.dst_rank for s in tp_peers(self.engine.spec, self.engine.tp_size, req.d_tp_size, key[1])
+            }
+            got = {r.msg.tp_rank for r in req.regs.values() if r.key == key and r.machine.registration_ended}
+            if not want <= got:
+                return False
+        return all(r.machine.registration_ended for r in req.regs.values())
+
+    @staticmethod
+    def _outcome(req: _Request) -> ProducerOutcome:
+        states = {r.state for r in req.regs.values()}
+        if ProducerState.FAILED in states:
+            return ProducerOutcome.FAILED
+        if ProducerState.CANCELLED in states:
+            return ProducerOutcome.ABORTED
+        return ProducerOutcome.SENT
+
+    # -- registrations ---------------------------------------------------------------------------------
+    def _fire(self, req: _Request, reg: _Reg, event: PE) -> bool:
+        if not reg.machine.accepts(event):
+            return False
+        reg.machine.handle(event)
+        return True
+
+    def _on_push_reg(self, key: RankKey, sender: str, msg: PushReg, now: float) -> None:
+        if self.config.mode is not TransferMode.PUSH:
+            self._drop("unexpected", f"push_reg in {self.config.mode.value} mode")
+            return
+        req = self._request(msg.transfer_id)
+        if (key, sender) in req.regs:
+            self._drop("duplicate", f"push_reg {msg.transfer_id} from {sender}")
+            return
+        fence_s = min(msg.fence_ms, self.config.fence_ms) / 1000.0
+        reg = req.regs[(key, sender)] = _Reg(key, sender, msg, now + fence_s)
+        reg.machine.handle(PE.PUSH_REG)
+        bad = self._check_reg(req, reg)
+        if req.phase is _Phase.ENDED:
+            reason = _TOMB_REASON.get(req.outcome or ProducerOutcome.EXPIRED, FailReason.LEASE_EXPIRED)
+            reg.machine.handle(PE.ABORT if reason is FailReason.ABORTED else PE.LEASE_EXPIRED)
+            reg.outbox.append(self._failed_msg(req, reg, reason))
+        elif bad is not None:
+            self._fail(req, reg, PE.ABORT, bad)
+        elif req.phase is _Phase.HELD:
+            reg.machine.handle(PE.PREFILL_DONE)
+        # Overlap the full handshake with D with the prefill: it is needed to write, and to tell D anything.
+        self._handshake(
+            key,
+            msg.host,
+            msg.port,
+            (0, msg.tp_rank),
+            PeerMode.FULL,
+            lambda peer, exc: self._on_d_handshake(req, reg, peer, exc),
+            engine_id=msg.engine_id,
+        )
+
+    def _check_reg(self, req: _Request, reg: _Reg) -> FailReason | None:
+        msg = reg.msg
+        if not msg.tp_rank < msg.tp_size or (req.d_tp_size not in (None, msg.tp_size)):
+            return FailReason.BAD_REGISTRATION
+        try:
+            peers = tp_peers(self.engine.spec, self.engine.tp_size, msg.tp_size, reg.key[1])
+        except LayoutError:
+            return FailReason.INCOMPATIBLE
+        if msg.tp_rank not in {s.dst_rank for s in peers}:
+            return FailReason.BAD_REGISTRATION
+        if msg.num_cached_tokens > msg.num_tokens:
+            return FailReason.BAD_REGISTRATION
+        req.d_tp_size = msg.tp_size
+        return None
+
+    def _on_d_handshake(
+        self, req: _Request, reg: _Reg, peer: PeerRank | None, exc: BaseException | None
+    ) -> None:
+        now = self._clock()
+        if peer is not None and (peer.incarnation != reg.msg.incarnation or peer.agent_name != reg.sender):
+            exc = KvwireError(
+                f"D at {reg.msg.host}:{reg.msg.port} is now {peer.agent_name}, not {reg.sender}"
+            )
+            peer = None
+        if peer is None:
+            log.info("producer: handshake with D for %s failed: %s", req.transfer_id, exc)
+            reg.handshake_failed = True
+            reg.outbox.clear()
+            self._fail(req, reg, PE.HANDSHAKE_FAILED)
+            self._settle(req, now)
+            return
+        reg.peer = peer
+        self._touch_peer(peer.engine_id)
+        for msg in reg.outbox:
+            self._send(reg.key, reg.sender, msg)
+        reg.outbox.clear()
+        self._advance(req, reg, now)
+        self._settle(req, now)
+
+    def _advance(self, req: _Request, reg: _Reg, now: float) -> None:
+        """Start the write when the registration is connecting, D is loaded, and the fence allows."""
+        if reg.state is not ProducerState.CONNECTING:
+            return
+        if reg.handshake_failed:
+            self._fail(req, reg, PE.HANDSHAKE_FAILED)
+        elif reg.peer is None:
+            return  # the handshake's callback comes back here
+        elif now > reg.fence_at:
+            self._fail(req, reg, PE.FENCE_EXPIRED)
+        else:
+            self._write(req, reg, reg.peer, now)
+
+    def _write(self, req: _Request, reg: _Reg, peer: PeerRank, now: float) -> None:
+        msg = reg.msg
+        rank = self.ranks[reg.key]
+        if peer.layout is None or msg.num_tokens > req.num_tokens or msg.num_tokens <= 0:
+            self._fail(req, reg, PE.WRITE_FAILED, FailReason.BAD_REGISTRATION)
+            return
+        try:
+            plan = plan_transfer(
+                self.engine.spec,
+                self._layouts[reg.key],
+                peer.layout,
+                req.block_ids,
+                msg.block_ids,
+                num_tokens=msg.num_tokens,
+                num_cached_tokens=msg.num_cached_tokens,
+            )
+        except (BlockRangeError, LayoutError) as exc:
+            log.info("producer: registration %s from %s refused: %s", req.transfer_id, reg.sender, exc)
+            self._fail(req, reg, PE.WRITE_FAILED, FailReason.BAD_REGISTRATION)
+            return
+        done = Done(
+            transfer_id=req.transfer_id,
+            engine_id=self.engine.engine_id,
+            incarnation=self.engine.incarnation,
+            tp_rank=reg.key[1],
+            pp_rank=reg.key[0],
+            num_blocks=len(msg.block_ids) - msg.num_cached_tokens // peer.layout.block_size,
+        )
+        if plan.empty:  # D's prefix hit covers all, or this rank holds nothing D needs: just say so
+            reg.machine.handle(PE.WRITES_POSTED)
+            ok = self._send(reg.key, reg.sender, done)
+            self._fire(req, reg, PE.WRITES_COMPLETE if ok else PE.WRITE_FAILED)
+            return
+        try:
+            reg.handle = rank.agent.post(
+                XferOp.WRITE, plan.src_descs, plan.dst_descs, peer.agent_name, notif=encode_notif(done)
+            )
+        except TransportError as exc:
+            log.info("producer: posting %s to %s failed: %s", req.transfer_id, peer.agent_name, exc)
+            self._fail(req, reg, PE.WRITE_FAILED, FailReason.POST_FAILED)
+            return
+        reg.posted_at = now
+        reg.machine.handle(PE.WRITES_POSTED)
+        self._inflight.add(reg)
+        self.stats.transfers_started += 1
+        self.stats.descriptors_posted += plan.num_descs
+
+    def _fail(self, req: _Request, reg: _Reg, event: PE, reason: FailReason | None = None) -> None:
+        """End a registration in FAILED (if ``event`` applies now) and tell D, now or once D is loaded."""
+        if not reg.machine.accepts(event):
+            return
+        reg.machine.handle(event)
+        reason = reason or FAIL_REASONS[event]
+        self.stats.failures[reason] += 1
+        failed = self._failed_msg(req, reg, reason)
+        if reg.peer is not None:
+            self._send(reg.key, reg.sender, failed)
+        elif not reg.handshake_failed:
+            reg.outbox.append(failed)
+
+    def _failed_msg(self, req: _Request, reg: _Reg, reason: FailReason) -> Failed:
+        return Failed(
+            transfer_id=req.transfer_id,
+            engine_id=self.engine.engine_id,
+            incarnation=self.engine.incarnation,
+            tp_rank=reg.key[1],
+            pp_rank=reg.key[0],
+            reason=reason,
+        )
+
+    def _cancel_ack(self, req: _Request, reg: _Reg, wrote: bool) -> None:
+        ack = CancelAck(
+            transfer_id=req.transfer_id,
+            engine_id=self.engine.engine_id,
+            incarnation=self.engine.incarnation,
+            tp_rank=reg.key[1],
+            pp_rank=reg.key[0],
+            wrote=wrote,
+        )
+        if reg.peer is not None:
+            self._send(reg.key, reg.sender, ack)
+        elif not reg.handshake_failed:
+            reg.outbox.append(ack)
+
+    def _on_cancel(self, key: RankKey, sender: str, msg: Cancel, now: float) -> None:
+        req = self._requests.get(msg.transfer_id)
+        reg = None if req is None else req.regs.get((key, sender))
+        if req is None or reg is None:
+            # No registration from that D rank (lost, or long forgotten): nothing of ours can write.
+            if self.ranks[key].agent.peer_mode(sender) is None:
+                self._drop("unknown_transfer", f"cancel {msg.transfer_id} from {sender}")
+            else:
+                self._send_ack_unknown(key, sender, msg.transfer_id)
+            return
+        self.stats.cancels += 1
+        if reg.state is ProducerState.DONE_SENT:
+            reg.machine.handle(PE.CANCEL)  # D counts our done: no cancel_ack
+            return
+        if not reg.machine.accepts(PE.CANCEL):
+            self._drop("late", f"cancel {msg.transfer_id} in {reg.state.name}")
+            return
+        reg.machine.handle(PE.CANCEL)
+        if reg.state is ProducerState.CANCELLED:
+            self._cancel_ack(req, reg, wrote=False)
+        self._settle(req, now)
+
+    def _send_ack_unknown(self, key: RankKey, sender: str, transfer_id: str) -> None:
+        ack = CancelAck(
+            transfer_id=transfer_id,
+            engine_id=self.engine.engine_id,
+            incarnation=self.engine.incarnation,
+            tp_rank=key[1],
+            pp_rank=key[0],
+            wrote=False,
+        )
+        self._send(key, sender, ack)
+
+    # -- notifications, transfers, timers (loop thread) ------------------------------------------------
+    def _on_notif(self, key: RankKey, sender: str, msg: Notification, now: float) -> None:
+        if isinstance(msg, PushReg):
+            self._on_push_reg(key, sender, msg, now)
+        elif isinstance(msg, Cancel):
+            self._on_cancel(key, sender, msg, now)
+        elif isinstance(msg, Heartbeat):
+            self._on_heartbeat(msg, now)
+        elif isinstance(msg, Done | Failed) and self.config.mode is TransferMode.PULL:
+            self._on_pull_end(msg, now)
+        else:
+            self._drop("unexpected", f"{type(msg).__name__} from {sender}")
+
+    def _on_heartbeat(self, msg: Heartbeat, now: float) -> None:
+        self._touch_peer(msg.engine_id)
+        for tid in msg.transfer_ids:
+            req = self._requests.get(tid)
+            if req is not None and req.phase is _Phase.HELD:
+                req.lease_until = max(req.lease_until, now + self.config.kv_lease_duration_s)
+
+    def _on_pull_end(self, msg: Done | Failed, now: float) -> None:
+        req = self._requests.get(msg.transfer_id)
+        if req is not None and req.phase is _Phase.ENDED:
+            return  # D tells every P rank it read from; the first one ended the request
+        if req is None or req.phase is not _Phase.HELD:
+            self._drop("unknown_transfer", f"{type(msg).__name__} {msg.transfer_id}")
+            return
+        if isinstance(msg, Failed):
+            self.stats.failures[msg.reason] += 1
+        else:
+            self.stats.transfers_done += 1
+        self._end(
+            req, ProducerOutcome.PULLED if isinstance(msg, Done) else ProducerOutcome.FAILED, now, emit=True
+        )
+
+    def _busy(self) -> bool:
+        return bool(self._inflight)
+
+    def _poll_transfers(self, now: float) -> None:
+        for reg in list(self._inflight):
+            handle = reg.handle
+            assert handle is not None
+            agent = self.ranks[reg.key].agent
+            try:
+                state = agent.status(handle)
+            except TransportError:
+                state = XferStatus.FAILED
+            timed_out = (
+                state is XferStatus.IN_PROGRESS and now - reg.posted_at > self.config.transfer_timeout_s
+            )
+            if state is XferStatus.IN_PROGRESS and not timed_out:
+                continue
+            agent.release(handle)  # first: a timed-out write is cancelled before it is reported
+            self._inflight.discard(reg)
+            reg.handle = None
+            req = self._requests[reg.msg.transfer_id]
+            if state is XferStatus.DONE:
+                reg.wrote = True
+                self.stats.transfers_done += 1
+                self.stats.bytes_moved += handle.nbytes
+                self.stats.record_duration(now - reg.posted_at)
+                cancelled = reg.state is ProducerState.CANCEL_PENDING
+                reg.machine.handle(PE.WRITES_COMPLETE)
+                if cancelled:
+                    self._cancel_ack(req, reg, wrote=True)
+            else:
+                reason = FailReason.TRANSFER_TIMEOUT if timed_out else FailReason.WRITE_FAILED
+                if reg.state is ProducerState.CANCEL_PENDING:
+                    reg.machine.handle(PE.WRITE_FAILED)
+                    self._cancel_ack(req, reg, wrote=True)  # it may have landed in part
+                else:
+                    self._fail(req, reg, PE.WRITE_FAILED, reason)
+                if reg.peer is not None and isinstance(handle.failed_reason, str) and not timed_out:
+                    log.info(
+                        "producer: write %s to %s failed: %s",
+                        req.transfer_id,
+                        reg.sender,
+                        handle.failed_reason,
+                    )
+            self._settle(req, now)
+
+    def _timers(self, now: float) -> None:
+        for req in list(self._requests.values()):
+            if req.phase is _Phase.ENDED:
+                if now >= req.forget_at and not any(r.machine.writes_in_flight for r in req.regs.values()):
+                    del self._requests[req.transfer_id]
+                continue
+            for reg in list(req.regs.values()):
+                if reg.state in (ProducerState.REGISTERED, ProducerState.CONNECTING) and now > reg.fence_at:
+                    if (
+                        reg.state is ProducerState.CONNECTING
+                        and reg.peer is None
+                        and not reg.handshake_failed
+                    ):
+                        continue  # the handshake is bounded; its callback applies the fence
+                    self._fail(req, reg, PE.FENCE_EXPIRED)
+            pull = self.config.mode is TransferMode.PULL
+            if pull and req.phase is _Phase.HELD and now >= req.lease_until:
+                self._end(req, ProducerOutcome.EXPIRED, now, emit=True)
+                continue
+            self._settle(req, now)
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + self.config.heartbeat_interval_s
+            self._heartbeats()
+            self._reap()
+
+    def _heartbeats(self) -> None:
+        """Tell each D agent which of its registrations we still hold (a long prefill is alive)."""
+        live: dict[tuple[RankKey, str], list[str]] = defaultdict(list)
+        for req in self._requests.values():
+            for reg in req.regs.values():
+                if reg.peer is not None and not reg.machine.registration_ended:
+                    live[(reg.key, reg.sender)].append(req.transfer_id)
+        for (key, sender), tids in live.items():
+            hb = Heartbeat(
+                transfer_id="",
+                engine_id=self.engine.engine_id,
+                incarnation=self.engine.incarnation,
+                transfer_ids=tids,
+            )
+            if self._send(key, sender, hb):
+                self.stats.heartbeats_sent += 1
+
+    def _on_shutdown(self) -> None:
+        now = self._clock()
+        for req in list(self._requests.values()):
+            for reg in list(req.regs.values()):
+                if not reg.machine.registration_ended and reg.peer is not None:
+                    self._send(reg.key, reg.sender, self._failed_msg(req, reg, FailReason.SHUTDOWN))
+            if req.phase is _Phase.HELD:
+                self._end(req, ProducerOutcome.SHUTDOWN, now, emit=True)

@@ -1,0 +1,146 @@
+"""Helpers to build connector topologies and compare KV byte for byte (tests, benchmarks, workers).
+
+A request's KV is handled in its *logical* form, ``[layers, kinds, kv_heads, tokens, head_dim]`` of the
+model's dtype: ``scatter_tokens`` writes it into the blocks of a set of ranks (each rank takes its layers
+and heads, so replicated heads stay identical), ``gather_tokens`` reads it back from any set of ranks
+that together hold every layer and head. Comparing P's logical KV with what D's ranks gather is a byte
+comparison that does not reuse the mapping code under test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvwire.handshake.types import EngineInfo, LocalRank
+from kvwire.kv.cache import KVCache
+from kvwire.kv.mapping import layer_window
+from kvwire.kv.spec import KVSpec, Layout
+from kvwire.protocol.messages import TransferMode
+from kvwire.transport.base import Agent, make_agent_name, new_incarnation
+from kvwire.transport.factory import create_agent
+from kvwire.transport.inproc import InprocFabric
+
+
+@dataclass
+class EngineSetup:
+    """An engine's identity and its local ranks (agents and caches), not yet started."""
+
+    engine: EngineInfo
+    ranks: list[LocalRank]
+
+    def close(self) -> None:
+        for rank in self.ranks:
+            rank.agent.close()
+
+
+def build_engine(
+    engine_id: str,
+    spec: KVSpec,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    num_blocks: int = 64,
+    mode: TransferMode = TransferMode.PUSH,
+    backend: str = "inproc",
+    fabric: InprocFabric | None = None,
+    model_id: str = "kvwire-test",
+) -> EngineSetup:
+    """One engine with ``tp * pp`` ranks; PP stages hold ``layer_window``'s layers (vLLM's split)."""
+    incarnation = new_incarnation()
+    ranks: list[LocalRank] = []
+    for p in range(pp):
+        window = layer_window(spec.num_layers, pp, p)
+        for t in range(tp):
+            name = make_agent_name(engine_id, incarnation, p, t)
+            agent: Agent = create_agent(backend, name, fabric=fabric)
+            cache = KVCache(
+                spec, num_blocks, tp_size=tp, tp_rank=t, first_layer=window.start, num_layers=len(window)
+            )
+            ranks.append(LocalRank(pp_rank=p, tp_rank=t, agent=agent, cache=cache))
+    info = EngineInfo(engine_id, incarnation, model_id, spec, tp, pp, mode)
+    return EngineSetup(info, ranks)
+
+
+def logical_shape(spec: KVSpec, num_tokens: int) -> tuple[int, ...]:
+    return (spec.num_layers, len(spec.kinds), spec.kv_heads, num_tokens, spec.head_dim)
+
+
+def random_kv(spec: KVSpec, num_tokens: int, seed: int) -> np.ndarray:
+    """Random bytes shaped as a request's logical KV (any bit pattern: only bytes are compared)."""
+    rng = np.random.default_rng(seed)
+    shape = logical_shape(spec, num_tokens)
+    raw = rng.integers(0, 256, size=int(np.prod(shape)) * spec.itemsize, dtype=np.uint8)
+    return raw.view(spec.np_dtype).reshape(shape)
+
+
+def _token_view(
+    cache: KVCache, layer: int, kind_idx: int, block_ids: np.ndarray, slots: np.ndarray
+) -> np.ndarray:
+    """Fancy-index view source: ``[heads, tokens, head_dim]`` of one region at the given (block, slot)s."""
+    region = cache.region(layer, cache.spec.kinds[kind_idx])
+    if cache.spec.layout is Layout.HND:  # [blocks, heads, bs, hd]
+        return region[block_ids, :, slots, :].transpose(1, 0, 2)
+    return region[block_ids, slots, :, :].transpose(1, 0, 2)
+
+
+def _positions(spec: KVSpec, block_ids: Sequence[int], tokens: range) -> tuple[np.ndarray, np.ndarray]:
+    t = np.arange(tokens.start, tokens.stop)
+    ids = np.asarray(block_ids, dtype=np.int64)
+    return ids[t // spec.block_size], t % spec.block_size
+
+
+def scatter_tokens(
+    ranks: Sequence[LocalRank], block_ids: Sequence[int], kv: np.ndarray, tokens: range | None = None
+) -> None:
+    """Write logical KV (tokens ``tokens``, default all of ``kv``) into each rank's blocks."""
+    tokens = range(kv.shape[3]) if tokens is None else tokens
+    for rank in ranks:
+        cache = rank.cache
+        blocks, slots = _positions(cache.spec, block_ids, tokens)
+        heads = slice(cache.first_head, cache.first_head + cache.heads)
+        for layer in cache.layers:
+            for k in range(len(cache.spec.kinds)):
+                region = cache.region(layer, cache.spec.kinds[k])
+                part = kv[layer, k, heads, tokens.start : tokens.stop, :]
+                if cache.spec.layout is Layout.HND:
+                    region[blocks, :, slots, :] = part.transpose(1, 0, 2)
+                else:
+                    region[blocks, slots, :, :] = part.transpose(1, 0, 2)
+
+
+def gather_tokens(ranks: Sequence[LocalRank], block_ids: Sequence[int], tokens: range) -> np.ndarray:
+    """Read logical KV for ``tokens`` back from ranks that together hold every layer and head."""
+    spec = ranks[0].cache.spec
+    out = np.zeros(logical_shape(spec, len(tokens)), dtype=spec.np_dtype)
+    seen = np.zeros((spec.num_layers, spec.kv_heads), dtype=bool)
+    for rank in ranks:
+        cache = rank.cache
+        blocks, slots = _positions(spec, block_ids, tokens)
+        heads = slice(cache.first_head, cache.first_head + cache.heads)
+        for layer in cache.layers:
+            seen[layer, heads] = True
+            for k in range(len(spec.kinds)):
+                out[layer, k, heads] = _token_view(cache, layer, k, blocks, slots)
+    if not seen.all():
+        raise ValueError("these ranks do not hold every layer and head")
+    return out
+
+
+def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """Byte equality (random KV holds NaN patterns, which ``==`` never calls equal)."""
+    return a.shape == b.shape and bool(
+        np.array_equal(np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8))
+    )
+
+
+def untouched_blocks_zero(ranks: Sequence[LocalRank], used: Sequence[int]) -> bool:
+    """Whether every block outside ``used`` is still all zeros on every rank (nothing wrote elsewhere)."""
+    for rank in ranks:
+        mask = np.ones(rank.cache.num_blocks, dtype=bool)
+        mask[list(used)] = False
+        if np.any(rank.cache.slab[:, :, mask]):
+            return False
+    return True

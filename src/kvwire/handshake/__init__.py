@@ -1,0 +1,18 @@
+"""Side-channel handshakes: the metadata server, and cached, deduplicated handshakes with peers."""
+
+from kvwire.handshake.loop import BackgroundLoop
+from kvwire.handshake.manager import HandshakeManager
+from kvwire.handshake.server import SideChannelServer
+from kvwire.handshake.types import EngineInfo, FailureReason, HandshakeStats, LocalRank, PeerAddress, PeerRank
+
+__all__ = [
+    "BackgroundLoop",
+    "EngineInfo",
+    "FailureReason",
+    "HandshakeManager",
+    "HandshakeStats",
+    "LocalRank",
+    "PeerAddress",
+    "PeerRank",
+    "SideChannelServer",
+]

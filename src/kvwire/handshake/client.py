@@ -1,0 +1,144 @@
+"""The side-channel client: one attempt at fetching a remote rank's metadata.
+
+Retries, deduplication and caching live in ``HandshakeManager``; this module does one connection and
+translates everything that can go wrong into ``kvwire.errors`` types:
+
+* ``PeerUnreachable``: refused, reset, or closed before replying (worth retrying);
+* ``HandshakeTimeout``: no complete answer before the deadline;
+* ``IncompatiblePeer`` / ``Unauthorized`` / ``NoSuchRank``: the peer refused, or its reply does not match
+  (compat hash, version, rank); retrying will not help;
+* ``HandshakeError``: the peer's reply is not a valid frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+
+from kvwire.errors import (
+    HandshakeError,
+    HandshakeTimeout,
+    IncompatiblePeer,
+    NoSuchRank,
+    PeerUnreachable,
+    ProtocolError,
+    Unauthorized,
+    VersionMismatch,
+)
+from kvwire.handshake.types import PeerAddress
+from kvwire.protocol.auth import sign
+from kvwire.protocol.codec import FRAME_HEADER_BYTES, decode_side, encode_frame, parse_frame_header
+from kvwire.protocol.messages import VERSION, ErrorCode, ErrorReply, GetMetadata, Metadata
+
+_REFUSALS: dict[ErrorCode, type[HandshakeError]] = {
+    ErrorCode.INCOMPATIBLE: IncompatiblePeer,
+    ErrorCode.UNAUTHORIZED: Unauthorized,
+    ErrorCode.NO_SUCH_RANK: NoSuchRank,
+    ErrorCode.BAD_REQUEST: HandshakeError,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    """A checked ``metadata`` reply, with the clock offset of the lowest-RTT sample."""
+
+    metadata: Metadata
+    clock_offset_s: float
+    rtt_s: float
+
+
+async def fetch_metadata(
+    addr: PeerAddress,
+    *,
+    notif_only: bool,
+    compat_hash: str,
+    timeout_s: float,
+    secret: bytes | None = None,
+    clock_samples: int = 1,
+    clock_rtt_target_s: float = 0.0,
+) -> Fetched:
+    """Fetch ``addr``'s metadata over one connection, within ``timeout_s``.
+
+    Every reply gives a clock offset estimate ``server_time - midpoint``, wrong by at most half its round
+    trip. While the best round trip is above ``clock_rtt_target_s``, up to ``clock_samples - 1`` extra
+    notif-only requests follow on the same connection, and the lowest-RTT sample wins: on a quiet link
+    the first reply is precise enough, and the handshake pays no extra round trips.
+    """
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _fetch(
+                addr, notif_only, compat_hash, secret, max(1, clock_samples), clock_rtt_target_s
+            )
+    except TimeoutError:
+        raise HandshakeTimeout(f"{addr}: no answer within {timeout_s:.3g} s") from None
+    except (OSError, asyncio.IncompleteReadError) as exc:
+        raise PeerUnreachable(f"{addr}: {type(exc).__name__}: {exc}") from None
+
+
+async def _fetch(
+    addr: PeerAddress,
+    notif_only: bool,
+    compat_hash: str,
+    secret: bytes | None,
+    samples: int,
+    rtt_target: float,
+) -> Fetched:
+    reader, writer = await asyncio.open_connection(addr.host, addr.port)
+    try:
+        first, rtt, offset = await _request(reader, writer, addr, notif_only, secret)
+        _check(first, addr, compat_hash, notif_only)
+        for _ in range(samples - 1):
+            if rtt <= rtt_target:
+                break
+            sample, s_rtt, s_offset = await _request(reader, writer, addr, True, secret)
+            _check(sample, addr, compat_hash, True)
+            if s_rtt < rtt:
+                rtt, offset = s_rtt, s_offset
+        return Fetched(first, offset, rtt)
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+
+async def _request(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    addr: PeerAddress,
+    notif_only: bool,
+    secret: bytes | None,
+) -> tuple[Metadata, float, float]:
+    req = GetMetadata(pp_rank=addr.pp_rank, tp_rank=addr.tp_rank, notif_only=notif_only)
+    if secret:
+        req = sign(req, secret)
+    sent_wall, sent = time.time(), time.perf_counter()
+    writer.write(encode_frame(req))
+    await writer.drain()
+    try:
+        header = await reader.readexactly(FRAME_HEADER_BYTES)
+        reply = decode_side(await reader.readexactly(parse_frame_header(header)))
+    except VersionMismatch as exc:
+        raise IncompatiblePeer(f"{addr}: {exc}") from None
+    except ProtocolError as exc:
+        raise HandshakeError(f"{addr}: bad reply: {exc}") from None
+    rtt = time.perf_counter() - sent
+    if isinstance(reply, ErrorReply):
+        raise _REFUSALS[reply.code](f"{addr} refused: {reply.code.value}: {reply.message}")
+    if not isinstance(reply, Metadata):
+        raise HandshakeError(f"{addr}: bad reply: {type(reply).__name__} is no reply")
+    return reply, rtt, reply.server_time - (sent_wall + rtt / 2)
+
+
+def _check(md: Metadata, addr: PeerAddress, compat_hash: str, notif_only: bool) -> None:
+    if md.version != VERSION:
+        raise IncompatiblePeer(f"{addr}: wire version {md.version}, this side speaks {VERSION}")
+    if md.compat_hash != compat_hash:
+        raise IncompatiblePeer(
+            f"{addr} ({md.engine_id}): compat hash {md.compat_hash} differs from ours {compat_hash}"
+        )
+    if (md.pp_rank, md.tp_rank) != (addr.pp_rank, addr.tp_rank):
+        raise HandshakeError(f"{addr}: answered for rank pp{md.pp_rank}/tp{md.tp_rank}")
+    if not notif_only and md.notif_only:
+        raise HandshakeError(f"{addr}: answered a full request with notif-only metadata")

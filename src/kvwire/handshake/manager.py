@@ -1,0 +1,364 @@
+"""HandshakeManager: cached, deduplicated, concurrent handshakes of one local agent with remote ranks.
+
+Theory of operation. ``ensure(host, port, pp, tp, mode)`` returns a ``PeerRank`` loaded into the local
+agent at least in ``mode``. Entries are cached per peer address and rank, and carry the peer's
+(engine_id, incarnation): a reply with another incarnation means the peer restarted, so the old remote
+agent is removed before the new one is added (NIXL breaks an entry re-added under a live name).
+
+* Concurrent callers for one address share the one handshake in flight (``asyncio.shield``: a caller
+  that is cancelled does not cancel it for the others).
+* NOTIF_ONLY -> FULL is an upgrade: one request for the full metadata, loaded over the notif-only entry;
+  the clock offset already measured is kept. A FULL entry serves NOTIF_ONLY callers as is.
+* A FULL handshake prepares no descriptor list: the producer posts explicit coalesced descriptors built
+  per request from the regions' base addresses, so the cost is O(regions), not O(regions x blocks);
+  it validates the geometry (region count, block length, block count, TP and PP) and builds a RankLayout.
+* Each handshake has a deadline (``timeout_s``, default 5 s) covering all its attempts; connection
+  failures are retried (``retries``, exponential backoff) while time is left. Handshakes to different
+  peers are independent tasks, so a dead peer delays no other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+from kvwire.errors import (
+    HandshakeError,
+    HandshakeTimeout,
+    IncompatiblePeer,
+    KvwireError,
+    LayoutError,
+    NoSuchRank,
+    PeerUnreachable,
+    TransportError,
+    Unauthorized,
+)
+from kvwire.handshake.client import Fetched, fetch_metadata
+from kvwire.handshake.layout import validate_layout
+from kvwire.handshake.server import engine_compat_hash
+from kvwire.handshake.types import (
+    EngineInfo,
+    FailureReason,
+    HandshakeStats,
+    LocalRank,
+    PeerAddress,
+    PeerRank,
+)
+from kvwire.kv.mapping import RankLayout
+from kvwire.transport.base import PeerMode
+
+log = logging.getLogger("kvwire.handshake")
+
+_MAX_BACKOFF_S = 2.0
+_ENSURE_ROUNDS = 4  # a caller waits on at most: a notif-only in flight, an upgrade, a re-handshake
+
+
+def _satisfies(have: PeerMode, want: PeerMode) -> bool:
+    return have is PeerMode.FULL or want is PeerMode.NOTIF_ONLY
+
+
+def _reason(exc: BaseException) -> FailureReason:
+    for cls, reason in (
+        (HandshakeTimeout, FailureReason.TIMEOUT),
+        (PeerUnreachable, FailureReason.UNREACHABLE),
+        (IncompatiblePeer, FailureReason.INCOMPATIBLE),
+        (LayoutError, FailureReason.INCOMPATIBLE),
+        (Unauthorized, FailureReason.UNAUTHORIZED),
+        (NoSuchRank, FailureReason.NO_SUCH_RANK),
+        (TransportError, FailureReason.TRANSPORT),
+    ):
+        if isinstance(exc, cls):
+            return reason
+    return FailureReason.BAD_REPLY
+
+
+@dataclass
+class _Steps:
+    """Seconds spent in each step of one handshake (for the debug line and the stats)."""
+
+    attempts: int = 0
+    fetch: float = 0.0
+    add_agent: float = 0.0
+    prepare: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+
+
+class HandshakeManager:
+    """Handshakes of one local rank (one local agent) with remote ranks."""
+
+    def __init__(
+        self,
+        engine: EngineInfo,
+        local: LocalRank,
+        *,
+        timeout_s: float = 5.0,
+        retries: int = 3,
+        backoff_s: float = 0.1,
+        secret: bytes | None = None,
+        clock_samples: int = 3,
+        clock_rtt_target_s: float = 0.002,
+    ) -> None:
+        self.engine = engine
+        self.local = local
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.clock_samples = clock_samples
+        # An offset is off by at most RTT/2: below this RTT one sample is enough (timers work in ms).
+        self.clock_rtt_target_s = clock_rtt_target_s
+        self._secret = secret or None
+        self._compat = engine_compat_hash(engine)
+        self._peers: dict[PeerAddress, PeerRank] = {}
+        self._inflight: dict[PeerAddress, asyncio.Task[PeerRank]] = {}
+        self._last_used: dict[str, float] = {}  # engine_id -> monotonic time
+        self.stats = HandshakeStats()
+
+    # -- public API ------------------------------------------------------------------------------------
+
+    async def ensure(
+        self,
+        host: str,
+        port: int,
+        pp_rank: int,
+        tp_rank: int,
+        mode: PeerMode,
+        *,
+        engine_id: str | None = None,
+        incarnation: str | None = None,
+    ) -> PeerRank:
+        """The remote rank loaded into the local agent at least in ``mode``.
+
+        ``engine_id``, when given, must match the peer's (else ``IncompatiblePeer``). ``incarnation``, when
+        given, is the one the caller knows of (e.g. from a message): a cached entry of another incarnation
+        is refreshed first. The peer's answer wins; compare ``PeerRank.incarnation`` to detect stale
+        messages.
+        """
+        addr = PeerAddress(host, port, pp_rank, tp_rank)
+        peer: PeerRank | None = None
+        for _ in range(_ENSURE_ROUNDS):
+            cached = self._peers.get(addr)
+            fresh = cached is not None and incarnation in (None, cached.incarnation)
+            if cached is not None and fresh and _satisfies(cached.mode, mode):
+                if peer is None:
+                    self.stats.cache_hits += 1
+                return self._checked(cached, engine_id)
+            task = self._inflight.get(addr)
+            if task is None:
+                want = mode if cached is None or fresh else max_mode(mode, cached.mode)
+                task = asyncio.create_task(self._handshake(addr, want, cached if fresh else None, cached))
+                self._inflight[addr] = task
+                task.add_done_callback(functools.partial(self._done, addr))
+            elif peer is None:
+                self.stats.deduped += 1
+            peer = await asyncio.shield(task)
+            # A handshake answered for us: the peer's incarnation wins over the caller's.
+            if _satisfies(peer.mode, mode):
+                return self._checked(peer, engine_id)
+        raise HandshakeError(f"{addr}: not loaded in mode {mode.value} after {_ENSURE_ROUNDS} rounds")
+
+    def forget(self, engine_id: str) -> None:
+        """The peer is dead or gone: remove its remote agents and drop every entry of it."""
+        for addr, peer in list(self._peers.items()):
+            if peer.engine_id == engine_id:
+                self._drop(addr, peer)
+        if self._last_used.pop(engine_id, None) is not None:
+            self.stats.forgotten += 1
+
+    def touch(self, engine_id: str, now: float) -> None:
+        """Mark ``engine_id`` in use at ``now`` (``time.monotonic()`` scale)."""
+        self._last_used[engine_id] = now
+
+    def reap_idle(self, now: float, ttl_s: float) -> list[str]:
+        """Forget peers not used for ``ttl_s`` (vLLM's engine_ttl); returns their engine ids."""
+        idle = [eid for eid, used in self._last_used.items() if now - used > ttl_s]
+        for eid in idle:
+            self.forget(eid)
+        return idle
+
+    def peers(self) -> list[PeerRank]:
+        return list(self._peers.values())
+
+    def peer(self, host: str, port: int, pp_rank: int, tp_rank: int) -> PeerRank | None:
+        """The cached entry of one remote rank, if any (no I/O)."""
+        return self._peers.get(PeerAddress(host, port, pp_rank, tp_rank))
+
+    async def close(self) -> None:
+        """Cancel handshakes in flight and unload every remote agent; idempotent."""
+        tasks = list(self._inflight.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for addr, peer in list(self._peers.items()):
+            self._drop(addr, peer)
+        self._last_used.clear()
+
+    # -- one handshake ---------------------------------------------------------------------------------
+
+    def _done(self, addr: PeerAddress, task: asyncio.Task[PeerRank]) -> None:
+        if self._inflight.get(addr) is task:
+            del self._inflight[addr]
+        if not task.cancelled():
+            task.exception()  # retrieved: callers re-raise it; unawaited failures must not warn
+
+    def _checked(self, peer: PeerRank, engine_id: str | None) -> PeerRank:
+        if engine_id is not None and peer.engine_id != engine_id:
+            raise IncompatiblePeer(
+                f"{peer.host}:{peer.port} is engine {peer.engine_id}, not the expected {engine_id}"
+            )
+        self._last_used[peer.engine_id] = time.monotonic()
+        return peer
+
+    async def _handshake(
+        self, addr: PeerAddress, mode: PeerMode, base: PeerRank | None, stale: PeerRank | None
+    ) -> PeerRank:
+        """Fetch, add the agent, prepare. ``base`` is a notif-only entry to upgrade; ``stale`` any entry
+        the answer may replace."""
+        steps = _Steps()
+        upgrade = base is not None and base.mode is PeerMode.NOTIF_ONLY and mode is PeerMode.FULL
+        try:
+            fetched = await self._fetch(addr, mode, steps, samples=1 if upgrade else self.clock_samples)
+            md = fetched.metadata
+            if stale is not None and (stale.engine_id, stale.incarnation) != (md.engine_id, md.incarnation):
+                self._drop(addr, stale)
+                self.stats.replaced += 1
+                upgrade = False
+            t0 = time.perf_counter()
+            name = self._add_agent(addr, md.agent_name, md.agent_metadata)
+            t1 = time.perf_counter()
+            layout = None if mode is PeerMode.NOTIF_ONLY else validate_layout(self.engine, self.local, md)
+            steps.add_agent, steps.prepare = t1 - t0, time.perf_counter() - t1
+        except KvwireError as exc:
+            self._log_failure(addr, mode, steps, exc)
+            raise
+        offset = base.clock_offset_s if upgrade and base is not None else fetched.clock_offset_s
+        peer = _peer_rank(addr, mode, name, layout, fetched, offset)
+        self._peers[addr] = peer
+        self._last_used[peer.engine_id] = time.monotonic()
+        self._record(peer, mode, steps, upgrade)
+        return peer
+
+    async def _fetch(self, addr: PeerAddress, mode: PeerMode, steps: _Steps, samples: int) -> Fetched:
+        """Attempts until success, a refusal, or the deadline; connection failures back off and retry."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        t0 = time.perf_counter()
+        try:
+            for attempt in range(self.retries + 1):
+                steps.attempts = attempt + 1
+                left = deadline - loop.time()
+                if left <= 0:
+                    break
+                try:
+                    return await fetch_metadata(
+                        addr,
+                        notif_only=mode is PeerMode.NOTIF_ONLY,
+                        compat_hash=self._compat,
+                        timeout_s=left,
+                        secret=self._secret,
+                        clock_samples=samples,
+                        clock_rtt_target_s=self.clock_rtt_target_s,
+                    )
+                except PeerUnreachable:
+                    pause = min(self.backoff_s * 2**attempt, _MAX_BACKOFF_S) * random.uniform(0.5, 1.0)
+                    if attempt == self.retries or loop.time() + pause >= deadline:
+                        raise
+                    self.stats.retries += 1
+                    await asyncio.sleep(pause)
+            raise HandshakeTimeout(f"{addr}: no answer within {self.timeout_s:.3g} s")
+        finally:
+            steps.fetch = time.perf_counter() - t0
+
+    def _add_agent(self, addr: PeerAddress, agent_name: str, metadata: bytes) -> str:
+        try:
+            name = self.local.agent.add_peer(metadata)
+        except TransportError as exc:
+            raise HandshakeError(f"{addr}: loading agent {agent_name} failed: {exc}") from exc
+        if name != agent_name:
+            with contextlib.suppress(TransportError):
+                self.local.agent.remove_peer(name)
+            raise HandshakeError(f"{addr}: metadata loads agent {name!r}, reply names {agent_name!r}")
+        return name
+
+    def _drop(self, addr: PeerAddress, peer: PeerRank) -> None:
+        if self._peers.get(addr) is peer:
+            del self._peers[addr]
+        # Another address may name the same remote agent (e.g. "localhost" and "127.0.0.1").
+        if not any(p.agent_name == peer.agent_name for p in self._peers.values()):
+            with contextlib.suppress(TransportError):
+                self.local.agent.remove_peer(peer.agent_name)
+
+    # -- accounting ------------------------------------------------------------------------------------
+
+    def _record(self, peer: PeerRank, mode: PeerMode, steps: _Steps, upgrade: bool) -> None:
+        total = time.perf_counter() - steps.started
+        self.stats.handshakes[mode] += 1
+        self.stats.upgrades += int(upgrade)
+        self.stats.durations_s[mode].append(total)
+        log.debug(
+            "handshake %s:%d engine=%s/%s ranks=pp%d/tp%d of pp%d/tp%d notif_only=%s upgrade=%s "
+            "attempts=%d fetch=%.3fms add_agent=%.3fms prepare=%.3fms total=%.3fms",
+            peer.host,
+            peer.port,
+            peer.engine_id,
+            peer.incarnation,
+            peer.pp_rank,
+            peer.tp_rank,
+            peer.pp_size,
+            peer.tp_size,
+            mode is PeerMode.NOTIF_ONLY,
+            upgrade,
+            steps.attempts,
+            steps.fetch * 1e3,
+            steps.add_agent * 1e3,
+            steps.prepare * 1e3,
+            total * 1e3,
+        )
+
+    def _log_failure(self, addr: PeerAddress, mode: PeerMode, steps: _Steps, exc: BaseException) -> None:
+        reason = _reason(exc)
+        self.stats.failures[reason] += 1
+        log.debug(
+            "handshake %s failed notif_only=%s reason=%s attempts=%d fetch=%.3fms: %s",
+            addr,
+            mode is PeerMode.NOTIF_ONLY,
+            reason.value,
+            steps.attempts,
+            steps.fetch * 1e3,
+            exc,
+        )
+
+
+def max_mode(a: PeerMode, b: PeerMode) -> PeerMode:
+    return PeerMode.FULL if PeerMode.FULL in (a, b) else PeerMode.NOTIF_ONLY
+
+
+def _peer_rank(
+    addr: PeerAddress,
+    mode: PeerMode,
+    agent_name: str,
+    layout: RankLayout | None,
+    fetched: Fetched,
+    clock_offset_s: float,
+) -> PeerRank:
+    md = fetched.metadata
+    return PeerRank(
+        engine_id=md.engine_id,
+        incarnation=md.incarnation,
+        host=addr.host,
+        port=addr.port,
+        tp_size=md.tp_size,
+        tp_rank=md.tp_rank,
+        pp_size=md.pp_size,
+        pp_rank=md.pp_rank,
+        agent_name=agent_name,
+        mode=mode,
+        layout=layout,
+        num_blocks=md.num_blocks,
+        clock_offset_s=clock_offset_s,
+    )

@@ -1,0 +1,256 @@
+"""The side-channel server: one asyncio TCP listener per engine, serving each local rank's metadata.
+
+Theory of operation. A client connects, sends ``get_metadata`` frames (wire contract v1) and reads one
+reply per request: ``metadata`` for a rank this engine serves, else ``error``. A ``notif_only`` request
+gets the agent's connection-only metadata and no regions (a peer that only sends notifications needs no
+descriptors, so the reply stays small whatever the cache size); a full request gets the full agent
+metadata and every region of that rank's cache. Several requests may share one connection (the client
+takes clock samples that way).
+
+Every refusal is an ``error`` frame, never a crash: ``bad_request`` for a frame that does not decode (the
+connection is then closed, since the stream is out of sync), ``incompatible`` for a newer wire version,
+``unauthorized`` when a shared secret is set and the request's HMAC is missing, wrong or replayed,
+``no_such_rank``. Connections are bounded: an idle timeout and a request count per connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvwire.errors import AuthError, ConfigError, KvwireError, ProtocolError, VersionMismatch
+from kvwire.handshake.types import EngineInfo, LocalRank
+from kvwire.protocol.auth import ReplayGuard, verify
+from kvwire.protocol.codec import FRAME_HEADER_BYTES, decode_side, encode_frame, parse_frame_header
+from kvwire.protocol.compat import compat_hash
+from kvwire.protocol.messages import ErrorCode, ErrorReply, GetMetadata, KVInfo, Metadata, RegionMsg
+
+log = logging.getLogger("kvwire.handshake")
+
+DEFAULT_IDLE_TIMEOUT_S = 10.0
+DEFAULT_MAX_REQUESTS = 64
+
+
+@dataclass
+class ServerStats:
+    """Counters of one side-channel server."""
+
+    connections: int = 0
+    replies: Counter[str] = field(default_factory=Counter)  # "metadata" | "notif_only" | ErrorCode value
+
+
+def engine_compat_hash(engine: EngineInfo) -> str:
+    return compat_hash(model_id=engine.model_id, spec=engine.spec, transfer_mode=engine.transfer_mode)
+
+
+def _kv_info(rank: LocalRank) -> KVInfo:
+    spec = rank.cache.spec
+    return KVInfo(
+        num_layers=rank.cache.num_layers,
+        first_layer=rank.cache.first_layer,
+        kv_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        dtype=spec.dtype,
+        block_size=spec.block_size,
+        layout=spec.layout.value,
+        mla=spec.mla,
+    )
+
+
+def _regions(rank: LocalRank) -> list[RegionMsg]:
+    return [
+        RegionMsg(
+            layer=r.layer,
+            kind=r.kind.value,
+            base_addr=r.base_addr,
+            block_len=r.block_len,
+            num_blocks=r.num_blocks,
+            device_id=r.device_id,
+        )
+        for r in rank.cache.regions()
+    ]
+
+
+class SideChannelServer:
+    """Serves the metadata of every local (pp, tp) rank of this engine."""
+
+    def __init__(
+        self,
+        engine: EngineInfo,
+        ranks: Sequence[LocalRank],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        secret: bytes | None = None,
+        *,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+        max_requests_per_conn: int = DEFAULT_MAX_REQUESTS,
+    ) -> None:
+        self._ranks = {(r.pp_rank, r.tp_rank): r for r in ranks}
+        if len(self._ranks) != len(ranks):
+            raise ConfigError("two local ranks share a (pp, tp) rank")
+        self.engine = engine
+        self.compat_hash = engine_compat_hash(engine)
+        self._host = host
+        self._port = port
+        self._secret = secret or None
+        self._replays = ReplayGuard() if self._secret else None
+        self._idle_timeout_s = idle_timeout_s
+        self._max_requests = max_requests_per_conn
+        self._server: asyncio.Server | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+        # A rank's cache never moves (one slab for its life), so its regions are built once.
+        self._region_msgs: dict[tuple[int, int], list[RegionMsg]] = {}
+        self.stats = ServerStats()
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    async def start(self) -> int:
+        """Start listening; returns the bound port."""
+        if self._server is not None:
+            return self._port
+        self._server = await asyncio.start_server(self._on_connect, self._host, self._port)
+        self._port = int(self._server.sockets[0].getsockname()[1])
+        log.debug("side channel of %s listening on %s:%d", self.engine.engine_id, self._host, self._port)
+        return self._port
+
+    async def close(self) -> None:
+        """Stop listening and drop open connections; idempotent."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        for task in list(self._conns):
+            task.cancel()
+        if self._conns:
+            await asyncio.gather(*self._conns, return_exceptions=True)
+        if server is not None:
+            await server.wait_closed()
+
+    async def __aenter__(self) -> SideChannelServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- connections -----------------------------------------------------------------------------------
+
+    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._conns.add(task)
+        self.stats.connections += 1
+        try:
+            await self._serve(reader, writer)
+        except (ConnectionError, TimeoutError, asyncio.IncompleteReadError):
+            pass  # the client went away or idled out: nothing to answer
+        except Exception:  # a bug must cost one connection, never the listener
+            log.exception("side channel of %s: connection handler failed", self.engine.engine_id)
+        finally:
+            if task is not None:
+                self._conns.discard(task)
+            writer.close()
+            with contextlib.suppress(ConnectionError, OSError, asyncio.CancelledError):
+                await writer.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(self._max_requests):
+            try:
+                header = await self._read(reader, FRAME_HEADER_BYTES, at_start=True)
+                if header is None:
+                    return
+                body = await self._read(reader, parse_frame_header(header), at_start=False)
+                assert body is not None
+                msg = decode_side(body)
+            except ProtocolError as exc:
+                # The stream is out of sync after a bad frame: answer, then close.
+                await self._send(writer, self._error_for(exc))
+                return
+            if not isinstance(msg, GetMetadata):
+                await self._send(
+                    writer, self._refuse(ErrorCode.BAD_REQUEST, f"{type(msg).__name__} is no request")
+                )
+                return
+            await self._send(writer, self.answer(msg))
+
+    async def _read(self, reader: asyncio.StreamReader, n: int, *, at_start: bool) -> bytes | None:
+        """Exactly ``n`` bytes, or None on a clean EOF between frames."""
+        try:
+            async with asyncio.timeout(self._idle_timeout_s):
+                return await reader.readexactly(n)
+        except asyncio.IncompleteReadError as exc:
+            if at_start and not exc.partial:
+                return None
+            raise
+
+    async def _send(self, writer: asyncio.StreamWriter, reply: Metadata | ErrorReply) -> None:
+        writer.write(encode_frame(reply))
+        async with asyncio.timeout(self._idle_timeout_s):
+            await writer.drain()
+
+    # -- answers (no I/O) ------------------------------------------------------------------------------
+
+    def _refuse(self, code: ErrorCode, message: str) -> ErrorReply:
+        self.stats.replies[code.value] += 1
+        log.debug("side channel of %s refused a request: %s (%s)", self.engine.engine_id, code.value, message)
+        return ErrorReply(code=code, message=message)
+
+    def _error_for(self, exc: ProtocolError) -> ErrorReply:
+        if isinstance(exc, VersionMismatch):
+            return self._refuse(ErrorCode.INCOMPATIBLE, str(exc))
+        return self._refuse(ErrorCode.BAD_REQUEST, str(exc))
+
+    def answer(self, req: GetMetadata) -> Metadata | ErrorReply:
+        """The reply to one decoded request."""
+        try:
+            verify(req, self._secret)
+            if self._replays is not None:
+                self._replays.check(req)
+        except AuthError as exc:
+            return self._refuse(ErrorCode.UNAUTHORIZED, str(exc))
+        rank = self._ranks.get((req.pp_rank, req.tp_rank))
+        if rank is None:
+            return self._refuse(
+                ErrorCode.NO_SUCH_RANK,
+                f"{self.engine.engine_id} serves no rank pp{req.pp_rank}/tp{req.tp_rank} "
+                f"(pp_size {self.engine.pp_size}, tp_size {self.engine.tp_size})",
+            )
+        try:
+            return self._metadata(rank, notif_only=req.notif_only)
+        except KvwireError as exc:  # e.g. the rank's agent is closed: it cannot be loaded by anyone
+            return self._refuse(
+                ErrorCode.NO_SUCH_RANK, f"rank pp{req.pp_rank}/tp{req.tp_rank} unavailable: {exc}"
+            )
+
+    def _regions_of(self, rank: LocalRank) -> list[RegionMsg]:
+        key = (rank.pp_rank, rank.tp_rank)
+        if key not in self._region_msgs:
+            self._region_msgs[key] = _regions(rank)
+        return self._region_msgs[key]
+
+    def _metadata(self, rank: LocalRank, *, notif_only: bool) -> Metadata:
+        engine = self.engine
+        md = Metadata(
+            engine_id=engine.engine_id,
+            incarnation=engine.incarnation,
+            compat_hash=self.compat_hash,
+            tp_size=engine.tp_size,
+            tp_rank=rank.tp_rank,
+            pp_size=engine.pp_size,
+            pp_rank=rank.pp_rank,
+            agent_name=rank.agent.name,
+            agent_metadata=rank.agent.conn_metadata() if notif_only else rank.agent.metadata(),
+            kv=_kv_info(rank),
+            num_blocks=rank.cache.num_blocks,
+            regions=[] if notif_only else self._regions_of(rank),
+            server_time=time.time(),
+            notif_only=notif_only,
+        )
+        self.stats.replies["notif_only" if notif_only else "metadata"] += 1
+        return md

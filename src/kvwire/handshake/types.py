@@ -1,0 +1,103 @@
+"""Plain data the handshake service works with: this engine, its ranks, and what a handshake yields."""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from kvwire.kv.cache import KVCache
+from kvwire.kv.mapping import RankLayout
+from kvwire.kv.spec import KVSpec
+from kvwire.protocol.messages import TransferMode
+from kvwire.transport.base import Agent, PeerMode
+
+
+@dataclass(frozen=True)
+class LocalRank:
+    """What this engine serves for one (pp, tp) rank: its agent and its KV cache."""
+
+    pp_rank: int
+    tp_rank: int
+    agent: Agent
+    cache: KVCache
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """This engine: identity (the incarnation changes at every start) and the geometry peers must match."""
+
+    engine_id: str
+    incarnation: str
+    model_id: str
+    spec: KVSpec
+    tp_size: int
+    pp_size: int
+    transfer_mode: TransferMode
+
+
+@dataclass(frozen=True)
+class PeerRank:
+    """One remote (pp, tp) rank as loaded into ONE local agent.
+
+    ``agent_name`` is the remote agent's name in the local agent (for ``send_notif`` and ``post``);
+    ``layout`` is None when the peer is loaded notif-only (its memory is not addressable).
+    ``clock_offset_s`` is the peer's clock minus ours, from the lowest-RTT sample.
+    """
+
+    engine_id: str
+    incarnation: str
+    host: str
+    port: int
+    tp_size: int
+    tp_rank: int
+    pp_size: int
+    pp_rank: int
+    agent_name: str
+    mode: PeerMode
+    layout: RankLayout | None
+    num_blocks: int
+    clock_offset_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PeerAddress:
+    """Cache key of a handshake: where the peer's side channel is and which of its ranks we load."""
+
+    host: str
+    port: int
+    pp_rank: int
+    tp_rank: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}/pp{self.pp_rank}/tp{self.tp_rank}"
+
+
+class FailureReason(enum.Enum):
+    """Why a handshake failed (a label of the failure counter)."""
+
+    TIMEOUT = "timeout"
+    UNREACHABLE = "unreachable"
+    INCOMPATIBLE = "incompatible"
+    UNAUTHORIZED = "unauthorized"
+    NO_SUCH_RANK = "no_such_rank"
+    BAD_REPLY = "bad_reply"
+    TRANSPORT = "transport"
+
+
+@dataclass
+class HandshakeStats:
+    """Counters of one HandshakeManager (a metrics exporter reads these attributes)."""
+
+    handshakes: Counter[PeerMode] = field(default_factory=Counter)  # completed, by resulting mode
+    upgrades: int = 0  # NOTIF_ONLY -> FULL, also counted in handshakes[FULL]
+    deduped: int = 0  # ensure() calls that joined a handshake already in flight
+    cache_hits: int = 0
+    retries: int = 0
+    replaced: int = 0  # entries dropped because the peer came back with a new incarnation
+    forgotten: int = 0
+    failures: Counter[FailureReason] = field(default_factory=Counter)
+    # Most recent durations (seconds), by mode; bounded so a long-lived engine does not grow it.
+    durations_s: dict[PeerMode, deque[float]] = field(
+        default_factory=lambda: {mode: deque(maxlen=1024) for mode in PeerMode}
+    )

@@ -1,0 +1,177 @@
+"""Push and pull over real NIXL, P and D in separate processes; D's blocks compared byte for byte.
+
+Two worker processes (one P host, one D host) serve every case: each case builds fresh engines (new
+agents, new incarnations) in them, so the spawn and NIXL start-up are paid once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvwire.connector._worker import ConnectorWorker
+from kvwire.connector.testing import random_kv, same_bytes
+from kvwire.kv.spec import KVSpec
+
+pytestmark = pytest.mark.nixl
+
+SPEC = KVSpec(num_layers=4, kv_heads=4, head_dim=16, block_size=16)
+SPEC_KW = {f.name: getattr(SPEC, f.name) for f in dataclasses.fields(SPEC)}
+NUM_BLOCKS = 64
+_case = iter(range(1000))
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[tuple[ConnectorWorker, ConnectorWorker]]:
+    p, d = ConnectorWorker(), ConnectorWorker()
+    try:
+        yield p, d
+    finally:
+        p.close()
+        d.close()
+
+
+class Engines:
+    def __init__(
+        self,
+        hosts: tuple[ConnectorWorker, ConnectorWorker],
+        *,
+        p_tp: int = 1,
+        p_pp: int = 1,
+        d_tp: int = 1,
+        mode: str = "push",
+    ) -> None:
+        self.p, self.d = hosts
+        n = next(_case)
+        common: dict[str, Any] = {
+            "spec": SPEC_KW | {"layout": SPEC.layout},
+            "num_blocks": NUM_BLOCKS,
+            "mode": mode,
+        }
+        self.p_info = self.p.call("engine", role="p", engine_id=f"P{n}", tp=p_tp, pp=p_pp, **common)
+        self.d_info = self.d.call("engine", role="d", engine_id=f"D{n}", tp=d_tp, pp=1, **common)
+        self.p_tp, self.p_pp = p_tp, p_pp
+
+    def remote(self, block_ids: list[int] | None = None) -> dict[str, Any]:
+        return {
+            "engine_id": self.p_info["engine_id"],
+            "host": "127.0.0.1",
+            "port": self.p_info["port"],
+            "tp_size": self.p_tp,
+            "pp_size": self.p_pp,
+            "block_ids": block_ids or [],
+        }
+
+    def request(
+        self,
+        tid: str,
+        p_blocks: list[int],
+        d_blocks: list[int],
+        n: int,
+        *,
+        cached: int = 0,
+        reg_first: bool = True,
+        pull: bool = False,
+        seed: int = 3,
+    ) -> np.ndarray:
+        self.p.call("fill", block_ids=p_blocks, num_tokens=n, seed=seed)
+        remote = self.remote(p_blocks if pull else None)
+        steps: list[tuple[str, ConnectorWorker, dict[str, Any]]] = [
+            ("finish", self.p, {"tid": tid, "block_ids": p_blocks, "num_tokens": n}),
+            (
+                "allocate",
+                self.d,
+                {"tid": tid, "block_ids": d_blocks, "num_tokens": n, "cached": cached, "remote": remote},
+            ),
+        ]
+        for cmd, host, kw in steps[::-1] if reg_first else steps:
+            host.call(cmd, **kw)
+        assert self.d.call("wait", tid=tid) == ["ready"]
+        assert self.p.call("wait", tid=tid) == ["pulled" if pull else "sent"]
+        return random_kv(SPEC, n, seed)
+
+    def check(self, d_blocks: list[int], kv: np.ndarray, start: int = 0) -> None:
+        n = kv.shape[3]
+        got = self.d.call("gather", block_ids=d_blocks, start=start, stop=n)
+        assert same_bytes(got, kv[:, :, :, start:])
+
+    def close(self) -> None:
+        self.p.call("close_engine")
+        self.d.call("close_engine")
+
+
+@pytest.mark.parametrize(("p_tp", "p_pp", "d_tp"), [(1, 1, 1), (2, 1, 1), (1, 1, 2), (1, 2, 1)])
+def test_push_bytes_equal(
+    hosts: tuple[ConnectorWorker, ConnectorWorker], p_tp: int, p_pp: int, d_tp: int
+) -> None:
+    eng = Engines(hosts, p_tp=p_tp, p_pp=p_pp, d_tp=d_tp)
+    try:
+        d_blocks = [9, 3, 4, 40]
+        kv = eng.request("r", [1, 2, 7, 8], d_blocks, 60)
+        eng.check(d_blocks, kv)
+        assert eng.d.call("untouched", used=d_blocks)
+    finally:
+        eng.close()
+
+
+def test_registration_before_and_after_finish(hosts: tuple[ConnectorWorker, ConnectorWorker]) -> None:
+    eng = Engines(hosts)
+    try:
+        kv1 = eng.request("before", [0, 1, 2], [10, 11, 12], 40, reg_first=True, seed=5)
+        kv2 = eng.request("after", [3, 4, 5], [20, 21, 22], 48, reg_first=False, seed=6)
+        eng.check([10, 11, 12], kv1)
+        eng.check([20, 21, 22], kv2)
+        stats = eng.p.call("stats")
+        assert stats["transfers_done"] == 2
+        assert stats["descs"] == 2 * SPEC.num_layers * 2  # contiguous blocks: one descriptor per region
+    finally:
+        eng.close()
+
+
+def test_prefix_hit_trims_to_the_uncached_suffix(hosts: tuple[ConnectorWorker, ConnectorWorker]) -> None:
+    eng = Engines(hosts)
+    try:
+        d_blocks, cached, n = [30, 31, 32, 33], 32, 50
+        eng.d.call("fill", block_ids=d_blocks, num_tokens=n, seed=99, tokens=(0, cached))  # D's own prefix
+        eng.p.call("fill", block_ids=[0, 1, 2, 3], num_tokens=n, seed=7)
+        eng.d.call(
+            "allocate", tid="hit", block_ids=d_blocks, num_tokens=n, cached=cached, remote=eng.remote()
+        )
+        eng.p.call("finish", tid="hit", block_ids=[0, 1, 2, 3], num_tokens=n)
+        assert eng.d.call("wait", tid="hit") == ["ready"]
+        eng.check(d_blocks, random_kv(SPEC, n, 7), start=cached)
+        prefix = eng.d.call("gather", block_ids=d_blocks, start=0, stop=cached)
+        assert same_bytes(prefix, random_kv(SPEC, n, 99)[:, :, :, :cached])
+        assert eng.p.call("stats")["bytes"] == 2 * SPEC.num_layers * 2 * SPEC.block_bytes(SPEC.kv_heads)
+    finally:
+        eng.close()
+
+
+def test_pull_bytes_equal(hosts: tuple[ConnectorWorker, ConnectorWorker]) -> None:
+    eng = Engines(hosts, mode="pull")
+    try:
+        kv = eng.request("pull", [5, 6, 7], [1, 2, 3], 40, pull=True)
+        eng.check([1, 2, 3], kv)
+    finally:
+        eng.close()
+
+
+def test_push_handshakes_are_asymmetric(hosts: tuple[ConnectorWorker, ConnectorWorker]) -> None:
+    eng = Engines(hosts)
+    try:
+        eng.request("asym", [0, 1], [0, 1], 32)
+        p_agent, d_agent = eng.p_info["agents"][0], eng.d_info["agents"][0]
+        assert eng.d.call("peer_modes") == {d_agent: {p_agent: "notif_only"}}
+        assert eng.p.call("peer_modes") == {p_agent: {d_agent: "full"}}
+        # D holds no descriptor of P's memory: a READ of P's first block is refused, typed.
+        addr, block_len = eng.p.call("regions")[0]
+        assert eng.d.call("try_read", peer=p_agent, addr=addr, length=block_len) == "NotAddressable"
+        # P can address D's memory: the same READ from P's side is accepted.
+        d_addr, _ = eng.d.call("regions")[0]
+        assert eng.p.call("try_read", peer=d_agent, addr=d_addr, length=block_len) == "ok"
+    finally:
+        eng.close()

@@ -1,0 +1,114 @@
+"""A P engine and a D engine on one in-process fabric, sharing one background loop (tests only)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import numpy as np
+
+from kvwire.connector import (
+    ConnectorConfig,
+    Consumer,
+    ConsumerEvent,
+    Producer,
+    ProducerEvent,
+    RemoteEngine,
+)
+from kvwire.connector.testing import EngineSetup, build_engine, gather_tokens, random_kv, scatter_tokens
+from kvwire.handshake.loop import BackgroundLoop
+from kvwire.kv.spec import KVSpec
+from kvwire.protocol.messages import TransferMode
+from kvwire.transport.inproc import InprocAgent, InprocFabric
+
+T = TypeVar("T")
+WAIT_S = 10.0
+_ids = itertools.count()
+
+
+def wait_for(fn: Callable[[], T | None], what: str, timeout_s: float = WAIT_S) -> T:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = fn()
+        if got:
+            return got
+        time.sleep(0.001)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Pair:
+    def __init__(
+        self,
+        spec: KVSpec,
+        *,
+        p_tp: int = 1,
+        p_pp: int = 1,
+        d_tp: int = 1,
+        mode: TransferMode = TransferMode.PUSH,
+        config: ConnectorConfig | None = None,
+        d_config: ConnectorConfig | None = None,
+        num_blocks: int = 32,
+    ) -> None:
+        n = next(_ids)
+        self.spec = spec
+        self.fabric = InprocFabric()
+        # One loop for both sides: the in-process agents are then only touched from one thread.
+        self.loop = BackgroundLoop(name="kvwire-test")
+        cfg = config or ConnectorConfig(mode=mode)
+        self.p: EngineSetup = build_engine(
+            f"p{n}", spec, tp=p_tp, pp=p_pp, num_blocks=num_blocks, mode=mode, fabric=self.fabric
+        )
+        self.d: EngineSetup = build_engine(
+            f"d{n}", spec, tp=d_tp, num_blocks=num_blocks, mode=mode, fabric=self.fabric
+        )
+        self.producer = Producer(self.p.engine, self.p.ranks, cfg, loop=self.loop)
+        self.consumer = Consumer(self.d.engine, self.d.ranks, d_config or cfg, loop=self.loop)
+        self.p_port = self.producer.start()
+        self.consumer.start()
+        self.p_events: list[ProducerEvent] = []
+        self.d_events: list[ConsumerEvent] = []
+
+    def p_agent(self, i: int = 0) -> InprocAgent:
+        agent = self.p.ranks[i].agent
+        assert isinstance(agent, InprocAgent)
+        return agent
+
+    def remote(self, block_ids: tuple[int, ...] = ()) -> RemoteEngine:
+        e = self.p.engine
+        return RemoteEngine(e.engine_id, "127.0.0.1", self.p_port, e.tp_size, e.pp_size, block_ids)
+
+    def fill_p(self, block_ids: list[int], num_tokens: int, seed: int = 1) -> np.ndarray:
+        kv = random_kv(self.spec, num_tokens, seed)
+        scatter_tokens(self.p.ranks, block_ids, kv)
+        return kv
+
+    def d_tokens(self, block_ids: list[int], tokens: range) -> np.ndarray:
+        return gather_tokens(self.d.ranks, block_ids, tokens)
+
+    def p_event(self, transfer_id: str) -> ProducerEvent:
+        def find() -> ProducerEvent | None:
+            self.p_events += self.producer.poll()
+            return next((e for e in self.p_events if e.transfer_id == transfer_id), None)
+
+        return wait_for(find, f"producer event for {transfer_id}")
+
+    def d_event(self, transfer_id: str, *, final: bool = True) -> list[ConsumerEvent]:
+        """Events of one request, waiting for its final one (READY or RELEASED) or, if not final, any."""
+
+        def find() -> list[ConsumerEvent] | None:
+            self.d_events += self.consumer.poll()
+            mine = [e for e in self.d_events if e.transfer_id == transfer_id]
+            if not final:
+                return mine or None
+            return mine if any(e.kind.value in ("ready", "released") for e in mine) else None
+
+        return wait_for(find, f"consumer events for {transfer_id}")
+
+    def close(self) -> None:
+        self.producer.close()
+        self.consumer.close()
+        self.loop.close()
+        self.p.close()
+        self.d.close()

@@ -1,0 +1,435 @@
+"""HandshakeManager over the inproc backend: modes, dedupe, upgrade, timeouts, retries, auth, restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from kvwire.errors import (
+    HandshakeTimeout,
+    IncompatiblePeer,
+    NoSuchRank,
+    NotAddressable,
+    PeerNotFound,
+    PeerUnreachable,
+    Unauthorized,
+)
+from kvwire.handshake.manager import HandshakeManager
+from kvwire.handshake.server import SideChannelServer
+from kvwire.handshake.testing import SilentListener, build_engine
+from kvwire.handshake.types import EngineInfo, FailureReason, LocalRank
+from kvwire.kv.spec import KVSpec, RegionKind
+from kvwire.transport.base import Desc, PeerMode, XferOp, XferStatus
+from kvwire.transport.inproc import InprocFabric
+
+SPEC = KVSpec(num_layers=4, kv_heads=2, head_dim=8, block_size=4)
+HOST = "127.0.0.1"
+SECRET = b"cluster-secret"
+
+
+def run(coro_fn: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(coro_fn(), 30))  # type: ignore[arg-type]
+
+
+@dataclass
+class Pair:
+    fabric: InprocFabric
+    p_info: EngineInfo
+    p_ranks: list[LocalRank]
+    server: SideChannelServer
+    d_info: EngineInfo
+    d_rank: LocalRank
+    mgr: HandshakeManager
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+
+@asynccontextmanager
+async def pair(
+    *,
+    server_secret: bytes | None = None,
+    client_secret: bytes | None = None,
+    p_model: str = "test-model",
+    p_tp: int = 1,
+    p_pp: int = 1,
+    port: int = 0,
+    **mgr_kwargs: float,
+) -> AsyncIterator[Pair]:
+    fabric = InprocFabric()
+    p_info, p_ranks = build_engine(
+        "P", SPEC, 32, fabric.create_agent, tp_size=p_tp, pp_size=p_pp, model_id=p_model
+    )
+    d_info, d_ranks = build_engine("D", SPEC, 16, fabric.create_agent)
+    server = SideChannelServer(p_info, p_ranks, port=port, secret=server_secret)
+    await server.start()
+    mgr = HandshakeManager(d_info, d_ranks[0], secret=client_secret, **mgr_kwargs)  # type: ignore[arg-type]
+    try:
+        yield Pair(fabric, p_info, p_ranks, server, d_info, d_ranks[0], mgr)
+    finally:
+        await mgr.close()
+        await server.close()
+
+
+def test_notif_only_handshake_loads_connection_only() -> None:
+    async def body() -> None:
+        async with pair() as t:
+            peer = await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY)
+            p_agent = t.p_ranks[0].agent
+            assert peer.agent_name == p_agent.name
+            assert (peer.engine_id, peer.incarnation) == ("P", t.p_info.incarnation)
+            assert peer.mode is PeerMode.NOTIF_ONLY and peer.layout is None and peer.num_blocks == 32
+            assert t.d_rank.agent.peer_mode(p_agent.name) is PeerMode.NOTIF_ONLY
+            assert t.server.stats.replies["metadata"] == 0  # only connection metadata was ever asked for
+            t.d_rank.agent.send_notif(peer.agent_name, b"hello")
+            assert p_agent.drain_notifs() == {t.d_rank.agent.name: [b"hello"]}
+            # The asymmetry: D cannot touch P's memory after a notif-only handshake.
+            region = t.p_ranks[0].cache.regions()[0]
+            local = t.d_rank.cache.regions()[0]
+            with pytest.raises(NotAddressable):
+                t.d_rank.agent.post(
+                    XferOp.READ, [Desc(local.base_addr, 16)], [Desc(region.base_addr, 16)], peer.agent_name
+                )
+            assert t.mgr.stats.handshakes[PeerMode.NOTIF_ONLY] == 1
+
+    run(body)
+
+
+def test_full_handshake_makes_memory_addressable_with_region_addresses() -> None:
+    async def body() -> None:
+        async with pair() as t:
+            peer = await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.FULL)
+            assert peer.mode is PeerMode.FULL and peer.layout is not None
+            p_cache = t.p_ranks[0].cache
+            assert peer.layout.regions == tuple(p_cache.regions())
+            assert t.d_rank.agent.peer_mode(peer.agent_name) is PeerMode.FULL
+            # Write D's block 3 of layer 1/V into P's block 7 using only the layout's base address.
+            d_cache = t.d_rank.cache
+            d_cache.v(1)[3] = np.arange(d_cache.v(1)[3].size).reshape(d_cache.v(1)[3].shape)
+            remote = peer.layout.region(1, RegionKind.V)
+            src = d_cache.regions()[3]
+            assert (src.layer, src.kind) == (1, RegionKind.V)
+            handle = t.d_rank.agent.post(
+                XferOp.WRITE,
+                [Desc(src.base_addr + 3 * src.block_len, src.block_len)],
+                [Desc(remote.base_addr + 7 * remote.block_len, remote.block_len)],
+                peer.agent_name,
+            )
+            for _ in range(100):
+                if t.d_rank.agent.status(handle) is not XferStatus.IN_PROGRESS:
+                    break
+            assert t.d_rank.agent.status(handle) is XferStatus.DONE
+            assert (
+                p_cache.block_bytes_view(1, RegionKind.V, 7).tobytes()
+                == d_cache.block_bytes_view(1, RegionKind.V, 3).tobytes()
+            )
+
+    run(body)
+
+
+def test_ten_concurrent_callers_share_one_fetch() -> None:
+    async def body() -> None:
+        async with pair(clock_samples=1) as t:
+            peers = await asyncio.gather(
+                *(t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.FULL) for _ in range(10))
+            )
+            assert all(p is peers[0] for p in peers)
+            assert t.server.stats.connections == 1 and t.server.stats.replies["metadata"] == 1
+            assert t.mgr.stats.deduped == 9 and t.mgr.stats.handshakes[PeerMode.FULL] == 1
+            # Later callers are cache hits: no new connection.
+            assert await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY) is peers[0]
+            assert t.server.stats.connections == 1 and t.mgr.stats.cache_hits == 1
+
+    run(body)
+
+
+def test_upgrade_does_only_the_missing_part() -> None:
+    async def body() -> None:
+        async with pair(clock_samples=3, clock_rtt_target_s=0.0) as t:
+            first = await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY)
+            assert t.server.stats.replies["notif_only"] == 3  # the request and two more clock samples
+            full = await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.FULL)
+            # One full request, no new clock samples, the agent upgraded in place.
+            assert t.server.stats.replies["metadata"] == 1 and t.server.stats.replies["notif_only"] == 3
+            assert full.mode is PeerMode.FULL and full.clock_offset_s == first.clock_offset_s
+            assert t.d_rank.agent.peer_mode(full.agent_name) is PeerMode.FULL
+            assert t.mgr.stats.upgrades == 1
+            assert (
+                t.mgr.stats.handshakes[PeerMode.NOTIF_ONLY] == 1
+                and t.mgr.stats.handshakes[PeerMode.FULL] == 1
+            )
+            assert t.mgr.peers() == [full]
+
+    run(body)
+
+
+def test_full_caller_joining_a_notif_only_handshake_gets_an_upgrade() -> None:
+    async def body() -> None:
+        async with pair(clock_samples=1) as t:
+            notif, full, notif2 = await asyncio.gather(
+                t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY),
+                t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.FULL),
+                t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY),
+            )
+            assert notif.mode is PeerMode.NOTIF_ONLY and notif2 is notif
+            assert full.mode is PeerMode.FULL
+            assert t.mgr.stats.upgrades == 1 and t.server.stats.connections == 2
+
+    run(body)
+
+
+def test_handshakes_with_different_ranks_run_separately() -> None:
+    async def body() -> None:
+        async with pair(p_tp=2, p_pp=2, clock_samples=1) as t:
+            peers = await asyncio.gather(
+                *(
+                    t.mgr.ensure(HOST, t.port, pp, tp, PeerMode.NOTIF_ONLY)
+                    for pp in range(2)
+                    for tp in range(2)
+                )
+            )
+            assert sorted((p.pp_rank, p.tp_rank) for p in peers) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+            assert len({p.agent_name for p in peers}) == 4
+            assert t.server.stats.connections == 4
+            with pytest.raises(NoSuchRank):
+                await t.mgr.ensure(HOST, t.port, 2, 0, PeerMode.NOTIF_ONLY)
+            assert t.mgr.stats.failures[FailureReason.NO_SUCH_RANK] == 1
+
+    run(body)
+
+
+def test_full_handshake_with_a_pp_stage_validates_its_layer_window() -> None:
+    async def body() -> None:
+        async with pair(p_pp=2, clock_samples=1) as t:
+            peer = await t.mgr.ensure(HOST, t.port, 1, 0, PeerMode.FULL)
+            assert peer.layout is not None and peer.layout.layers == range(2, 4)
+            assert len(peer.layout.regions) == 4
+
+    run(body)
+
+
+def test_timeout_against_a_listener_that_never_answers() -> None:
+    async def body() -> None:
+        fabric = InprocFabric()
+        d_info, d_ranks = build_engine("D", SPEC, 16, fabric.create_agent)
+        mgr = HandshakeManager(d_info, d_ranks[0], timeout_s=0.3, retries=3)
+        async with SilentListener() as silent:
+            with pytest.raises(HandshakeTimeout):
+                await mgr.ensure(HOST, silent.port, 0, 0, PeerMode.NOTIF_ONLY)
+            assert silent.accepted == 1  # a hung peer is not retried past the deadline
+        assert mgr.stats.failures[FailureReason.TIMEOUT] == 1 and mgr.peers() == []
+        await mgr.close()
+
+    run(body)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def test_refused_connection_is_retried_a_bounded_number_of_times() -> None:
+    async def body() -> None:
+        fabric = InprocFabric()
+        d_info, d_ranks = build_engine("D", SPEC, 16, fabric.create_agent)
+        mgr = HandshakeManager(d_info, d_ranks[0], timeout_s=5.0, retries=2, backoff_s=0.01)
+        with pytest.raises(PeerUnreachable):
+            await mgr.ensure(HOST, _free_port(), 0, 0, PeerMode.NOTIF_ONLY)
+        assert mgr.stats.retries == 2 and mgr.stats.failures[FailureReason.UNREACHABLE] == 1
+        await mgr.close()
+
+    run(body)
+
+
+def test_peer_that_comes_up_during_retries_is_reached() -> None:
+    async def body() -> None:
+        fabric = InprocFabric()
+        d_info, d_ranks = build_engine("D", SPEC, 16, fabric.create_agent)
+        p_info, p_ranks = build_engine("P", SPEC, 8, fabric.create_agent)
+        mgr = HandshakeManager(d_info, d_ranks[0], timeout_s=10.0, retries=50, backoff_s=0.01)
+        port = _free_port()
+        task = asyncio.create_task(mgr.ensure(HOST, port, 0, 0, PeerMode.NOTIF_ONLY))
+        for _ in range(1000):
+            if mgr.stats.retries >= 1:
+                break
+            await asyncio.sleep(0.005)
+        async with SideChannelServer(p_info, p_ranks, port=port):
+            peer = await task
+        assert peer.engine_id == "P" and mgr.stats.retries >= 1
+        assert mgr.stats.failures.total() == 0
+        await mgr.close()
+
+    run(body)
+
+
+def test_incompatible_compat_hash_is_refused_without_retry() -> None:
+    async def body() -> None:
+        async with pair(p_model="another-model") as t:
+            with pytest.raises(IncompatiblePeer, match="compat hash"):
+                await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY)
+            assert t.server.stats.connections == 1 and t.mgr.stats.retries == 0
+            assert t.mgr.stats.failures[FailureReason.INCOMPATIBLE] == 1
+            assert t.d_rank.agent.peer_mode(t.p_ranks[0].agent.name) is None
+
+    run(body)
+
+
+def test_expected_engine_id_is_checked() -> None:
+    async def body() -> None:
+        async with pair() as t:
+            with pytest.raises(IncompatiblePeer, match="not the expected"):
+                await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY, engine_id="Q")
+            assert (
+                await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY, engine_id="P")
+            ).engine_id == "P"
+
+    run(body)
+
+
+@pytest.mark.parametrize(
+    ("server_secret", "client_secret", "ok"),
+    [(SECRET, SECRET, True), (SECRET, b"wrong", False), (SECRET, None, False), (None, SECRET, True)],
+    ids=["good", "bad", "missing", "server-open"],
+)
+def test_auth(server_secret: bytes | None, client_secret: bytes | None, ok: bool) -> None:
+    async def body() -> None:
+        async with pair(
+            server_secret=server_secret, client_secret=client_secret, clock_samples=3, clock_rtt_target_s=0.0
+        ) as t:
+            if ok:
+                peer = await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.FULL)
+                assert peer.mode is PeerMode.FULL
+            else:
+                with pytest.raises(Unauthorized):
+                    await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.FULL)
+                assert t.mgr.stats.failures[FailureReason.UNAUTHORIZED] == 1 and t.mgr.stats.retries == 0
+
+    run(body)
+
+
+def test_restarted_peer_with_new_incarnation_replaces_the_old() -> None:
+    async def body() -> None:
+        async with pair(clock_samples=1) as t:
+            old = await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY)
+            port = t.port
+            await t.server.close()
+            # P restarts on the same port: new incarnation, new agent name, new buffers.
+            p2_info, p2_ranks = build_engine("P", SPEC, 32, t.fabric.create_agent)
+            async with SideChannelServer(p2_info, p2_ranks, port=port):
+                # The cached entry serves callers that do not know better...
+                assert await t.mgr.ensure(HOST, port, 0, 0, PeerMode.NOTIF_ONLY) is old
+                # ...a caller that saw the new incarnation (e.g. in a push_reg) gets it refreshed.
+                new = await t.mgr.ensure(
+                    HOST, port, 0, 0, PeerMode.NOTIF_ONLY, incarnation=p2_info.incarnation
+                )
+                assert new.incarnation == p2_info.incarnation != old.incarnation
+                assert new.agent_name == p2_ranks[0].agent.name != old.agent_name
+                assert t.d_rank.agent.peer_mode(old.agent_name) is None
+                assert t.d_rank.agent.peer_mode(new.agent_name) is PeerMode.NOTIF_ONLY
+                assert t.mgr.peers() == [new] and t.mgr.stats.replaced == 1
+
+    run(body)
+
+
+def test_upgrade_that_finds_a_restarted_peer_reloads_it_in_full() -> None:
+    async def body() -> None:
+        async with pair(clock_samples=1) as t:
+            old = await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY)
+            port = t.port
+            await t.server.close()
+            p2_info, p2_ranks = build_engine("P", SPEC, 32, t.fabric.create_agent)
+            async with SideChannelServer(p2_info, p2_ranks, port=port):
+                new = await t.mgr.ensure(HOST, port, 0, 0, PeerMode.FULL)
+            assert new.incarnation == p2_info.incarnation and new.mode is PeerMode.FULL
+            assert new.layout is not None and new.layout.regions == tuple(p2_ranks[0].cache.regions())
+            assert t.d_rank.agent.peer_mode(old.agent_name) is None
+            assert t.mgr.stats.replaced == 1 and t.mgr.stats.upgrades == 0
+
+    run(body)
+
+
+def test_forget_and_reap_remove_agents() -> None:
+    async def body() -> None:
+        async with pair(p_tp=2, clock_samples=1) as t:
+            a = await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY)
+            b = await t.mgr.ensure(HOST, t.port, 0, 1, PeerMode.FULL)
+            t.mgr.forget("P")
+            assert t.mgr.peers() == []
+            for name in (a.agent_name, b.agent_name):
+                assert t.d_rank.agent.peer_mode(name) is None
+                with pytest.raises(PeerNotFound):
+                    t.d_rank.agent.send_notif(name, b"x")
+            assert t.mgr.stats.forgotten == 1
+            # Reap: a peer untouched past the TTL goes; a fresh one stays.
+            await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY)
+            t.mgr.touch("P", 100.0)
+            assert t.mgr.reap_idle(now=150.0, ttl_s=60.0) == []
+            assert t.mgr.reap_idle(now=161.0, ttl_s=60.0) == ["P"]
+            assert t.mgr.peers() == [] and t.mgr.reap_idle(now=500.0, ttl_s=60.0) == []
+            # A forgotten peer is handshaken again on demand.
+            assert (await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY)).engine_id == "P"
+            assert t.mgr.stats.handshakes[PeerMode.NOTIF_ONLY] == 3
+
+    run(body)
+
+
+def test_cancelled_caller_does_not_cancel_the_shared_handshake() -> None:
+    async def body() -> None:
+        async with pair(clock_samples=1) as t:
+            first = asyncio.create_task(t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY))
+            second = asyncio.create_task(t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY))
+            await asyncio.sleep(0)
+            first.cancel()
+            peer = await second
+            assert peer.engine_id == "P" and first.cancelled()
+            assert t.mgr.stats.handshakes[PeerMode.NOTIF_ONLY] == 1
+
+    run(body)
+
+
+def test_one_debug_line_per_handshake(caplog: pytest.LogCaptureFixture) -> None:
+    async def body() -> None:
+        async with pair(clock_samples=1) as t:
+            await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY)
+            await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.FULL)
+            await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.FULL)  # cache hit: no line
+
+    with caplog.at_level(logging.DEBUG, logger="kvwire.handshake"):
+        run(body)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("handshake ")]
+    assert len(lines) == 2
+    assert "notif_only=True" in lines[0] and "notif_only=False" in lines[1] and "upgrade=True" in lines[1]
+    for line in lines:
+        assert "ranks=pp0/tp0" in line and "engine=P/" in line
+        for step in ("fetch=", "add_agent=", "prepare="):
+            assert step in line
+
+
+def test_close_unloads_every_peer() -> None:
+    async def body() -> None:
+        async with pair(clock_samples=1) as t:
+            peer = await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.FULL)
+            await t.mgr.close()
+            assert t.mgr.peers() == [] and t.d_rank.agent.peer_mode(peer.agent_name) is None
+
+    run(body)
+
+
+def test_clock_samples_stop_once_a_round_trip_is_short_enough() -> None:
+    async def body() -> None:
+        async with pair(clock_samples=5, clock_rtt_target_s=60.0) as t:
+            peer = await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY)
+            assert t.server.stats.replies["notif_only"] == 1
+            # Same process, same clock: the offset is within half a round trip of zero.
+            assert abs(peer.clock_offset_s) < 1.0
+
+    run(body)

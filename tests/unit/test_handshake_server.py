@@ -1,0 +1,268 @@
+"""The side-channel server: replies per wire contract v1, and an error frame for every refusal."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import pytest
+
+from kvwire.handshake.server import SideChannelServer
+from kvwire.handshake.testing import build_engine
+from kvwire.kv.spec import KVSpec
+from kvwire.protocol.auth import sign
+from kvwire.protocol.codec import FrameDecoder, encode_frame
+from kvwire.protocol.compat import compat_hash
+from kvwire.protocol.messages import (
+    MAX_FRAME_BYTES,
+    ErrorCode,
+    ErrorReply,
+    GetMetadata,
+    Metadata,
+    SideMessage,
+    TransferMode,
+)
+from kvwire.transport.inproc import InprocFabric
+
+SPEC = KVSpec(num_layers=4, kv_heads=4, head_dim=8, block_size=4)
+SECRET = b"s3cret"
+
+
+def run(coro_fn: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(coro_fn(), 20))  # type: ignore[arg-type]
+
+
+def make_server(secret: bytes | None = None, tp_size: int = 2, pp_size: int = 2) -> SideChannelServer:
+    fabric = InprocFabric()
+    info, ranks = build_engine("P", SPEC, 16, fabric.create_agent, tp_size=tp_size, pp_size=pp_size)
+    return SideChannelServer(info, ranks, secret=secret)
+
+
+async def exchange(port: int, payload: bytes, expect: int = 1) -> tuple[list[SideMessage], bool]:
+    """Send raw bytes, read ``expect`` replies, then report whether the server closed the connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(payload)
+    await writer.drain()
+    decoder = FrameDecoder()
+    out: list[SideMessage] = []
+    closed = False
+    for _ in range(100):
+        quiet = 5.0 if len(out) < expect else 0.05
+        try:
+            chunk = await asyncio.wait_for(reader.read(65536), quiet)
+        except TimeoutError:
+            break
+        if not chunk:
+            closed = True
+            break
+        out += decoder.feed(chunk)
+    writer.close()
+    await writer.wait_closed()
+    return out, closed
+
+
+def test_full_request_gets_regions_and_full_metadata() -> None:
+    async def body() -> None:
+        async with make_server() as server:
+            replies, closed = await exchange(server.port, encode_frame(GetMetadata(pp_rank=1, tp_rank=1)))
+            assert not closed and len(replies) == 1
+            md = replies[0]
+            assert isinstance(md, Metadata)
+            rank = next(r for r in server._ranks.values() if (r.pp_rank, r.tp_rank) == (1, 1))
+            assert md.agent_name == rank.agent.name
+            assert md.agent_metadata == rank.agent.metadata()
+            assert not md.notif_only
+            assert (md.engine_id, md.incarnation) == (server.engine.engine_id, server.engine.incarnation)
+            assert md.compat_hash == compat_hash(
+                model_id="test-model", spec=SPEC, transfer_mode=TransferMode.PUSH
+            )
+            assert (md.tp_size, md.tp_rank, md.pp_size, md.pp_rank) == (2, 1, 2, 1)
+            assert (md.kv.first_layer, md.kv.num_layers, md.kv.kv_heads) == (2, 2, 4)
+            got = [(r.layer, r.kind, r.base_addr, r.block_len, r.num_blocks) for r in md.regions]
+            want = [
+                (r.layer, r.kind.value, r.base_addr, r.block_len, r.num_blocks) for r in rank.cache.regions()
+            ]
+            assert got == want and len(got) == 4
+            assert md.server_time > 0
+
+    run(body)
+
+
+def test_notif_only_request_gets_connection_metadata_and_no_regions() -> None:
+    async def body() -> None:
+        async with make_server() as server:
+            req = GetMetadata(pp_rank=0, tp_rank=1, notif_only=True)
+            replies, _ = await exchange(server.port, encode_frame(req))
+            md = replies[0]
+            assert isinstance(md, Metadata)
+            rank = server._ranks[(0, 1)]
+            assert md.notif_only and md.regions == []
+            assert md.agent_metadata == rank.agent.conn_metadata() != rank.agent.metadata()
+            assert server.stats.replies["notif_only"] == 1
+
+    run(body)
+
+
+def test_several_requests_share_a_connection() -> None:
+    async def body() -> None:
+        async with make_server() as server:
+            payload = b"".join(encode_frame(GetMetadata(pp_rank=0, tp_rank=t % 2)) for t in range(5))
+            replies, closed = await exchange(server.port, payload, expect=5)
+            assert not closed
+            assert [m.tp_rank for m in replies if isinstance(m, Metadata)] == [0, 1, 0, 1, 0]
+            assert server.stats.connections == 1
+
+    run(body)
+
+
+def test_unknown_rank_is_refused_and_connection_stays_usable() -> None:
+    async def body() -> None:
+        async with make_server() as server:
+            payload = encode_frame(GetMetadata(pp_rank=0, tp_rank=7)) + encode_frame(
+                GetMetadata(pp_rank=0, tp_rank=0)
+            )
+            replies, closed = await exchange(server.port, payload, expect=2)
+            assert isinstance(replies[0], ErrorReply) and replies[0].code is ErrorCode.NO_SUCH_RANK
+            assert isinstance(replies[1], Metadata) and not closed
+
+    run(body)
+
+
+ENC = msgspec.msgpack.Encoder()
+
+
+def frame(body: bytes) -> bytes:
+    return len(body).to_bytes(4, "big") + body
+
+
+@pytest.mark.parametrize(
+    ("payload", "code"),
+    [
+        (frame(b"\xc1garbage"), ErrorCode.BAD_REQUEST),
+        (
+            frame(ENC.encode({"type": "get_metadata", "version": 1, "pp_rank": "x", "tp_rank": 0})),
+            ErrorCode.BAD_REQUEST,
+        ),
+        (
+            frame(ENC.encode({"type": "get_metadata", "version": 1, "pp_rank": -1, "tp_rank": 0})),
+            ErrorCode.BAD_REQUEST,
+        ),
+        (frame(ENC.encode({"type": "launch_missiles", "version": 1})), ErrorCode.BAD_REQUEST),
+        (
+            frame(ENC.encode({"type": "get_metadata", "version": 2, "pp_rank": 0, "tp_rank": 0})),
+            ErrorCode.INCOMPATIBLE,
+        ),
+        (frame(ENC.encode([1, 2, 3])), ErrorCode.BAD_REQUEST),
+        ((MAX_FRAME_BYTES + 1).to_bytes(4, "big"), ErrorCode.BAD_REQUEST),
+        ((0).to_bytes(4, "big"), ErrorCode.BAD_REQUEST),
+        (
+            encode_frame(ErrorReply(code=ErrorCode.BAD_REQUEST, message="a reply is no request")),
+            ErrorCode.BAD_REQUEST,
+        ),
+    ],
+    ids=[
+        "garbage",
+        "wrong-type",
+        "negative-rank",
+        "unknown-type",
+        "newer-version",
+        "not-a-map",
+        "oversized",
+        "empty",
+        "reply-as-request",
+    ],
+)
+def test_bad_frames_get_an_error_then_the_connection_closes(payload: bytes, code: ErrorCode) -> None:
+    async def body() -> None:
+        async with make_server() as server:
+            # A valid request after the bad frame must not be answered: the stream is out of sync.
+            replies, closed = await exchange(
+                server.port, payload + encode_frame(GetMetadata(pp_rank=0, tp_rank=0))
+            )
+            assert closed
+            assert len(replies) == 1
+            assert isinstance(replies[0], ErrorReply) and replies[0].code is code
+            # The server survived: a new connection is served.
+            replies, _ = await exchange(server.port, encode_frame(GetMetadata(pp_rank=0, tp_rank=0)))
+            assert isinstance(replies[0], Metadata)
+
+    run(body)
+
+
+def test_truncated_frame_then_eof_does_not_crash_the_server() -> None:
+    async def body() -> None:
+        async with make_server() as server:
+            whole = encode_frame(GetMetadata(pp_rank=0, tp_rank=0))
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(whole[:-3])
+            writer.write_eof()
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+            writer.close()
+            replies, _ = await exchange(server.port, whole)
+            assert isinstance(replies[0], Metadata)
+
+    run(body)
+
+
+def test_idle_connection_is_closed() -> None:
+    async def body() -> None:
+        fabric = InprocFabric()
+        info, ranks = build_engine("P", SPEC, 16, fabric.create_agent)
+        async with SideChannelServer(info, ranks, idle_timeout_s=0.2) as server:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+            writer.close()
+
+    run(body)
+
+
+def test_auth_good_missing_wrong_and_replayed() -> None:
+    async def body() -> None:
+        async with make_server(secret=SECRET) as server:
+            good = sign(GetMetadata(pp_rank=0, tp_rank=0), SECRET)
+            replies, _ = await exchange(server.port, encode_frame(good))
+            assert isinstance(replies[0], Metadata)
+            for bad in (
+                GetMetadata(pp_rank=0, tp_rank=0),  # missing
+                sign(GetMetadata(pp_rank=0, tp_rank=0), b"other"),  # wrong secret
+                msgspec.structs.replace(good, tp_rank=1),  # tampered after signing
+                good,  # replayed
+            ):
+                replies, closed = await exchange(server.port, encode_frame(bad))
+                assert isinstance(replies[0], ErrorReply), bad
+                assert replies[0].code is ErrorCode.UNAUTHORIZED
+                assert not closed  # a refusal of a well-formed request keeps the connection
+            assert server.stats.replies[ErrorCode.UNAUTHORIZED.value] == 4
+
+    run(body)
+
+
+def test_close_drops_open_connections_and_is_idempotent() -> None:
+    async def body() -> None:
+        server = make_server()
+        port = await server.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        await server.close()
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+        await server.close()
+        with pytest.raises(OSError):
+            await asyncio.open_connection("127.0.0.1", port)
+
+    run(body)
+
+
+def test_rank_whose_agent_is_closed_is_refused_not_crashed() -> None:
+    async def body() -> None:
+        async with make_server() as server:
+            server._ranks[(0, 1)].agent.close()
+            payload = encode_frame(GetMetadata(pp_rank=0, tp_rank=1)) + encode_frame(
+                GetMetadata(pp_rank=0, tp_rank=0)
+            )
+            replies, closed = await exchange(server.port, payload, expect=2)
+            assert isinstance(replies[0], ErrorReply) and replies[0].code is ErrorCode.NO_SUCH_RANK
+            assert "unavailable" in replies[0].message
+            assert isinstance(replies[1], Metadata) and not closed
+
+    run(body)
