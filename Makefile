@@ -32,7 +32,9 @@ test: lint typecheck
 	$(BIN)/pytest -q
 
 bench: $(STAMP)
-	$(BIN)/kvwire bench all
+	mkdir -p out
+	for s in transfer descriptors handshake overhead e2e; do \
+	  $(BIN)/kvwire bench $$s --json out/bench-$$s.json --plot out/bench-$$s.png || exit 1; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
