@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/kvwire transport-demo
+	$(BIN)/kvwire demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

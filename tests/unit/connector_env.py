@@ -53,10 +53,14 @@ class Pair:
     ) -> None:
         n = next(_ids)
         self.spec = spec
+        self.num_blocks = num_blocks
+        self.mode = mode
+        self.p_tp, self.p_pp, self.d_tp = p_tp, p_pp, d_tp
         self.fabric = InprocFabric()
         # One loop for both sides: the in-process agents are then only touched from one thread.
         self.loop = BackgroundLoop(name="kvwire-test")
-        cfg = config or ConnectorConfig(mode=mode)
+        cfg = self.p_config = config or ConnectorConfig(mode=mode)
+        self.d_config = d_config or cfg
         self.p: EngineSetup = build_engine(
             f"p{n}", spec, tp=p_tp, pp=p_pp, num_blocks=num_blocks, mode=mode, fabric=self.fabric
         )
@@ -64,11 +68,47 @@ class Pair:
             f"d{n}", spec, tp=d_tp, num_blocks=num_blocks, mode=mode, fabric=self.fabric
         )
         self.producer = Producer(self.p.engine, self.p.ranks, cfg, loop=self.loop)
-        self.consumer = Consumer(self.d.engine, self.d.ranks, d_config or cfg, loop=self.loop)
+        self.consumer = Consumer(self.d.engine, self.d.ranks, self.d_config, loop=self.loop)
         self.p_port = self.producer.start()
         self.consumer.start()
         self.p_events: list[ProducerEvent] = []
         self.d_events: list[ConsumerEvent] = []
+
+    def on_loop(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the connectors' loop thread (the in-process agents are not thread-safe)."""
+
+        async def call() -> T:
+            return fn()
+
+        return self.loop.run(call(), WAIT_S)
+
+    def restart_p(self, *, kill: bool) -> None:
+        """P's process ends (killed, or closed cleanly) and a new life of the same engine starts at the
+        same side-channel address; D keeps running."""
+        if kill:
+            for rank in self.p.ranks:
+                self.fabric.kill(rank.agent.name)
+        self.producer.close()
+        self.p.close()
+        eid = self.p.engine.engine_id
+        self.p = build_engine(
+            eid, self.spec, tp=self.p_tp, pp=self.p_pp, num_blocks=self.num_blocks, mode=self.mode,
+            fabric=self.fabric,
+        )  # fmt: skip
+        self.producer = Producer(self.p.engine, self.p.ranks, self.p_config, port=self.p_port, loop=self.loop)
+        assert self.producer.start() == self.p_port
+
+    def restart_d(self) -> None:
+        """D closes and a new life of the same engine starts at the same address; P keeps running."""
+        port = self.consumer.port
+        self.consumer.close()
+        self.d.close()
+        self.d = build_engine(
+            self.d.engine.engine_id, self.spec, tp=self.d_tp, num_blocks=self.num_blocks, mode=self.mode,
+            fabric=self.fabric,
+        )  # fmt: skip
+        self.consumer = Consumer(self.d.engine, self.d.ranks, self.d_config, port=port, loop=self.loop)
+        assert self.consumer.start() == port
 
     def p_agent(self, i: int = 0) -> InprocAgent:
         agent = self.p.ranks[i].agent

@@ -14,7 +14,13 @@ def test_bench_transfer_small_json_shape(tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     assert doc["suite"] == "transfer"
     assert set(doc["machine"]) >= {"cpus", "python", "nixl"}
-    assert [c["case"] for c in doc["cases"]] == ["64KiB", "1MiB", "256x4KiB-scattered"]
+    names = [c["case"] for c in doc["cases"]]
+    assert names == ["64KiB", "1MiB", "256x4KiB-scattered", "kv-256t-contiguous", "kv-256t-fragmented"]
+    for case in doc["cases"][3:]:
+        assert case["bytes"] == 4 * 2 * 256 * 8 * 128 * 2  # 4 layers, K and V, 256 tokens, 8 x 128 bf16
+        assert case["descriptors"] == (8 if case["case"].endswith("contiguous") else 128)
+        for key in ("kvwire_gbps", "kvwire_lanes2_gbps", "ratio_vs_nixl", "ratio_vs_memcpy"):
+            assert case[key] > 0, key
     for case in doc["cases"]:
         assert set(case) >= {"case", "bytes", "nixl_gbps", "memcpy_gbps"}
         assert case["bytes"] > 0 and case["nixl_gbps"] > 0 and case["memcpy_gbps"] > 0

@@ -1,4 +1,5 @@
-"""``kvwire bench transfer``: raw NIXL WRITE between two processes against an in-process ``np.copyto``.
+"""``kvwire bench transfer``: raw NIXL WRITE between two processes against an in-process ``np.copyto``,
+and kvwire's push of a Llama-3-8B-shaped request against both (``kvwire.bench.transfer_kv``).
 
 P (this process) writes into D (a ``kvwire.bench.peer`` child) over real NIXL. The NIXL figure times
 ``transfer()`` plus polling until DONE on a transfer prepared once and reposted (raw NIXL, no kvwire
@@ -18,7 +19,9 @@ from typing import Any
 import numpy as np
 
 from kvwire.bench.common import bar_plot, envelope, gbps, median_seconds, print_table, write_json
+from kvwire.bench.kvrequest import request_for
 from kvwire.bench.peer import PeerProcess, pattern
+from kvwire.bench.transfer_kv import run_kv_cases
 from kvwire.errors import TransferFailed
 from kvwire.transport import Desc, XferOp, make_agent_name, new_incarnation
 
@@ -168,6 +171,7 @@ def run_cases(cases: Sequence[Case], reps: int) -> list[dict[str, Any]]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=7, help="timed runs per case (median reported)")
     parser.add_argument("--small", action="store_true", help="tiny sizes, for smoke tests")
+    parser.add_argument("--no-kv", action="store_true", help="skip the Llama-3-8B kvwire push cases")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG bar plot")
 
@@ -175,18 +179,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cases = SMALL_CASES if args.small else FULL_CASES
     results = run_cases(cases, args.reps)
+    kv_results = [] if args.no_kv else run_kv_cases(request_for(args.small), args.reps)
     rows = [
         (r["case"], r["bytes"], r["nixl_ms"], r["nixl_gbps"], r["memcpy_ms"], r["memcpy_gbps"])
         for r in results
     ]
     columns = ("case", "bytes", "NIXL ms", "NIXL GB/s", "memcpy ms", "memcpy GB/s")
     print_table(f"transfer: raw NIXL WRITE (2 processes) vs np.copyto, median of {args.reps}", columns, rows)
+    if kv_results:
+        print_kv_table(kv_results, args.reps)
+    everything = results + kv_results
     if args.json:
-        write_json(args.json, envelope("transfer", results))
+        write_json(args.json, envelope("transfer", everything))
     if args.plot:
         series = {
-            "NIXL WRITE": [r["nixl_gbps"] for r in results],
-            "np.copyto": [r["memcpy_gbps"] for r in results],
+            "NIXL WRITE": [r["nixl_gbps"] for r in everything],
+            "np.copyto": [r["memcpy_gbps"] for r in everything],
+            "kvwire push": [r.get("kvwire_gbps", float("nan")) for r in everything],
         }
-        bar_plot(args.plot, "transfer throughput", [r["case"] for r in results], series, "GB/s")
+        bar_plot(args.plot, "transfer throughput", [r["case"] for r in everything], series, "GB/s")
     return 0
+
+
+def print_kv_table(results: Sequence[dict[str, Any]], reps: int) -> None:
+    keys = (
+        "case", "descriptors", "nixl_gbps", "memcpy_gbps", "kvwire_gbps", "kvwire_lanes2_gbps",
+        "ratio_vs_nixl", "ratio_vs_memcpy", "lanes2_vs_1",
+    )  # fmt: skip
+    columns = (
+        "case", "descs", "NIXL GB/s", "memcpy GB/s", "kvwire GB/s", "2 lanes GB/s", "x NIXL", "x memcpy",
+        "2 lanes x 1",
+    )  # fmt: skip
+    rows = [tuple(r[k] for k in keys) for r in results]
+    print_table(f"transfer: kvwire push (plan + post_array + DONE), median of {reps}", columns, rows)

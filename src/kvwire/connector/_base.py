@@ -24,7 +24,7 @@ from typing import Any, Generic, TypeVar
 
 from kvwire.connector.config import ConnectorConfig
 from kvwire.connector.events import ConnectorStats
-from kvwire.errors import ConfigError, KvwireError, ProtocolError, TransportError
+from kvwire.errors import ConfigError, KvwireError, PeerDisconnected, ProtocolError, TransportError
 from kvwire.handshake.loop import BackgroundLoop
 from kvwire.handshake.manager import HandshakeManager
 from kvwire.handshake.server import SideChannelServer
@@ -40,6 +40,11 @@ E = TypeVar("E")
 
 _TIMER_PERIOD_S = 0.005
 _START_TIMEOUT_S = 10.0
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def sender_matches(sender: str, engine_id: str, incarnation: str) -> bool:
@@ -86,6 +91,7 @@ class ConnectorBase(Generic[E]):
         self._ticker: concurrent.futures.Future[None] | None = None
         self._tasks: set[asyncio.Future[Any]] = set()
         self._next_timers = 0.0
+        self._sleeping: asyncio.Future[None] | None = None
         self._broken: set[RankKey] = set()
         self._started = False
         self._closed = False
@@ -174,7 +180,11 @@ class ConnectorBase(Generic[E]):
     def _call(self, fn: Callable[..., None], *args: Any) -> None:
         if not self._started or self._closed or self._bg is None:
             raise ConfigError(f"the {self.role} is not running (call start() first)")
-        self._bg.loop.call_soon_threadsafe(self._guarded, fn, args)
+        self._bg.loop.call_soon_threadsafe(self._handoff, fn, args)
+
+    def _handoff(self, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+        self._guarded(fn, args)
+        self._wake()
 
     def _guarded(self, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
         # A bug in one handler must not stop the loop that every other request depends on.
@@ -189,10 +199,26 @@ class ConnectorBase(Generic[E]):
     # -- the ticker (loop thread) ----------------------------------------------------------------------
     async def _run(self) -> None:
         cfg = self.config
+        loop = asyncio.get_running_loop()
         while True:
             now = self._clock()
             self._guarded(self._tick, (now,))
-            await asyncio.sleep(cfg.poll_interval_s if self._busy() else cfg.idle_poll_interval_s)
+            # Sleep until the next tick, or until _wake: work that just started (an engine call, a
+            # posted transfer) is polled at once instead of after an idle interval.
+            self._sleeping = fut = loop.create_future()
+            timer = loop.call_later(
+                cfg.poll_interval_s if self._busy() else cfg.idle_poll_interval_s, _resolve, fut
+            )
+            try:
+                await fut
+            finally:
+                timer.cancel()
+                self._sleeping = None
+
+    def _wake(self) -> None:
+        """Run the next tick as soon as the loop is free (loop thread only)."""
+        if self._sleeping is not None:
+            _resolve(self._sleeping)
 
     def _tick(self, now: float) -> None:
         for key, rank in self.ranks.items():
@@ -236,6 +262,10 @@ class ConnectorBase(Generic[E]):
         """Send one notification; False (logged) when the transport refuses."""
         try:
             self.ranks[key].agent.send_notif(peer, encode_notif(msg))
+        except PeerDisconnected as exc:
+            log.debug("%s: %s to %s not sent: %s", self.role, type(msg).__name__, peer, exc)
+            self._forget_agent(peer)  # its process is gone: nothing of it stays loaded
+            return False
         except TransportError as exc:
             log.debug("%s: %s to %s not sent: %s", self.role, type(msg).__name__, peer, exc)
             return False
@@ -250,10 +280,13 @@ class ConnectorBase(Generic[E]):
         mode: PeerMode,
         done: Callable[[PeerRank | None, BaseException | None], None],
         engine_id: str | None = None,
+        incarnation: str | None = None,
     ) -> None:
         """Start ``ensure`` on the loop; ``done(peer, error)`` runs on the loop when it ends."""
         self.stats.handshakes_started += 1
-        coro = self.managers[key].ensure(host, port, remote[0], remote[1], mode, engine_id=engine_id)
+        coro = self.managers[key].ensure(
+            host, port, remote[0], remote[1], mode, engine_id=engine_id, incarnation=incarnation
+        )
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
 
@@ -270,20 +303,35 @@ class ConnectorBase(Generic[E]):
 
         task.add_done_callback(finished)
 
-    def _forget_peer(self, engine_id: str) -> None:
+    def _forget_peer(self, engine_id: str, incarnation: str | None = None) -> None:
+        """Unload a peer's agents from every local rank (only that life of it, when ``incarnation``)."""
         for mgr in self.managers.values():
-            mgr.forget(engine_id)
+            mgr.forget(engine_id, incarnation)
+
+    def _forget_agent(self, agent_name: str) -> None:
+        for mgr in self.managers.values():
+            for peer in mgr.peers():
+                if peer.agent_name == agent_name:
+                    self._forget_peer(peer.engine_id, peer.incarnation)
+                    return
 
     def _touch_peer(self, engine_id: str) -> None:
         now = time.monotonic()  # the managers' scale, whatever clock the connector's timers use
         for mgr in self.managers.values():
             mgr.touch(engine_id, now)
 
-    def _reap(self) -> None:
+    def _reap(self, in_use: set[str]) -> None:
+        """Refresh the peers live requests use, then unload those idle past ``engine_ttl_s`` (S1)."""
         # The managers keep time.monotonic(), whatever clock the connector's timers use.
         now = time.monotonic()
         for mgr in self.managers.values():
-            mgr.reap_idle(now, self.config.engine_ttl_s)
+            for engine_id in in_use:
+                mgr.touch(engine_id, now)
+            for engine_id in mgr.reap_idle(now, self.config.engine_ttl_s):
+                self.stats.peers_reaped += 1
+                log.info(
+                    "%s: peer %s idle past %.0f s: unloaded", self.role, engine_id, self.config.engine_ttl_s
+                )
 
     # -- hooks -----------------------------------------------------------------------------------------
     def _busy(self) -> bool:

@@ -29,12 +29,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from kvwire.connector._base import ConnectorBase, RankKey
+from kvwire.connector._consumer_state import Link, LocalPart, PeerLife, RemoteEngine, Request
 from kvwire.connector.events import ConsumerEvent, ConsumerEventKind
 from kvwire.errors import BlockRangeError, IllegalTransition, LayoutError, TransportError, UnexpectedSender
 from kvwire.handshake.types import PeerRank
@@ -54,63 +53,13 @@ from kvwire.protocol.messages import (
 from kvwire.protocol.ranks import RankEnd
 from kvwire.protocol.states import ConsumerEvent as CE
 from kvwire.protocol.states import ConsumerRequest, ConsumerState
-from kvwire.transport.base import PeerMode, XferHandle, XferOp, XferStatus
+from kvwire.transport.base import PeerMode, XferOp, XferStatus
+
+__all__ = ["Consumer", "RemoteEngine"]
 
 log = logging.getLogger("kvwire.connector")
 
 _DRAINING = (ConsumerState.FAILING, ConsumerState.CANCELLING)
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteEngine:
-    """The P engine of a request (the decode leg's ``kv_transfer_params``)."""
-
-    engine_id: str
-    host: str
-    port: int
-    tp_size: int = 1
-    pp_size: int = 1
-    block_ids: tuple[int, ...] = ()  # pull only: P's blocks for the request, in token order
-
-
-@dataclass(eq=False)
-class _Link:
-    """One local rank's tie to one P rank for one request."""
-
-    src: RankKey
-    peer: PeerRank | None = None
-    registered_at: float = math.inf
-    cancel_sent: bool = False
-    dead_at: float | None = None
-    handle: XferHandle | None = None  # pull: the READ in flight
-    posted_at: float = 0.0
-    read_done: bool = False
-
-
-@dataclass(eq=False)
-class _LocalPart:
-    key: RankKey
-    machine: ConsumerRequest
-    links: dict[RankKey, _Link]
-
-
-@dataclass(eq=False)
-class _Request:
-    transfer_id: str
-    block_ids: list[int]
-    num_tokens: int
-    num_cached_tokens: int
-    remote: RemoteEngine
-    parts: dict[RankKey, _LocalPart] = field(default_factory=dict)
-    reason: FailReason | None = None  # first failure seen
-    reported_failed: bool = False
-    aborted: bool = False
-
-
-@dataclass
-class _PeerLife:
-    last_seen: float
-    dead_at: float | None = None
 
 
 class Consumer(ConnectorBase[ConsumerEvent]):
@@ -119,13 +68,18 @@ class Consumer(ConnectorBase[ConsumerEvent]):
     role = "consumer"
 
     def _setup(self) -> None:
-        self._requests: dict[str, _Request] = {}
-        self._life: dict[tuple[str, str], _PeerLife] = {}  # (engine_id, incarnation) of P engines
-        self._reading: set[tuple[_Request, _Link, RankKey]] = set()
+        self._requests: dict[str, Request] = {}
+        self._life: dict[tuple[str, str], PeerLife] = {}  # (engine_id, incarnation) of P engines
+        self._reading: set[tuple[Request, Link, RankKey]] = set()
         self._layouts = {key: RankLayout.from_cache(r.cache) for key, r in self.ranks.items()}
         self._next_heartbeat = 0.0
         if self.engine.pp_size != 1:
             raise LayoutError("a consumer (D) engine runs with pp_size 1")
+
+    def watched_peers(self) -> list[tuple[str, str]]:
+        """(engine_id, incarnation) of the P lives whose liveness D tracks now (only those live requests
+        wait on: the map is pruned at every heartbeat period)."""
+        return list(self._life)
 
     # -- engine call sites -----------------------------------------------------------------------------
     def request_allocated(
@@ -145,13 +99,13 @@ class Consumer(ConnectorBase[ConsumerEvent]):
             raise LayoutError(f"{transfer_id}: bad token counts {num_tokens}/{num_cached_tokens}")
         if len(ids) * spec.block_size < num_tokens:
             raise BlockRangeError(f"{transfer_id}: {len(ids)} blocks cannot hold {num_tokens} tokens")
-        self._call(self._allocated, _Request(transfer_id, ids, num_tokens, num_cached_tokens, remote))
+        self._call(self._allocated, Request(transfer_id, ids, num_tokens, num_cached_tokens, remote))
 
     def abort(self, transfer_id: str) -> None:
         self._call(self._abort, transfer_id)
 
     # -- request lifecycle (loop thread) ---------------------------------------------------------------
-    def _allocated(self, req: _Request) -> None:
+    def _allocated(self, req: Request) -> None:
         if req.transfer_id in self._requests:
             log.warning("consumer: %s allocated twice; the second is ignored", req.transfer_id)
             return
@@ -159,8 +113,8 @@ class Consumer(ConnectorBase[ConsumerEvent]):
         try:
             for key in self.ranks:
                 srcs = source_ranks(self.engine.spec, remote.tp_size, remote.pp_size, self._layouts[key])
-                links = {src: _Link(src) for src in srcs}
-                req.parts[key] = _LocalPart(key, ConsumerRequest(self.config.mode, srcs), links)
+                links = {src: Link(src) for src in srcs}
+                req.parts[key] = LocalPart(key, ConsumerRequest(self.config.mode, srcs), links)
         except (LayoutError, UnexpectedSender) as exc:
             log.info(
                 "consumer: %s cannot map P (tp %d, pp %d): %s",
@@ -197,13 +151,13 @@ class Consumer(ConnectorBase[ConsumerEvent]):
                 part.machine.cancel()
         self._settle(req, self._clock())
 
-    def _fail(self, req: _Request, part: _LocalPart, event: CE, reason: FailReason) -> None:
+    def _fail(self, req: Request, part: LocalPart, event: CE, reason: FailReason) -> None:
         req.reason = req.reason or reason
         self.stats.failures[reason] += 1
         if part.machine.accepts(event):
             part.machine.fail(event)
 
-    def _settle(self, req: _Request, now: float) -> None:
+    def _settle(self, req: Request, now: float) -> None:
         """Spread a failure to every local part, drain, and report the request's end exactly once."""
         parts = list(req.parts.values())
         failed = any(p.machine.state in (ConsumerState.FAILING, ConsumerState.FAILED) for p in parts)
@@ -239,7 +193,7 @@ class Consumer(ConnectorBase[ConsumerEvent]):
             del self._requests[req.transfer_id]
             self._emit(ConsumerEvent(req.transfer_id, ConsumerEventKind.RELEASED, req.reason))
 
-    def _cancel_msg(self, req: _Request) -> Cancel:
+    def _cancel_msg(self, req: Request) -> Cancel:
         self.stats.cancels += 1
         return Cancel(
             transfer_id=req.transfer_id, engine_id=self.engine.engine_id, incarnation=self.engine.incarnation
@@ -247,7 +201,7 @@ class Consumer(ConnectorBase[ConsumerEvent]):
 
     # -- handshakes and registrations --------------------------------------------------------------------
     def _on_p_handshake(
-        self, req: _Request, part: _LocalPart, link: _Link, peer: PeerRank | None, exc: BaseException | None
+        self, req: Request, part: LocalPart, link: Link, peer: PeerRank | None, exc: BaseException | None
     ) -> None:
         now = self._clock()
         if self._requests.get(req.transfer_id) is not req:
@@ -257,7 +211,7 @@ class Consumer(ConnectorBase[ConsumerEvent]):
             self._fail(req, part, CE.HANDSHAKE_FAILED, FailReason.HANDSHAKE_FAILED)
         elif part.machine.state is ConsumerState.REGISTERING:
             link.peer = peer
-            life = self._life.setdefault((peer.engine_id, peer.incarnation), _PeerLife(now))
+            life = self._life.setdefault((peer.engine_id, peer.incarnation), PeerLife(now))
             life.last_seen = max(life.last_seen, now)
             if self.config.mode is TransferMode.PUSH:
                 self._register(req, part, link, peer, now)
@@ -265,7 +219,7 @@ class Consumer(ConnectorBase[ConsumerEvent]):
                 self._read(req, part, link, peer, now)
         self._settle(req, now)
 
-    def _register(self, req: _Request, part: _LocalPart, link: _Link, peer: PeerRank, now: float) -> None:
+    def _register(self, req: Request, part: LocalPart, link: Link, peer: PeerRank, now: float) -> None:
         reg = PushReg(
             transfer_id=req.transfer_id,
             engine_id=self.engine.engine_id,
@@ -280,13 +234,28 @@ class Consumer(ConnectorBase[ConsumerEvent]):
             fence_ms=self.config.fence_ms,
         )
         if not self._send(part.key, peer.agent_name, reg):
+            if not link.rehandshaked:
+                # The cached entry may be of a P that restarted at the same address (NIXL #795): forget
+                # that life of it and handshake again, once; the new life gets the registration.
+                link.rehandshaked, link.peer = True, None
+                self._forget_peer(peer.engine_id, peer.incarnation)
+                self._handshake(
+                    part.key,
+                    req.remote.host,
+                    req.remote.port,
+                    link.src,
+                    PeerMode.NOTIF_ONLY,
+                    functools.partial(self._on_p_handshake, req, part, link),
+                    engine_id=req.remote.engine_id,
+                )
+                return
             self._fail(req, part, CE.HANDSHAKE_FAILED, FailReason.HANDSHAKE_FAILED)
             return
         link.registered_at = now
         self.stats.transfers_started += 1
         part.machine.push_reg_sent(link.src)
 
-    def _read(self, req: _Request, part: _LocalPart, link: _Link, peer: PeerRank, now: float) -> None:
+    def _read(self, req: Request, part: LocalPart, link: Link, peer: PeerRank, now: float) -> None:
         assert peer.layout is not None
         try:
             plan = plan_transfer(
@@ -321,11 +290,11 @@ class Consumer(ConnectorBase[ConsumerEvent]):
             part.machine.handle(CE.READ_POSTED)
             self._reads_settled(part)
 
-    def _reads_settled(self, part: _LocalPart) -> None:
+    def _reads_settled(self, part: LocalPart) -> None:
         if part.machine.state is ConsumerState.READING and all(lk.read_done for lk in part.links.values()):
             part.machine.handle(CE.DONE_ALL)
 
-    def _tell_p(self, req: _Request, reason: FailReason | None) -> None:
+    def _tell_p(self, req: Request, reason: FailReason | None) -> None:
         """Pull: every read of the request is over; P may free its blocks."""
         for part in req.parts.values():
             for link in part.links.values():
@@ -364,7 +333,9 @@ class Consumer(ConnectorBase[ConsumerEvent]):
         src = (msg.pp_rank, msg.tp_rank)
         link = part.links.get(src)
         if link is None or link.peer is None or link.peer.agent_name != sender:
-            self._drop("wrong_sender", f"{type(msg).__name__} {msg.transfer_id} from {sender} as {src}")
+            stale = link is not None and link.peer is not None and link.peer.engine_id == msg.engine_id
+            why = "stale_incarnation" if stale else "wrong_sender"
+            self._drop(why, f"{type(msg).__name__} {msg.transfer_id} from {sender} as {src}")
             return
         if isinstance(msg, Done):
             how = RankEnd.DONE
@@ -422,7 +393,8 @@ class Consumer(ConnectorBase[ConsumerEvent]):
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.config.heartbeat_interval_s
             self._heartbeats()
-            self._reap()
+            self._reap({req.remote.engine_id for req in self._requests.values()})
+            self._prune_life()
 
     def _check_liveness(self, now: float) -> None:
         cfg = self.config
@@ -448,7 +420,19 @@ class Consumer(ConnectorBase[ConsumerEvent]):
             if self._requests.get(req.transfer_id) is req:
                 self._settle(req, now)
 
-    def _declare_dead(self, peer: PeerRank, life: _PeerLife, now: float) -> None:
+    def _prune_life(self) -> None:
+        """Forget the liveness of P lives no live request waits on (the map would grow with every restart)."""
+        referenced = {
+            (link.peer.engine_id, link.peer.incarnation)
+            for req in self._requests.values()
+            for part in req.parts.values()
+            for link in part.links.values()
+            if link.peer is not None
+        }
+        for life_key in [k for k in self._life if k not in referenced]:
+            del self._life[life_key]
+
+    def _declare_dead(self, peer: PeerRank, life: PeerLife, now: float) -> None:
         log.warning(
             "consumer: P %s/%s silent for %.1f s: declared dead",
             peer.engine_id,
@@ -457,7 +441,7 @@ class Consumer(ConnectorBase[ConsumerEvent]):
         )
         life.dead_at = now
         self.stats.peers_declared_dead += 1
-        self._forget_peer(peer.engine_id)
+        self._forget_peer(peer.engine_id, peer.incarnation)
 
     def _heartbeats(self) -> None:
         live: dict[tuple[RankKey, str], list[str]] = defaultdict(list)

@@ -62,6 +62,7 @@ class ConnectorStats:
     handshakes_started: int = 0
     handshakes_failed: int = 0
     peers_declared_dead: int = 0
+    peers_reaped: int = 0  # idle past engine_ttl_s: agents unloaded
     heartbeats_sent: int = 0
     cancels: int = 0
     # Most recent transfer durations (seconds, post to DONE), bounded.

@@ -29,23 +29,32 @@ once every one of its reads has finished), or the lease runs out.
 
 from __future__ import annotations
 
-import enum
+import collections
 import logging
-import math
-from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from kvwire.connector._base import ConnectorBase, RankKey
+from kvwire.connector._producer_state import (
+    TOMB_REASON,
+    Phase,
+    Reg,
+    Replies,
+    Request,
+    all_ended,
+    check_d_blocks,
+    check_reg,
+    engines_in_use,
+    live_registrations,
+    outcome,
+)
 from kvwire.connector.events import ProducerEvent, ProducerOutcome
 from kvwire.errors import BlockRangeError, KvwireError, LayoutError, TransportError
 from kvwire.handshake.types import PeerRank
 from kvwire.kv.descriptors import plan_transfer
-from kvwire.kv.mapping import RankLayout, tp_peers
+from kvwire.kv.mapping import RankLayout
 from kvwire.protocol.codec import encode_notif
 from kvwire.protocol.messages import (
     Cancel,
-    CancelAck,
     Done,
     Failed,
     FailReason,
@@ -54,64 +63,11 @@ from kvwire.protocol.messages import (
     PushReg,
     TransferMode,
 )
-from kvwire.protocol.states import (
-    FAIL_REASONS,
-    ProducerRegistration,
-    ProducerState,
-)
+from kvwire.protocol.states import FAIL_REASONS, ProducerState
 from kvwire.protocol.states import ProducerEvent as PE
-from kvwire.transport.base import PeerMode, XferHandle, XferOp, XferStatus
+from kvwire.transport.base import PeerMode, XferOp, XferStatus
 
 log = logging.getLogger("kvwire.connector")
-
-
-class _Phase(enum.Enum):
-    """The request's hold on P's blocks."""
-
-    PREFILLING = "prefilling"  # registrations may arrive; no blocks held yet
-    HELD = "held"  # prefill finished: the connector holds the blocks
-    ENDED = "ended"  # freeable event emitted (or never held); kept as a tombstone
-
-
-@dataclass(eq=False)
-class _Reg:
-    """One ``push_reg``: from one D rank (agent ``sender``) to one local rank ``key``."""
-
-    key: RankKey
-    sender: str
-    msg: PushReg
-    fence_at: float
-    machine: ProducerRegistration = field(default_factory=ProducerRegistration)
-    peer: PeerRank | None = None
-    handshake_failed: bool = False
-    handle: XferHandle | None = None
-    posted_at: float = 0.0
-    wrote: bool = False
-    outbox: list[Notification] = field(default_factory=list)  # to send once D is loaded
-
-    @property
-    def state(self) -> ProducerState:
-        return self.machine.state
-
-
-@dataclass(eq=False)
-class _Request:
-    transfer_id: str
-    phase: _Phase = _Phase.PREFILLING
-    block_ids: list[int] = field(default_factory=list)
-    num_tokens: int = 0
-    lease_until: float = math.inf
-    regs: dict[tuple[RankKey, str], _Reg] = field(default_factory=dict)
-    d_tp_size: int | None = None
-    aborted: bool = False
-    outcome: ProducerOutcome | None = None
-    forget_at: float = math.inf
-
-
-_TOMB_REASON = {
-    ProducerOutcome.ABORTED: FailReason.ABORTED,
-    ProducerOutcome.SHUTDOWN: FailReason.SHUTDOWN,
-}
 
 
 class Producer(ConnectorBase[ProducerEvent]):
@@ -120,13 +76,18 @@ class Producer(ConnectorBase[ProducerEvent]):
     role = "producer"
 
     def _setup(self) -> None:
-        self._requests: dict[str, _Request] = {}
-        self._inflight: set[_Reg] = set()
+        self._requests: dict[str, Request] = {}  # live ones and tombstones
+        # The timers walk only the live requests; tombstones wait in a queue ordered by forget_at (the
+        # tombstone period is fixed), so a busy engine's thousands of ended requests cost nothing per tick.
+        self._live: dict[str, Request] = {}
+        self._tombs: collections.deque[Request] = collections.deque()
+        self._inflight: set[Reg] = set()
         self._layouts = {
             key: RankLayout.from_cache(rank.cache, pp_size=self.engine.pp_size, pp_rank=key[0])
             for key, rank in self.ranks.items()
         }
         self._next_heartbeat = 0.0
+        self._replies = Replies(self.engine)
 
     # -- engine call sites -----------------------------------------------------------------------------
     def request_finished(self, transfer_id: str, block_ids: Sequence[int], num_tokens: int) -> None:
@@ -141,22 +102,22 @@ class Producer(ConnectorBase[ProducerEvent]):
         self._call(self._abort, transfer_id)
 
     # -- request lifecycle (loop thread) ---------------------------------------------------------------
-    def _request(self, transfer_id: str) -> _Request:
+    def _request(self, transfer_id: str) -> Request:
         req = self._requests.get(transfer_id)
         if req is None:
-            req = self._requests[transfer_id] = _Request(transfer_id)
+            req = self._requests[transfer_id] = self._live[transfer_id] = Request(transfer_id)
         return req
 
     def _finished(self, transfer_id: str, block_ids: list[int], num_tokens: int) -> None:
         now = self._clock()
         req = self._request(transfer_id)
-        if req.phase is _Phase.ENDED:  # aborted, or every registration already ended: nothing to send
+        if req.phase is Phase.ENDED:  # aborted, or every registration already ended: nothing to send
             self._emit(ProducerEvent(transfer_id, req.outcome or ProducerOutcome.FAILED))
             return
-        if req.phase is _Phase.HELD:
+        if req.phase is Phase.HELD:
             log.warning("producer: %s finished twice; ignored", transfer_id)
             return
-        req.phase, req.block_ids, req.num_tokens = _Phase.HELD, block_ids, num_tokens
+        req.phase, req.block_ids, req.num_tokens = Phase.HELD, block_ids, num_tokens
         req.lease_until = now + self.config.kv_lease_duration_s
         for reg in list(req.regs.values()):
             self._fire(req, reg, PE.PREFILL_DONE)
@@ -166,66 +127,47 @@ class Producer(ConnectorBase[ProducerEvent]):
     def _abort(self, transfer_id: str) -> None:
         now = self._clock()
         req = self._request(transfer_id)
-        if req.phase is _Phase.ENDED:
+        if req.phase is Phase.ENDED:
             return
         req.aborted = True
         for reg in list(req.regs.values()):
             self._fail(req, reg, PE.ABORT)
-        if req.phase is _Phase.PREFILLING:
+        if req.phase is Phase.PREFILLING:
             self._end(req, ProducerOutcome.ABORTED, now, emit=False)
         self._settle(req, now)
 
-    def _end(self, req: _Request, outcome: ProducerOutcome, now: float, *, emit: bool) -> None:
-        req.phase, req.outcome = _Phase.ENDED, outcome
+    def _end(self, req: Request, how: ProducerOutcome, now: float, *, emit: bool) -> None:
+        req.phase, req.outcome = Phase.ENDED, how
         req.forget_at = now + self.config.tombstone_s
+        if self._live.pop(req.transfer_id, None) is req:
+            self._tombs.append(req)
         for reg in req.regs.values():
             if reg.machine.accepts(PE.RELEASE):
                 reg.machine.handle(PE.RELEASE)
         if emit:
-            self._emit(ProducerEvent(req.transfer_id, outcome))
+            self._emit(ProducerEvent(req.transfer_id, how))
 
-    def _settle(self, req: _Request, now: float) -> None:
+    def _settle(self, req: Request, now: float) -> None:
         """Emit the freeable event once nothing more can happen to a held request's blocks."""
-        if req.phase is _Phase.PREFILLING:
+        if req.phase is Phase.PREFILLING:
             if req.regs and all(r.machine.registration_ended for r in req.regs.values()):
-                self._end(req, self._outcome(req), now, emit=False)
+                self._end(req, outcome(req), now, emit=False)
             return
-        if req.phase is not _Phase.HELD or any(r.machine.writes_in_flight for r in req.regs.values()):
+        if req.phase is not Phase.HELD or any(r.machine.writes_in_flight for r in req.regs.values()):
             return
         if self.config.mode is TransferMode.PULL:
             return
         if req.aborted:
             self._end(req, ProducerOutcome.ABORTED, now, emit=True)
-        elif self._all_ended(req):
-            self._end(req, self._outcome(req), now, emit=True)
+        elif all_ended(self.engine, self.ranks, req):
+            self._end(req, outcome(req), now, emit=True)
         elif now >= req.lease_until:
             for reg in list(req.regs.values()):
                 self._fail(req, reg, PE.LEASE_EXPIRED)
             self._end(req, ProducerOutcome.EXPIRED, now, emit=True)
 
-    def _all_ended(self, req: _Request) -> bool:
-        if req.d_tp_size is None:
-            return False
-        for key in self.ranks:
-            want = {
-                s.dst_rank for s in tp_peers(self.engine.spec, self.engine.tp_size, req.d_tp_size, key[1])
-            }
-            got = {r.msg.tp_rank for r in req.regs.values() if r.key == key and r.machine.registration_ended}
-            if not want <= got:
-                return False
-        return all(r.machine.registration_ended for r in req.regs.values())
-
-    @staticmethod
-    def _outcome(req: _Request) -> ProducerOutcome:
-        states = {r.state for r in req.regs.values()}
-        if ProducerState.FAILED in states:
-            return ProducerOutcome.FAILED
-        if ProducerState.CANCELLED in states:
-            return ProducerOutcome.ABORTED
-        return ProducerOutcome.SENT
-
     # -- registrations ---------------------------------------------------------------------------------
-    def _fire(self, req: _Request, reg: _Reg, event: PE) -> bool:
+    def _fire(self, req: Request, reg: Reg, event: PE) -> bool:
         if not reg.machine.accepts(event):
             return False
         reg.machine.handle(event)
@@ -240,16 +182,16 @@ class Producer(ConnectorBase[ProducerEvent]):
             self._drop("duplicate", f"push_reg {msg.transfer_id} from {sender}")
             return
         fence_s = min(msg.fence_ms, self.config.fence_ms) / 1000.0
-        reg = req.regs[(key, sender)] = _Reg(key, sender, msg, now + fence_s)
+        reg = req.regs[(key, sender)] = Reg(key, sender, msg, now + fence_s)
         reg.machine.handle(PE.PUSH_REG)
-        bad = self._check_reg(req, reg)
-        if req.phase is _Phase.ENDED:
-            reason = _TOMB_REASON.get(req.outcome or ProducerOutcome.EXPIRED, FailReason.LEASE_EXPIRED)
+        bad = check_reg(self.engine, req, reg)
+        if req.phase is Phase.ENDED:
+            reason = TOMB_REASON.get(req.outcome or ProducerOutcome.EXPIRED, FailReason.LEASE_EXPIRED)
             reg.machine.handle(PE.ABORT if reason is FailReason.ABORTED else PE.LEASE_EXPIRED)
-            reg.outbox.append(self._failed_msg(req, reg, reason))
+            reg.outbox.append(self._replies.failed(req.transfer_id, reg.key, reason))
         elif bad is not None:
             self._fail(req, reg, PE.ABORT, bad)
-        elif req.phase is _Phase.HELD:
+        elif req.phase is Phase.HELD:
             reg.machine.handle(PE.PREFILL_DONE)
         # Overlap the full handshake with D with the prefill: it is needed to write, and to tell D anything.
         self._handshake(
@@ -260,25 +202,12 @@ class Producer(ConnectorBase[ProducerEvent]):
             PeerMode.FULL,
             lambda peer, exc: self._on_d_handshake(req, reg, peer, exc),
             engine_id=msg.engine_id,
+            # A restarted D (same address, new life) must not be served from the old one's cache entry.
+            incarnation=msg.incarnation,
         )
 
-    def _check_reg(self, req: _Request, reg: _Reg) -> FailReason | None:
-        msg = reg.msg
-        if not msg.tp_rank < msg.tp_size or (req.d_tp_size not in (None, msg.tp_size)):
-            return FailReason.BAD_REGISTRATION
-        try:
-            peers = tp_peers(self.engine.spec, self.engine.tp_size, msg.tp_size, reg.key[1])
-        except LayoutError:
-            return FailReason.INCOMPATIBLE
-        if msg.tp_rank not in {s.dst_rank for s in peers}:
-            return FailReason.BAD_REGISTRATION
-        if msg.num_cached_tokens > msg.num_tokens:
-            return FailReason.BAD_REGISTRATION
-        req.d_tp_size = msg.tp_size
-        return None
-
     def _on_d_handshake(
-        self, req: _Request, reg: _Reg, peer: PeerRank | None, exc: BaseException | None
+        self, req: Request, reg: Reg, peer: PeerRank | None, exc: BaseException | None
     ) -> None:
         now = self._clock()
         if peer is not None and (peer.incarnation != reg.msg.incarnation or peer.agent_name != reg.sender):
@@ -294,14 +223,20 @@ class Producer(ConnectorBase[ProducerEvent]):
             self._settle(req, now)
             return
         reg.peer = peer
-        self._touch_peer(peer.engine_id)
         for msg in reg.outbox:
             self._send(reg.key, reg.sender, msg)
         reg.outbox.clear()
+        if not reg.machine.registration_ended:
+            try:
+                # Refuse a bad registration at once, not at write time: P writes only inside D's cache.
+                check_d_blocks(reg.msg.block_ids, peer.num_blocks)
+            except BlockRangeError as exc:
+                log.info("producer: registration %s from %s refused: %s", req.transfer_id, reg.sender, exc)
+                self._fail(req, reg, PE.ABORT, FailReason.BAD_REGISTRATION)
         self._advance(req, reg, now)
         self._settle(req, now)
 
-    def _advance(self, req: _Request, reg: _Reg, now: float) -> None:
+    def _advance(self, req: Request, reg: Reg, now: float) -> None:
         """Start the write when the registration is connecting, D is loaded, and the fence allows."""
         if reg.state is not ProducerState.CONNECTING:
             return
@@ -314,7 +249,7 @@ class Producer(ConnectorBase[ProducerEvent]):
         else:
             self._write(req, reg, reg.peer, now)
 
-    def _write(self, req: _Request, reg: _Reg, peer: PeerRank, now: float) -> None:
+    def _write(self, req: Request, reg: Reg, peer: PeerRank, now: float) -> None:
         msg = reg.msg
         rank = self.ranks[reg.key]
         if peer.layout is None or msg.num_tokens > req.num_tokens or msg.num_tokens <= 0:
@@ -348,8 +283,9 @@ class Producer(ConnectorBase[ProducerEvent]):
             self._fire(req, reg, PE.WRITES_COMPLETE if ok else PE.WRITE_FAILED)
             return
         try:
-            reg.handle = rank.agent.post(
-                XferOp.WRITE, plan.src_descs, plan.dst_descs, peer.agent_name, notif=encode_notif(done)
+            # The plan's [n, 3] arrays go to the transport as they are: no Desc object per descriptor.
+            reg.handle = rank.agent.post_array(
+                XferOp.WRITE, plan.src_array, plan.dst_array, peer.agent_name, notif=encode_notif(done)
             )
         except TransportError as exc:
             log.info("producer: posting %s to %s failed: %s", req.transfer_id, peer.agent_name, exc)
@@ -358,41 +294,25 @@ class Producer(ConnectorBase[ProducerEvent]):
         reg.posted_at = now
         reg.machine.handle(PE.WRITES_POSTED)
         self._inflight.add(reg)
+        self._wake()  # poll it at the busy rate from now on
         self.stats.transfers_started += 1
         self.stats.descriptors_posted += plan.num_descs
 
-    def _fail(self, req: _Request, reg: _Reg, event: PE, reason: FailReason | None = None) -> None:
+    def _fail(self, req: Request, reg: Reg, event: PE, reason: FailReason | None = None) -> None:
         """End a registration in FAILED (if ``event`` applies now) and tell D, now or once D is loaded."""
         if not reg.machine.accepts(event):
             return
         reg.machine.handle(event)
         reason = reason or FAIL_REASONS[event]
         self.stats.failures[reason] += 1
-        failed = self._failed_msg(req, reg, reason)
+        failed = self._replies.failed(req.transfer_id, reg.key, reason)
         if reg.peer is not None:
             self._send(reg.key, reg.sender, failed)
         elif not reg.handshake_failed:
             reg.outbox.append(failed)
 
-    def _failed_msg(self, req: _Request, reg: _Reg, reason: FailReason) -> Failed:
-        return Failed(
-            transfer_id=req.transfer_id,
-            engine_id=self.engine.engine_id,
-            incarnation=self.engine.incarnation,
-            tp_rank=reg.key[1],
-            pp_rank=reg.key[0],
-            reason=reason,
-        )
-
-    def _cancel_ack(self, req: _Request, reg: _Reg, wrote: bool) -> None:
-        ack = CancelAck(
-            transfer_id=req.transfer_id,
-            engine_id=self.engine.engine_id,
-            incarnation=self.engine.incarnation,
-            tp_rank=reg.key[1],
-            pp_rank=reg.key[0],
-            wrote=wrote,
-        )
+    def _cancel_ack(self, req: Request, reg: Reg, wrote: bool) -> None:
+        ack = self._replies.cancel_ack(req.transfer_id, reg.key, wrote)
         if reg.peer is not None:
             self._send(reg.key, reg.sender, ack)
         elif not reg.handshake_failed:
@@ -406,7 +326,7 @@ class Producer(ConnectorBase[ProducerEvent]):
             if self.ranks[key].agent.peer_mode(sender) is None:
                 self._drop("unknown_transfer", f"cancel {msg.transfer_id} from {sender}")
             else:
-                self._send_ack_unknown(key, sender, msg.transfer_id)
+                self._send(key, sender, self._replies.cancel_ack(msg.transfer_id, key, wrote=False))
             return
         self.stats.cancels += 1
         if reg.state is ProducerState.DONE_SENT:
@@ -419,17 +339,6 @@ class Producer(ConnectorBase[ProducerEvent]):
         if reg.state is ProducerState.CANCELLED:
             self._cancel_ack(req, reg, wrote=False)
         self._settle(req, now)
-
-    def _send_ack_unknown(self, key: RankKey, sender: str, transfer_id: str) -> None:
-        ack = CancelAck(
-            transfer_id=transfer_id,
-            engine_id=self.engine.engine_id,
-            incarnation=self.engine.incarnation,
-            tp_rank=key[1],
-            pp_rank=key[0],
-            wrote=False,
-        )
-        self._send(key, sender, ack)
 
     # -- notifications, transfers, timers (loop thread) ------------------------------------------------
     def _on_notif(self, key: RankKey, sender: str, msg: Notification, now: float) -> None:
@@ -448,14 +357,14 @@ class Producer(ConnectorBase[ProducerEvent]):
         self._touch_peer(msg.engine_id)
         for tid in msg.transfer_ids:
             req = self._requests.get(tid)
-            if req is not None and req.phase is _Phase.HELD:
+            if req is not None and req.phase is Phase.HELD:
                 req.lease_until = max(req.lease_until, now + self.config.kv_lease_duration_s)
 
     def _on_pull_end(self, msg: Done | Failed, now: float) -> None:
         req = self._requests.get(msg.transfer_id)
-        if req is not None and req.phase is _Phase.ENDED:
+        if req is not None and req.phase is Phase.ENDED:
             return  # D tells every P rank it read from; the first one ended the request
-        if req is None or req.phase is not _Phase.HELD:
+        if req is None or req.phase is not Phase.HELD:
             self._drop("unknown_transfer", f"{type(msg).__name__} {msg.transfer_id}")
             return
         if isinstance(msg, Failed):
@@ -513,11 +422,8 @@ class Producer(ConnectorBase[ProducerEvent]):
             self._settle(req, now)
 
     def _timers(self, now: float) -> None:
-        for req in list(self._requests.values()):
-            if req.phase is _Phase.ENDED:
-                if now >= req.forget_at and not any(r.machine.writes_in_flight for r in req.regs.values()):
-                    del self._requests[req.transfer_id]
-                continue
+        self._forget_tombstones(now)
+        for req in list(self._live.values()):
             for reg in list(req.regs.values()):
                 if reg.state in (ProducerState.REGISTERED, ProducerState.CONNECTING) and now > reg.fence_at:
                     if (
@@ -528,30 +434,29 @@ class Producer(ConnectorBase[ProducerEvent]):
                         continue  # the handshake is bounded; its callback applies the fence
                     self._fail(req, reg, PE.FENCE_EXPIRED)
             pull = self.config.mode is TransferMode.PULL
-            if pull and req.phase is _Phase.HELD and now >= req.lease_until:
+            if pull and req.phase is Phase.HELD and now >= req.lease_until:
                 self._end(req, ProducerOutcome.EXPIRED, now, emit=True)
                 continue
             self._settle(req, now)
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.config.heartbeat_interval_s
             self._heartbeats()
-            self._reap()
+            self._reap(engines_in_use(self._live))
+
+    def _forget_tombstones(self, now: float) -> None:
+        tombs = self._tombs
+        while tombs and tombs[0].forget_at <= now:
+            req = tombs.popleft()
+            if any(r.machine.writes_in_flight for r in req.regs.values()):
+                req.forget_at = now + self.config.tombstone_s  # a write must end before we forget it
+                tombs.append(req)
+            elif self._requests.get(req.transfer_id) is req:
+                del self._requests[req.transfer_id]
 
     def _heartbeats(self) -> None:
         """Tell each D agent which of its registrations we still hold (a long prefill is alive)."""
-        live: dict[tuple[RankKey, str], list[str]] = defaultdict(list)
-        for req in self._requests.values():
-            for reg in req.regs.values():
-                if reg.peer is not None and not reg.machine.registration_ended:
-                    live[(reg.key, reg.sender)].append(req.transfer_id)
-        for (key, sender), tids in live.items():
-            hb = Heartbeat(
-                transfer_id="",
-                engine_id=self.engine.engine_id,
-                incarnation=self.engine.incarnation,
-                transfer_ids=tids,
-            )
-            if self._send(key, sender, hb):
+        for (key, sender), tids in live_registrations(self._live).items():
+            if self._send(key, sender, self._replies.heartbeat(tids)):
                 self.stats.heartbeats_sent += 1
 
     def _on_shutdown(self) -> None:
@@ -559,6 +464,7 @@ class Producer(ConnectorBase[ProducerEvent]):
         for req in list(self._requests.values()):
             for reg in list(req.regs.values()):
                 if not reg.machine.registration_ended and reg.peer is not None:
-                    self._send(reg.key, reg.sender, self._failed_msg(req, reg, FailReason.SHUTDOWN))
-            if req.phase is _Phase.HELD:
+                    failed = self._replies.failed(req.transfer_id, reg.key, FailReason.SHUTDOWN)
+                    self._send(reg.key, reg.sender, failed)
+            if req.phase is Phase.HELD:
                 self._end(req, ProducerOutcome.SHUTDOWN, now, emit=True)

@@ -161,11 +161,14 @@ class HandshakeManager:
                 return self._checked(peer, engine_id)
         raise HandshakeError(f"{addr}: not loaded in mode {mode.value} after {_ENSURE_ROUNDS} rounds")
 
-    def forget(self, engine_id: str) -> None:
-        """The peer is dead or gone: remove its remote agents and drop every entry of it."""
+    def forget(self, engine_id: str, incarnation: str | None = None) -> None:
+        """The peer is dead or gone: remove its remote agents and drop its entries. With ``incarnation``,
+        only that life of it: a restarted peer already loaded under its new incarnation stays."""
         for addr, peer in list(self._peers.items()):
-            if peer.engine_id == engine_id:
+            if peer.engine_id == engine_id and incarnation in (None, peer.incarnation):
                 self._drop(addr, peer)
+        if any(p.engine_id == engine_id for p in self._peers.values()):
+            return
         if self._last_used.pop(engine_id, None) is not None:
             self.stats.forgotten += 1
 

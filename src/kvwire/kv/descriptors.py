@@ -182,8 +182,10 @@ def _block_ids(ids: Sequence[int], num_blocks: int, side: str) -> np.ndarray:
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= num_blocks):
         bad = next(int(b) for b in arr if not 0 <= b < num_blocks)
         raise BlockRangeError(f"{side} block id {bad} outside [0, {num_blocks})")
-    if arr.size > 1 and np.unique(arr).size != arr.size:
-        raise BlockRangeError(f"a {side} block id is listed twice")
+    if arr.size > 1:
+        ordered = np.sort(arr)  # cheaper than np.unique for the few dozen ids of a request
+        if bool((ordered[1:] == ordered[:-1]).any()):
+            raise BlockRangeError(f"a {side} block id is listed twice")
     return arr
 
 
@@ -236,24 +238,22 @@ def _build_plan(
     run_len: np.ndarray,
 ) -> TransferPlan:
     """Apply the region-relative runs to every region pair (layer-major, then kind, then run)."""
-    pairs = src.region_pairs(dst, layers, spec.kinds)
+    table = src.region_table(dst, layers, spec.kinds)  # [pairs, 6]: P's then D's (base, device, block_len)
     src_len, dst_len = geo.src_block_len, geo.dst_block_len
-    for sr, dr in pairs:
-        if sr.block_len != src_len or dr.block_len != dst_len:
-            raise LayoutError(
-                f"layer {sr.layer} {sr.kind.value}: block_len P {sr.block_len} / D {dr.block_len}, "
-                f"expected {src_len} / {dst_len} for this geometry"
-            )
-    bases = np.array(
-        [(sr.base_addr, sr.device_id, dr.base_addr, dr.device_id) for sr, dr in pairs], dtype=_I64
-    )
-    n_pairs, n_runs = len(pairs), len(run_len)
+    wrong = np.flatnonzero((table[:, 2] != src_len) | (table[:, 5] != dst_len))
+    if wrong.size:
+        sr, dr = src.region_pairs(dst, layers, spec.kinds)[int(wrong[0])]
+        raise LayoutError(
+            f"layer {sr.layer} {sr.kind.value}: block_len P {sr.block_len} / D {dr.block_len}, "
+            f"expected {src_len} / {dst_len} for this geometry"
+        )
+    n_pairs, n_runs = table.shape[0], len(run_len)
     src_arr = np.empty((n_pairs, n_runs, 3), dtype=_I64)
     dst_arr = np.empty((n_pairs, n_runs, 3), dtype=_I64)
-    src_arr[:, :, 0] = bases[:, 0:1] + run_src
+    src_arr[:, :, 0] = table[:, 0:1] + run_src
     src_arr[:, :, 1] = run_len
-    src_arr[:, :, 2] = bases[:, 1:2]
-    dst_arr[:, :, 0] = bases[:, 2:3] + run_dst
+    src_arr[:, :, 2] = table[:, 1:2]
+    dst_arr[:, :, 0] = table[:, 3:4] + run_dst
     dst_arr[:, :, 1] = run_len
-    dst_arr[:, :, 2] = bases[:, 3:4]
+    dst_arr[:, :, 2] = table[:, 4:5]
     return TransferPlan(src_arr.reshape(-1, 3), dst_arr.reshape(-1, 3), num_runs=n_runs, num_regions=n_pairs)

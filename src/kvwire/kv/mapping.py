@@ -26,6 +26,8 @@ import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvwire.errors import LayoutError
 from kvwire.kv.cache import KVCache, RegionInfo
 from kvwire.kv.spec import KVSpec, RegionKind
@@ -129,6 +131,10 @@ class RankLayout:
     regions: tuple[RegionInfo, ...]
     # Keyed by kind.value: hashing a str is much cheaper than hashing an Enum member (plan_transfer hot path).
     _by_key: Mapping[tuple[int, str], RegionInfo] = field(init=False, repr=False, compare=False, hash=False)
+    # region_table results per (other layout, layers, kinds); the other layout is kept to check identity.
+    _tables: dict[tuple[int, int, int, tuple[str, ...]], tuple[RankLayout, np.ndarray]] = field(
+        init=False, repr=False, compare=False, hash=False
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size or not 0 <= self.pp_rank < self.pp_size:
@@ -146,6 +152,7 @@ class RankLayout:
                     f"region {r.layer}/{r.kind.value} has {r.num_blocks} blocks, not {self.num_blocks}"
                 )
         object.__setattr__(self, "_by_key", by_key)
+        object.__setattr__(self, "_tables", {})
 
     @classmethod
     def from_cache(cls, cache: KVCache, pp_size: int = 1, pp_rank: int = 0) -> RankLayout:
@@ -184,6 +191,29 @@ class RankLayout:
             return [(self._by_key[(ly, v)], other._by_key[(ly, v)]) for ly in layers for v in values]
         except KeyError as e:
             raise LayoutError(f"a rank has no region for (layer, kind) {e.args[0]}") from None
+
+    def region_table(self, other: RankLayout, layers: range, kinds: tuple[RegionKind, ...]) -> np.ndarray:
+        """``region_pairs`` as an int64 ``[n, 6]`` array of (base_addr, device_id, block_len) of this rank's
+        region then ``other``'s, cached per ``other`` (the plan_transfer hot path builds it once per peer).
+        Read-only."""
+        values = tuple(k.value for k in kinds)
+        key = (id(other), layers.start, layers.stop, values)
+        hit = self._tables.get(key)
+        if hit is not None and hit[0] is other:
+            return hit[1]
+        pairs = self.region_pairs(other, layers, kinds)
+        table = np.array(
+            [
+                (a.base_addr, a.device_id, a.block_len, b.base_addr, b.device_id, b.block_len)
+                for a, b in pairs
+            ],
+            dtype=np.int64,
+        ).reshape(-1, 6)
+        table.setflags(write=False)
+        if len(self._tables) >= 64:  # peers come and go: keep the cache bounded
+            self._tables.clear()
+        self._tables[key] = (other, table)
+        return table
 
     def region(self, layer: int, kind: RegionKind) -> RegionInfo:
         try:

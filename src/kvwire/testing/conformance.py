@@ -22,6 +22,7 @@ from kvwire.errors import (
     NotAddressable,
     PeerNotFound,
     RegistrationError,
+    TransferFailed,
     TransportError,
 )
 from kvwire.transport.base import (
@@ -32,6 +33,7 @@ from kvwire.transport.base import (
     XferOp,
     XferStatus,
     array_desc,
+    descs_to_array,
     make_agent_name,
     new_incarnation,
 )
@@ -50,6 +52,8 @@ __all__ = [
     "test_conformance_full_peer_write_read",
     "test_conformance_metadata_round_trip",
     "test_conformance_notif_only_peer",
+    "test_conformance_post_array",
+    "test_conformance_post_array_errors",
     "test_conformance_registration",
     "test_conformance_remove_then_transfer_fails",
     "test_conformance_scattered_indices",
@@ -324,3 +328,84 @@ def test_conformance_close_idempotent(conformance_pair: tuple[Agent, Agent]) -> 
         a.register(np.zeros(BLOCK, dtype=np.uint8))
     with pytest.raises(AgentClosed):
         a.metadata()
+
+
+def block_rows(array: np.ndarray, idx: np.ndarray, block: int = BLOCK) -> np.ndarray:
+    """``[n, 3]`` int64 descriptor rows of blocks ``idx`` of ``array`` (built without a Python loop)."""
+    rows = np.zeros((idx.size, 3), dtype=np.int64)
+    rows[:, 0] = array.ctypes.data + idx.astype(np.int64) * block
+    rows[:, 1] = block
+    return rows
+
+
+def test_conformance_post_array(conformance_pair: tuple[Agent, Agent]) -> None:
+    a, b = conformance_pair
+    n_src, n_dst, n = 64, 128, 40
+    src, dst = pattern(n_src * BLOCK, 11), np.zeros(n_dst * BLOCK, dtype=np.uint8)
+    a.register(src)
+    b.register(dst)
+    connect_full(a, b)
+    b.add_peer(a.conn_metadata())
+    rng = np.random.default_rng(12)
+    src_idx = rng.choice(n_src, size=n, replace=False)
+    dst_idx = rng.choice(n_dst, size=n, replace=False)
+    local, remote = block_rows(src, src_idx), block_rows(dst, dst_idx)
+    handle = a.post_array(XferOp.WRITE, local, remote, b.name, notif=b"rows done")
+    local[:] = 0  # the descriptors were taken at post time: the caller may reuse its arrays
+    remote[:] = 0
+    assert handle.nbytes == n * BLOCK
+    assert wait_notifs(b, a, 1) == [b"rows done"]
+    assert wait_done(a, handle, b) is XferStatus.DONE
+    a.release(handle)
+    got, want = dst.reshape(n_dst, BLOCK), src.reshape(n_src, BLOCK)
+    assert np.array_equal(got[dst_idx], want[src_idx])
+    untouched = np.setdiff1d(np.arange(n_dst), dst_idx)
+    assert not got[untouched].any()
+    # READ back into a's zeroed blocks, with uint64 rows and through the interface's default (Desc) path.
+    src[:] = 0
+    rows_l = block_rows(src, src_idx).astype(np.uint64)
+    rows_r = block_rows(dst, dst_idx).astype(np.uint64)
+    read = Agent.post_array(a, XferOp.READ, rows_l, rows_r, b.name)
+    assert wait_done(a, read, b) is XferStatus.DONE
+    a.release(read)
+    assert np.array_equal(want[src_idx], got[dst_idx])
+    assert not np.delete(want, src_idx, axis=0).any()
+    # The array and Desc forms describe the same transfer.
+    assert np.array_equal(descs_to_array(blocks(src)), block_rows(src, np.arange(n_src)))
+
+
+def test_conformance_post_array_errors(conformance_pair: tuple[Agent, Agent]) -> None:
+    a, b = conformance_pair
+    src, dst = pattern(4 * BLOCK, 13), np.zeros(8 * BLOCK, dtype=np.uint8)
+    a.register(src)
+    b.register(dst)
+    local, remote = block_rows(src, np.arange(4)), block_rows(dst, np.arange(4))
+    with pytest.raises(PeerNotFound):
+        a.post_array(XferOp.WRITE, local, remote, b.name)
+    a.add_peer(b.conn_metadata())
+    with pytest.raises(NotAddressable):
+        a.post_array(XferOp.WRITE, local, remote, b.name)
+    a.add_peer(b.metadata())
+    bad_cases = [
+        (local[:3], remote),  # unequal counts
+        (local[:0], remote[:0]),  # nothing to move
+        (local[:, :2], remote[:, :2]),  # not [n, 3]
+        (local.astype(np.float64), remote),  # not integers
+    ]
+    short = remote.copy()
+    short[2, 1] = BLOCK // 2
+    bad_cases.append((local, short))  # a row's lengths differ
+    negative = local.copy()
+    negative[1, 1] = -BLOCK
+    bad_cases.append((negative, remote))
+    for lo, re in bad_cases:
+        with pytest.raises(TransferFailed):
+            a.post_array(XferOp.WRITE, lo, re, b.name)
+    outside = remote.copy()
+    outside[3, 0] = dst.ctypes.data + 8 * BLOCK - BLOCK // 2  # runs past the end of b's registration
+    with pytest.raises(NotAddressable):
+        a.post_array(XferOp.WRITE, local, outside, b.name)
+    stray = np.zeros(BLOCK, dtype=np.uint8)
+    with pytest.raises(NotAddressable):
+        a.post_array(XferOp.WRITE, block_rows(stray, np.arange(1)), remote[:1], b.name)
+    assert not dst.any()

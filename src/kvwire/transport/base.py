@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvwire.errors import TransferFailed
+
 
 class MemKind(enum.Enum):
     DRAM = "DRAM"
@@ -67,7 +69,8 @@ class Registration:
     token: int = field(default=0, compare=False)
 
 
-@dataclass(slots=True)
+# Handles compare by identity: two transfers of the same shape are still different transfers.
+@dataclass(eq=False, slots=True)
 class DescListHandle:
     """A prepared descriptor list (local, or on one remote peer).
 
@@ -83,7 +86,7 @@ class DescListHandle:
     epoch: int = 0
 
 
-@dataclass(slots=True)
+@dataclass(eq=False, slots=True)
 class XferHandle:
     """A posted transfer. Use ``Agent.status``; ``Agent.release`` when finished (idempotent)."""
 
@@ -104,6 +107,49 @@ def make_agent_name(engine_id: str, incarnation: str, pp_rank: int, tp_rank: int
 
 def new_incarnation() -> str:
     return secrets.token_hex(6)
+
+
+DESC_DTYPE = np.dtype(np.int64)
+
+
+def descs_to_array(descs: Sequence[Desc]) -> np.ndarray:
+    """``[n, 3]`` int64 (addr, length, device id) rows of ``descs``: the form ``post_array`` takes."""
+    out = np.empty((len(descs), 3), dtype=DESC_DTYPE)
+    if descs:
+        out[:] = [(d.addr, d.length, d.device_id) for d in descs]
+    return out
+
+
+def array_to_descs(array: np.ndarray) -> list[Desc]:
+    """The ``Desc`` of each row of an ``[n, 3]`` descriptor array."""
+    return [Desc(a, n, d) for a, n, d in array.tolist()]
+
+
+def check_desc_arrays(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Validate a ``post_array`` pair; return both as C-contiguous int64 ``[n, 3]`` arrays (no copy when
+    they already are). Raises ``TransferFailed`` for bad shapes, no rows, non-positive lengths,
+    negative addresses or device ids, or rows whose lengths differ between the two sides."""
+    out = []
+    for side, arr in (("local", local), ("remote", remote)):
+        if not isinstance(arr, np.ndarray) or arr.ndim != 2 or arr.shape[1] != 3:
+            shape = getattr(arr, "shape", type(arr).__name__)
+            raise TransferFailed(f"{side} descriptors must be an [n, 3] array, not {shape}")
+        if arr.dtype.kind not in "iu":
+            raise TransferFailed(f"{side} descriptors must be integers, got {arr.dtype}")
+        out.append(np.ascontiguousarray(arr, dtype=DESC_DTYPE))
+    lo, re = out
+    if lo.shape[0] != re.shape[0]:
+        raise TransferFailed(f"{lo.shape[0]} local descriptors but {re.shape[0]} remote ones")
+    if lo.shape[0] == 0:
+        raise TransferFailed("a transfer needs at least one descriptor")
+    for side, arr in (("local", lo), ("remote", re)):
+        # Column by column: numpy's axis-0 reduction of an [n, 3] array is several times slower.
+        if int(arr[:, 0].min()) < 0 or int(arr[:, 1].min()) <= 0 or int(arr[:, 2].min()) < 0:
+            raise TransferFailed(f"{side} descriptors need positive lengths and non-negative addresses")
+    if not np.array_equal(lo[:, 1], re[:, 1]):
+        i = int(np.flatnonzero(lo[:, 1] != re[:, 1])[0])
+        raise TransferFailed(f"length mismatch at index {i}: {int(lo[i, 1])} != {int(re[i, 1])}")
+    return lo, re
 
 
 def array_desc(array: np.ndarray) -> Desc:
@@ -186,6 +232,25 @@ class Agent(abc.ABC):
         Pairs must have equal lengths. Failing to post raises (``PeerNotFound``, ``NotAddressable``,
         ``PeerDisconnected``, ``TransferFailed``); a failure after posting shows as ``XferStatus.FAILED``.
         """
+
+    def post_array(
+        self,
+        op: XferOp,
+        local: np.ndarray,
+        remote: np.ndarray,
+        peer: str,
+        notif: bytes | None = None,
+        kind: MemKind = MemKind.DRAM,
+    ) -> XferHandle:
+        """``post`` with descriptors as ``[n, 3]`` integer arrays of (addr, length, device id) rows.
+
+        The fast path for requests with thousands of descriptors (``TransferPlan.src_array``): backends
+        hand the arrays to the engine without a Python loop per descriptor. Rows are validated as a whole
+        (``check_desc_arrays``: ``TransferFailed`` on bad shapes or unequal lengths); otherwise it behaves
+        and fails exactly like ``post``. This default converts to ``Desc`` lists.
+        """
+        lo, re = check_desc_arrays(local, remote)
+        return self.post(op, array_to_descs(lo), array_to_descs(re), peer, notif, kind)
 
     @abc.abstractmethod
     def status(self, handle: XferHandle) -> XferStatus:

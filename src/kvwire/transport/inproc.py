@@ -45,6 +45,8 @@ from kvwire.transport.base import (
     XferOp,
     XferStatus,
     array_desc,
+    check_desc_arrays,
+    descs_to_array,
 )
 
 _MD_TAG = "kvwire-inproc-v1"
@@ -76,9 +78,6 @@ class _Region:
     length: int
     kind: MemKind
 
-    def covers(self, d: Desc) -> bool:
-        return self.addr <= d.addr and d.addr + d.length <= self.addr + self.length
-
 
 @dataclass(slots=True)
 class _Peer:
@@ -87,11 +86,12 @@ class _Peer:
     epoch: int
 
 
-@dataclass(slots=True)
+@dataclass(eq=False, slots=True)
 class _Xfer:
     op: XferOp
     target: str
-    pairs: list[tuple[Desc, Desc]]
+    local: np.ndarray  # [n, 3] int64 (addr, length, device id) rows
+    remote: np.ndarray
     notif: bytes | None
     calls_left: int
     not_before: float
@@ -135,6 +135,24 @@ def _check_pairs(local: Sequence[Desc], remote: Sequence[Desc]) -> None:
     for i, (a, b) in enumerate(zip(local, remote, strict=True)):
         if a.length != b.length:
             raise TransferFailed(f"length mismatch at index {i}: {a.length} != {b.length}")
+
+
+def _first_uncovered(rows: np.ndarray, regions: Sequence[_Region]) -> int | None:
+    """Index of the first ``[n, 3]`` row not inside one of ``regions``, or None (vectorized)."""
+    if rows.shape[0] == 0:
+        return None
+    if not regions:
+        return 0
+    bounds = np.array([(r.addr, r.addr + r.length) for r in regions], dtype=np.int64)
+    start = rows[:, 0:1]
+    inside = (start >= bounds[:, 0]) & (start + rows[:, 1:2] <= bounds[:, 1])
+    bad = np.flatnonzero(~inside.any(axis=1))
+    return int(bad[0]) if bad.size else None
+
+
+def _row_desc(rows: np.ndarray, i: int) -> Desc:
+    a, n, d = rows[i].tolist()
+    return Desc(a, n, d)
 
 
 def _indices(idx: Sequence[int], size: int, side: str) -> list[int]:
@@ -195,13 +213,11 @@ class InprocAgent(Agent):
     def _local_regions(self) -> list[_Region]:
         return [_Region(r.addr, r.length, r.kind) for r, _ in self._regs.values()]
 
-    def _uncovered(self, descs: Sequence[Desc], kind: MemKind | None) -> Desc | None:
-        """The first descriptor not inside one registration (of ``kind``, if given), or None."""
+    def _uncovered(self, rows: np.ndarray, kind: MemKind | None) -> Desc | None:
+        """The first ``[n, 3]`` row not inside one registration (of ``kind``, if given), or None."""
         regions = [r for r in self._local_regions() if kind is None or r.kind is kind]
-        for d in descs:
-            if not any(r.covers(d) for r in regions):
-                return d
-        return None
+        i = _first_uncovered(rows, regions)
+        return None if i is None else _row_desc(rows, i)
 
     # -- metadata and peers --------------------------------------------------------------------------
     def _md(self, regions: list[_Region], mode: PeerMode) -> bytes:
@@ -259,27 +275,26 @@ class InprocAgent(Agent):
             raise NotAddressable(f"peer {peer} is loaded notif-only: its memory is not addressable")
         return entry
 
-    def _check_remote(self, entry: _Peer, peer: str, descs: Sequence[Desc], kind: MemKind) -> None:
-        regions = [r for r in entry.regions if r.kind is kind]
-        for d in descs:
-            if not any(r.covers(d) for r in regions):
-                raise NotAddressable(f"{d} is outside {peer}'s registered memory")
+    def _check_remote(self, entry: _Peer, peer: str, rows: np.ndarray, kind: MemKind) -> None:
+        i = _first_uncovered(rows, [r for r in entry.regions if r.kind is kind])
+        if i is not None:
+            raise NotAddressable(f"{_row_desc(rows, i)} is outside {peer}'s registered memory")
 
-    def _check_local(self, descs: Sequence[Desc], kind: MemKind) -> None:
-        bad = self._uncovered(descs, kind)
+    def _check_local(self, rows: np.ndarray, kind: MemKind) -> None:
+        bad = self._uncovered(rows, kind)
         if bad is not None:
             raise NotAddressable(f"{bad} is outside this agent's registered memory")
 
     # -- descriptor lists ----------------------------------------------------------------------------
     def prep_local(self, descs: Sequence[Desc], kind: MemKind = MemKind.DRAM) -> DescListHandle:
         self._check_open()
-        self._check_local(descs, kind)
+        self._check_local(descs_to_array(descs), kind)
         return DescListHandle(None, tuple(descs), kind=kind)
 
     def prep_remote(self, peer: str, descs: Sequence[Desc], kind: MemKind = MemKind.DRAM) -> DescListHandle:
         self._check_open()
         entry = self._full_peer(peer)
-        self._check_remote(entry, peer, descs, kind)
+        self._check_remote(entry, peer, descs_to_array(descs), kind)
         return DescListHandle(peer, tuple(descs), kind=kind, epoch=entry.epoch)
 
     def release_dlist(self, handle: DescListHandle) -> None:
@@ -307,9 +322,11 @@ class InprocAgent(Agent):
         ridx = _indices(remote_idx, len(remote.descs), "remote")
         ldescs = [local.descs[i] for i in lidx]
         rdescs = [remote.descs[i] for i in ridx]
+        lrows, rrows = descs_to_array(ldescs), descs_to_array(rdescs)
         # Local memory may have been deregistered since the list was prepared.
-        self._check_local(ldescs, local.kind)
-        return self._post(op, ldescs, rdescs, remote.peer, notif)
+        self._check_local(lrows, local.kind)
+        _check_pairs(ldescs, rdescs)
+        return self._post(op, lrows, rrows, remote.peer, notif)
 
     def post(
         self,
@@ -322,14 +339,32 @@ class InprocAgent(Agent):
     ) -> XferHandle:
         self._check_open()
         entry = self._full_peer(peer)
-        self._check_local(local, kind)
-        self._check_remote(entry, peer, remote, kind)
-        return self._post(op, list(local), list(remote), peer, notif)
+        lrows, rrows = descs_to_array(local), descs_to_array(remote)
+        self._check_local(lrows, kind)
+        self._check_remote(entry, peer, rrows, kind)
+        _check_pairs(local, remote)
+        return self._post(op, lrows, rrows, peer, notif)
+
+    def post_array(
+        self,
+        op: XferOp,
+        local: np.ndarray,
+        remote: np.ndarray,
+        peer: str,
+        notif: bytes | None = None,
+        kind: MemKind = MemKind.DRAM,
+    ) -> XferHandle:
+        self._check_open()
+        entry = self._full_peer(peer)
+        lrows, rrows = check_desc_arrays(local, remote)
+        self._check_local(lrows, kind)
+        self._check_remote(entry, peer, rrows, kind)
+        # Copied: the caller may reuse its arrays while the transfer is pending.
+        return self._post(op, lrows.copy(), rrows.copy(), peer, notif)
 
     def _post(
-        self, op: XferOp, local: list[Desc], remote: list[Desc], peer: str, notif: bytes | None
+        self, op: XferOp, local: np.ndarray, remote: np.ndarray, peer: str, notif: bytes | None
     ) -> XferHandle:
-        _check_pairs(local, remote)
         self.fabric.lookup(peer)  # like NIXL: posting towards a dead peer raises at once
         fail = self.faults.fail_transfers > 0
         if fail:
@@ -337,13 +372,14 @@ class InprocAgent(Agent):
         xfer = _Xfer(
             op,
             peer,
-            list(zip(local, remote, strict=True)),
+            local,
+            remote,
             notif,
             self.faults.delay_calls,
             time.monotonic() + self.faults.delay_s,
             fail,
         )
-        handle = XferHandle(op, peer, sum(d.length for d in local), xfer)
+        handle = XferHandle(op, peer, int(local[:, 1].sum()), xfer)
         self._pending.append(handle)
         self._advance(handle, count_call=False)
         return handle
@@ -366,15 +402,15 @@ class InprocAgent(Agent):
             self._finish(handle, XferStatus.FAILED, "injected failure")
             return
         # Checked again now: a buffer deregistered since posting may be freed, and must not be touched.
-        if self._uncovered([p[0] for p in xfer.pairs], None) is not None:
+        if self._uncovered(xfer.local, None) is not None:
             self._finish(handle, XferStatus.FAILED, "local memory was deregistered")
             return
-        if target._uncovered([p[1] for p in xfer.pairs], None) is not None:
+        if target._uncovered(xfer.remote, None) is not None:
             self._finish(handle, XferStatus.FAILED, f"{xfer.target} deregistered the target memory")
             return
-        for local, remote in xfer.pairs:
-            dst, src = (remote, local) if xfer.op is XferOp.WRITE else (local, remote)
-            ctypes.memmove(dst.addr, src.addr, local.length)
+        dst, src = (xfer.remote, xfer.local) if xfer.op is XferOp.WRITE else (xfer.local, xfer.remote)
+        for d, s, n in zip(dst[:, 0].tolist(), src[:, 0].tolist(), src[:, 1].tolist(), strict=True):
+            ctypes.memmove(d, s, n)
         self._finish(handle, XferStatus.DONE, None)
         if xfer.notif is not None:
             self._emit(target, xfer.notif)

@@ -45,6 +45,7 @@ from kvwire.transport.base import (
     XferOp,
     XferStatus,
     array_desc,
+    check_desc_arrays,
 )
 
 _MAGIC = b"KVWN\x01"
@@ -297,6 +298,26 @@ class NixlAgent(Agent):
             rdescs = self._agent.get_xfer_descs(_desc_array(remote), kind.value)
             raw = self._agent.initialize_xfer(op.value, ldescs, rdescs, peer, notif or b"")
         return self._start(XferHandle(op, peer, sum(d.length for d in local), raw))
+
+    def post_array(
+        self,
+        op: XferOp,
+        local: np.ndarray,
+        remote: np.ndarray,
+        peer: str,
+        notif: bytes | None = None,
+        kind: MemKind = MemKind.DRAM,
+    ) -> XferHandle:
+        self._check_open()
+        self._full_peer(peer)
+        lo, re = check_desc_arrays(local, remote)
+        with self._boundary(f"{op.value} to {peer}"):
+            # NIXL reads a C-contiguous uint64 [n, 3] array in C++; int64 rows were checked non-negative,
+            # so viewing them as uint64 is exact and copies nothing.
+            ldescs = self._agent.get_xfer_descs(lo.view(np.uint64), kind.value)
+            rdescs = self._agent.get_xfer_descs(re.view(np.uint64), kind.value)
+            raw = self._agent.initialize_xfer(op.value, ldescs, rdescs, peer, notif or b"")
+        return self._start(XferHandle(op, peer, int(lo[:, 1].sum()), raw))
 
     def _start(self, handle: XferHandle) -> XferHandle:
         try:

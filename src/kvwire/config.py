@@ -1,0 +1,127 @@
+"""Typed configuration, and the only place that reads environment variables.
+
+Environment variables (all optional):
+
+* ``KVWIRE_SECRET``: shared secret for side-channel authentication (HMAC); unset means no authentication.
+* ``KVWIRE_SIDE_CHANNEL_HOST``: the address an engine advertises for its side channel (what peers on
+  other hosts connect to); default: the host it binds.
+* ``KVWIRE_LOG_LEVEL``: ``debug``, ``info`` (default), ``warning`` or ``error``.
+
+Command modules build the dataclasses below from their flags and ``env_config()``; library code takes the
+dataclasses (or plain arguments), never ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvwire.errors import ConfigError
+from kvwire.protocol.messages import TransferMode
+from kvwire.router.policy import Policy
+
+ENV_SECRET = "KVWIRE_SECRET"
+ENV_SIDE_CHANNEL_HOST = "KVWIRE_SIDE_CHANNEL_HOST"
+ENV_LOG_LEVEL = "KVWIRE_LOG_LEVEL"
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class Backend(enum.Enum):
+    NIXL = "nixl"
+    INPROC = "inproc"
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    secret: bytes | None = None
+    side_channel_host: str | None = None
+    log_level: str = "info"
+
+
+def env_config(environ: Mapping[str, str] | None = None) -> EnvConfig:
+    env = os.environ if environ is None else environ
+    secret = env.get(ENV_SECRET) or None
+    host = env.get(ENV_SIDE_CHANNEL_HOST) or None
+    level = (env.get(ENV_LOG_LEVEL) or "info").lower()
+    if level not in _LOG_LEVELS:
+        raise ConfigError(f"{ENV_LOG_LEVEL}={level!r}: expected one of {', '.join(_LOG_LEVELS)}")
+    return EnvConfig(secret=secret.encode() if secret else None, side_channel_host=host, log_level=level)
+
+
+def normalize_url(url: str) -> str:
+    """``host:port`` or ``http://host:port/`` -> ``http://host:port``."""
+    url = url.strip().rstrip("/")
+    if not url:
+        raise ConfigError("empty engine URL")
+    if "://" not in url:
+        url = "http://" + url
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"engine URL {url!r}: only http and https are supported")
+    return url
+
+
+def split_urls(values: Sequence[str]) -> tuple[str, ...]:
+    """Flag values, each possibly comma-separated, as normalized URLs (order kept, duplicates refused)."""
+    urls = [normalize_url(part) for value in values for part in value.split(",") if part.strip()]
+    if len(set(urls)) != len(urls):
+        raise ConfigError(f"an engine URL is listed twice: {urls}")
+    return tuple(urls)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    policy: Policy = Policy.ROUND_ROBIN
+    # PUSH: both legs at once. PULL: P's leg first, then D's with P's block ids (D reads them).
+    mode: TransferMode = TransferMode.PUSH
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str = "kvwire"
+    # A whole request (both legs); long prompts on a slow CPU engine take seconds.
+    request_timeout_s: float = 300.0
+    connect_timeout_s: float = 5.0
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.prefill_urls or not self.decode_urls:
+            raise ConfigError("the router needs at least one prefill and one decode engine URL")
+        if set(self.prefill_urls) & set(self.decode_urls):
+            raise ConfigError("an engine cannot be both a prefill and a decode engine of one router")
+        for name in ("request_timeout_s", "connect_timeout_s", "health_interval_s", "health_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive")
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    prefill: int = 1
+    decode: int = 1
+    p_tp: int = 1
+    d_tp: int = 1
+    p_pp: int = 1
+    mode: TransferMode = TransferMode.PUSH
+    backend: Backend = Backend.NIXL
+    preset: str = "tiny"
+    requests: int = 32
+    min_prompt_tokens: int = 16
+    max_prompt_tokens: int = 2048
+    max_tokens: int = 16
+    concurrency: int = 1
+    seed: int = 0
+    json_path: Path | None = None
+    plot_path: Path | None = None
+    startup_timeout_s: float = 120.0
+    request_timeout_s: float = 300.0
+    log_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "decode", "p_tp", "d_tp", "p_pp", "requests", "max_tokens", "concurrency"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if not 1 <= self.min_prompt_tokens <= self.max_prompt_tokens:
+            raise ConfigError("need 1 <= min prompt tokens <= --max-prompt-tokens")

@@ -1,0 +1,189 @@
+"""The producer's registration bookkeeping: request and registration records, their checks, P's replies.
+
+Everything here is plain data and pure functions over it; ``producer.py`` drives the flow (notifications,
+handshakes, writes, timers) and calls these. Nothing here touches an agent.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from kvwire.connector._base import RankKey
+from kvwire.connector.events import ProducerOutcome
+from kvwire.errors import BlockRangeError, LayoutError
+from kvwire.handshake.types import EngineInfo, PeerRank
+from kvwire.kv.mapping import tp_peers
+from kvwire.kv.spec import KVSpec
+from kvwire.protocol.messages import CancelAck, Failed, FailReason, Heartbeat, Notification, PushReg
+from kvwire.protocol.states import ProducerRegistration, ProducerState
+from kvwire.transport.base import XferHandle
+
+
+class Phase(enum.Enum):
+    """The request's hold on P's blocks."""
+
+    PREFILLING = "prefilling"  # registrations may arrive; no blocks held yet
+    HELD = "held"  # prefill finished: the connector holds the blocks
+    ENDED = "ended"  # freeable event emitted (or never held); kept as a tombstone
+
+
+@dataclass(eq=False, slots=True)
+class Reg:
+    """One ``push_reg``: from one D rank (agent ``sender``) to one local rank ``key``."""
+
+    key: RankKey
+    sender: str
+    msg: PushReg
+    fence_at: float
+    machine: ProducerRegistration = field(default_factory=ProducerRegistration)
+    peer: PeerRank | None = None
+    handshake_failed: bool = False
+    handle: XferHandle | None = None
+    posted_at: float = 0.0
+    wrote: bool = False
+    outbox: list[Notification] = field(default_factory=list)  # to send once D is loaded
+
+    @property
+    def state(self) -> ProducerState:
+        return self.machine.state
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    transfer_id: str
+    phase: Phase = Phase.PREFILLING
+    block_ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    lease_until: float = math.inf
+    regs: dict[tuple[RankKey, str], Reg] = field(default_factory=dict)
+    d_tp_size: int | None = None
+    aborted: bool = False
+    outcome: ProducerOutcome | None = None
+    forget_at: float = math.inf
+
+
+# Why a push_reg that arrives for an ended request is refused.
+TOMB_REASON = {
+    ProducerOutcome.ABORTED: FailReason.ABORTED,
+    ProducerOutcome.SHUTDOWN: FailReason.SHUTDOWN,
+}
+
+
+@lru_cache(maxsize=256)
+def expected_d_ranks(spec: KVSpec, p_tp: int, d_tp: int, p_rank: int) -> frozenset[int]:
+    """The D TP ranks P rank ``p_rank`` writes (cached: asked at every settle of every request)."""
+    return frozenset(s.dst_rank for s in tp_peers(spec, p_tp, d_tp, p_rank))
+
+
+def check_reg(engine: EngineInfo, req: Request, reg: Reg) -> FailReason | None:
+    """Whether a push_reg fits this rank and the request's other registrations (None: it does)."""
+    msg = reg.msg
+    if not msg.tp_rank < msg.tp_size or (req.d_tp_size not in (None, msg.tp_size)):
+        return FailReason.BAD_REGISTRATION
+    try:
+        want = expected_d_ranks(engine.spec, engine.tp_size, msg.tp_size, reg.key[1])
+    except LayoutError:
+        return FailReason.INCOMPATIBLE
+    if msg.tp_rank not in want or msg.num_cached_tokens > msg.num_tokens:
+        return FailReason.BAD_REGISTRATION
+    req.d_tp_size = msg.tp_size
+    return None
+
+
+def check_d_blocks(block_ids: Iterable[int], num_blocks: int) -> None:
+    """D's block ids against D's block count from the handshake (``BlockRangeError``): P never writes
+    outside D's cache, and never twice into one block."""
+    seen: set[int] = set()
+    for b in block_ids:
+        if not 0 <= b < num_blocks:
+            raise BlockRangeError(f"D block id {b} outside [0, {num_blocks})")
+        if b in seen:
+            raise BlockRangeError(f"D block id {b} listed twice")
+        seen.add(b)
+
+
+def all_ended(engine: EngineInfo, keys: Iterable[RankKey], req: Request) -> bool:
+    """Every registration each local rank expects (from D's TP size) came and ended."""
+    if req.d_tp_size is None:
+        return False
+    if not all(r.machine.registration_ended for r in req.regs.values()):
+        return False
+    for key in keys:
+        want = expected_d_ranks(engine.spec, engine.tp_size, req.d_tp_size, key[1])
+        got = {r.msg.tp_rank for r in req.regs.values() if r.key == key}
+        if not want <= got:
+            return False
+    return True
+
+
+def outcome(req: Request) -> ProducerOutcome:
+    states = {r.state for r in req.regs.values()}
+    if ProducerState.FAILED in states:
+        return ProducerOutcome.FAILED
+    if ProducerState.CANCELLED in states:
+        return ProducerOutcome.ABORTED
+    return ProducerOutcome.SENT
+
+
+def live_registrations(requests: Mapping[str, Request]) -> dict[tuple[RankKey, str], list[str]]:
+    """(local rank, D agent) -> transfer ids of the registrations we hold with a loaded D (heartbeats)."""
+    live: dict[tuple[RankKey, str], list[str]] = defaultdict(list)
+    for req in requests.values():
+        if req.phase is Phase.ENDED:
+            continue
+        for reg in req.regs.values():
+            if reg.peer is not None and not reg.machine.registration_ended:
+                live[(reg.key, reg.sender)].append(req.transfer_id)
+    return live
+
+
+def engines_in_use(requests: Mapping[str, Request]) -> set[str]:
+    """D engines that a registration still being served refers to (their agents must not be reaped)."""
+    return {
+        reg.msg.engine_id
+        for req in requests.values()
+        if req.phase is not Phase.ENDED
+        for reg in req.regs.values()
+        if not reg.machine.registration_ended or reg.machine.writes_in_flight
+    }
+
+
+class Replies:
+    """P's notifications to D, stamped with this engine's identity."""
+
+    def __init__(self, engine: EngineInfo) -> None:
+        self._engine_id = engine.engine_id
+        self._incarnation = engine.incarnation
+
+    def failed(self, transfer_id: str, key: RankKey, reason: FailReason) -> Failed:
+        return Failed(
+            transfer_id=transfer_id,
+            engine_id=self._engine_id,
+            incarnation=self._incarnation,
+            tp_rank=key[1],
+            pp_rank=key[0],
+            reason=reason,
+        )
+
+    def cancel_ack(self, transfer_id: str, key: RankKey, wrote: bool) -> CancelAck:
+        return CancelAck(
+            transfer_id=transfer_id,
+            engine_id=self._engine_id,
+            incarnation=self._incarnation,
+            tp_rank=key[1],
+            pp_rank=key[0],
+            wrote=wrote,
+        )
+
+    def heartbeat(self, transfer_ids: list[str]) -> Heartbeat:
+        return Heartbeat(
+            transfer_id="",
+            engine_id=self._engine_id,
+            incarnation=self._incarnation,
+            transfer_ids=transfer_ids,
+        )

@@ -1,0 +1,179 @@
+"""Server processes for the demo: start, wait for ``/health``, and always stop (SIGTERM, then SIGKILL).
+
+Every child runs in its own session so that a stop also reaches anything it spawned, and its output goes
+to a log file whose tail is shown when it fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import httpx
+
+from kvwire.errors import KvwireError
+
+_POLL_S = 0.1
+_TAIL_BYTES = 4000
+
+
+class ServerFailed(KvwireError):
+    """A demo server exited or never became healthy."""
+
+
+def free_port() -> int:
+    """A port that is free now on 127.0.0.1 (the server binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def kvwire_command(*args: str) -> list[str]:
+    """Run a kvwire command with this interpreter (works without the console script on PATH)."""
+    return [sys.executable, "-m", "kvwire.cli", *args]
+
+
+@dataclass
+class Server:
+    name: str
+    argv: list[str]
+    port: int
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    _log: IO[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self) -> str:
+        try:
+            data = self.log_path.read_bytes()
+        except OSError:
+            return ""
+        return data[-_TAIL_BYTES:].decode(errors="replace")
+
+
+class ServerGroup:
+    """The demo's processes. Use as a context manager: leaving it stops every one of them."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.log_dir = log_dir
+        self.servers: list[Server] = []
+        self._env = {**os.environ, **(env or {})}
+
+    def __enter__(self) -> ServerGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+    def start(self, name: str, args: Sequence[str], port: int) -> Server:
+        """Start ``kvwire ARGS`` as server ``name`` listening on ``port``."""
+        return self.start_argv(name, kvwire_command(*args), port)
+
+    def start_argv(self, name: str, argv: Sequence[str], port: int) -> Server:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        server = Server(name, list(argv), port, self.log_dir / f"{name}.log")
+        server._log = server.log_path.open("wb")
+        server.proc = subprocess.Popen(
+            server.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=server._log,
+            stderr=subprocess.STDOUT,
+            env=self._env,
+            start_new_session=True,
+        )
+        self.servers.append(server)
+        self._write_index()
+        return server
+
+    def _write_index(self) -> None:
+        """``servers.json`` in the log directory: who runs where (for debugging, and for leak checks)."""
+        index = [
+            {"name": s.name, "pid": s.proc.pid if s.proc else None, "port": s.port} for s in self.servers
+        ]
+        (self.log_dir / "servers.json").write_text(json.dumps(index, indent=1) + "\n")
+
+    def wait_healthy(self, servers: Sequence[Server], timeout_s: float) -> None:
+        """Poll each server's ``/health`` until all answer 200; raise if one exits or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(servers)
+        with httpx.Client(timeout=2.0) as client:
+            while pending:
+                for server in list(pending):
+                    self._check_alive(server)
+                    if _healthy(client, server.url):
+                        pending.remove(server)
+                if pending and time.monotonic() > deadline:
+                    names = ", ".join(s.name for s in pending)
+                    tail = pending[0].log_tail()
+                    raise ServerFailed(
+                        f"not healthy after {timeout_s:.0f} s: {names}\n--- {pending[0].name} log ---\n{tail}"
+                    )
+                if pending:
+                    time.sleep(_POLL_S)
+
+    def check_all_alive(self) -> None:
+        for server in self.servers:
+            self._check_alive(server)
+
+    @staticmethod
+    def _check_alive(server: Server) -> None:
+        if server.proc is not None and server.proc.poll() is not None:
+            raise ServerFailed(
+                f"{server.name} exited with status {server.proc.returncode}\n"
+                f"--- {server.name} log ({server.log_path}) ---\n{server.log_tail()}"
+            )
+
+    def stop_all(self, timeout_s: float = 10.0) -> list[str]:
+        """SIGTERM every server, wait, SIGKILL the ones left. Returns the names that had to be killed."""
+        running = [s for s in self.servers if s.proc is not None and s.proc.poll() is None]
+        for s in running:
+            _signal_group(s, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        killed = []
+        for s in running:
+            assert s.proc is not None
+            try:
+                s.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                killed.append(s.name)
+                _signal_group(s, signal.SIGKILL)
+                s.proc.wait(timeout=timeout_s)
+        for s in self.servers:
+            if s.proc is None:
+                continue
+            # Anything a server spawned (TP ranks) and left behind goes with its session.
+            _signal_group(s, signal.SIGKILL)
+            s.proc.wait(timeout=timeout_s)
+            if s._log is not None:
+                s._log.close()
+                s._log = None
+        return killed
+
+
+def _healthy(client: httpx.Client, url: str) -> bool:
+    try:
+        resp = client.get(url + "/health")
+        return resp.status_code == 200 and resp.json().get("status") == "ok"
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return False
+
+
+def _signal_group(server: Server, sig: signal.Signals) -> None:
+    assert server.proc is not None
+    # The child leads its own session: its process group id is its pid.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.proc.pid, sig)

@@ -1,0 +1,180 @@
+"""The real connector (``kvwire.connector`` Producer / Consumer) behind the engine's hooks.
+
+``attach_connector`` builds one agent per (pp, tp) rank of the engine's cache, the Producer (prefill
+role) or the Consumer (decode role), starts it (its side channel binds then) and plugs it into the engine.
+``ConnectorMetrics`` copies the connector's counters into the server's ``KvMetrics`` (on each scrape).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvwire.connector import ConnectorConfig, Consumer, Producer, RemoteEngine
+from kvwire.engine.config import Role
+from kvwire.engine.engine import Engine
+from kvwire.engine.hooks import HookEvents, TransferRequest
+from kvwire.errors import ConfigError, InvalidRequest, TransportError
+from kvwire.handshake.types import EngineInfo, LocalRank
+from kvwire.metrics import HandshakeStats, KvMetrics, TransferStats
+from kvwire.protocol.messages import TransferMode
+from kvwire.transport.base import Agent, PeerMode, make_agent_name
+from kvwire.transport.factory import create_agent
+
+
+def remote_engine(params: Mapping[str, Any]) -> RemoteEngine:
+    """The decode leg's ``kv_transfer_params`` as the consumer's ``RemoteEngine``."""
+    try:
+        return RemoteEngine(
+            engine_id=str(params["remote_engine_id"]),
+            host=str(params["remote_host"]),
+            port=int(params["remote_port"]),
+            tp_size=int(params.get("remote_tp_size") or 1),
+            pp_size=int(params.get("remote_pp_size") or 1),
+            block_ids=tuple(int(b) for b in params.get("remote_block_ids") or ()),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidRequest(f"kv_transfer_params: {exc}") from exc
+
+
+class _Hooks:
+    def __init__(self, connector: Producer | Consumer, agents: list[Agent]) -> None:
+        self.connector = connector
+        self._agents = agents
+        self._closed = False
+
+    def bind(self, wake: Callable[[], None]) -> None:
+        return None  # the engine loop polls every half millisecond while the connector holds blocks
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.connector.close()
+        for agent in self._agents:
+            with contextlib.suppress(TransportError):
+                agent.close()
+
+
+class ProducerHooks(_Hooks):
+    connector: Producer
+
+    def request_finished(self, req: TransferRequest) -> bool:
+        self.connector.request_finished(req.transfer_id, req.block_ids, req.num_tokens)
+        return True
+
+    def request_allocated(self, req: TransferRequest) -> None:
+        raise InvalidRequest("a prefill engine does not load KV")
+
+    def abort(self, transfer_id: str) -> None:
+        self.connector.abort(transfer_id)
+
+    def poll(self) -> HookEvents:
+        return HookEvents(producer=self.connector.poll())
+
+
+class ConsumerHooks(_Hooks):
+    connector: Consumer
+
+    def request_finished(self, req: TransferRequest) -> bool:
+        return False
+
+    def request_allocated(self, req: TransferRequest) -> None:
+        remote = remote_engine(req.params)
+        self.connector.request_allocated(req.transfer_id, req.block_ids, req.num_tokens, 0, remote)
+
+    def abort(self, transfer_id: str) -> None:
+        self.connector.abort(transfer_id)
+
+    def poll(self) -> HookEvents:
+        return HookEvents(consumer=self.connector.poll())
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    engine_id: str
+    incarnation: str
+    model_id: str
+    mode: TransferMode = TransferMode.PUSH
+    backend: str = "nixl"
+    host: str = "127.0.0.1"
+    port: int = 0
+    secret: bytes | None = None
+    config: ConnectorConfig = field(default_factory=ConnectorConfig)
+
+
+def attach_connector(engine: Engine, s: ConnectorSettings) -> ProducerHooks | ConsumerHooks:
+    """Build, start and plug in the connector of a prefill or decode engine; its side channel port is
+    ``hooks.connector.port``."""
+    role = engine.cfg.role
+    if role is Role.COLOCATED:
+        raise ConfigError("a colocated engine has no KV connector")
+    kv = engine.kv
+    info = EngineInfo(s.engine_id, s.incarnation, s.model_id, kv.spec, kv.tp_size, kv.pp_size, s.mode)
+    agents: list[Agent] = []
+    ranks: list[LocalRank] = []
+    try:
+        for (pp, tp), cache in sorted(kv.caches.items()):
+            agents.append(create_agent(s.backend, make_agent_name(s.engine_id, s.incarnation, pp, tp)))
+            ranks.append(LocalRank(pp_rank=pp, tp_rank=tp, agent=agents[-1], cache=cache))
+        config = dataclasses.replace(s.config, mode=s.mode)
+        cls = Producer if role is Role.PREFILL else Consumer
+        connector = cls(info, ranks, config, host=s.host, port=s.port, secret=s.secret)
+        connector.start()
+    except BaseException:
+        for agent in agents:
+            with contextlib.suppress(TransportError):
+                agent.close()
+        raise
+    hooks: ProducerHooks | ConsumerHooks
+    if isinstance(connector, Producer):
+        hooks = ProducerHooks(connector, agents)
+    else:
+        hooks = ConsumerHooks(connector, agents)
+    engine.set_hooks(hooks)
+    return hooks
+
+
+class ConnectorMetrics:
+    """Feeds a ``KvMetrics`` from a connector's cumulative counters (call ``sync`` before each scrape)."""
+
+    def __init__(self, connector: Producer | Consumer, metrics: KvMetrics) -> None:
+        self.connector = connector
+        self.metrics = metrics
+        self._transfers = 0
+        self._bytes = 0
+        self._failures: dict[Any, int] = {}
+        self._handshakes: dict[tuple[Any, PeerMode], int] = {}
+
+    def sync(self) -> None:
+        st = self.connector.stats
+        new = st.transfers_done - self._transfers
+        # A transfer is counted by the side that posts it: P in push mode, D in pull mode.
+        posts = isinstance(self.connector, Producer) == (self.connector.config.mode is TransferMode.PUSH)
+        if new > 0 and posts:
+            durations = st.transfer_durations_s[-new:] or [0.0]
+            per = (st.bytes_moved - self._bytes) // new
+            for i in range(new):
+                secs = durations[i] if i < len(durations) else durations[-1]
+                self.metrics.record_transfer(TransferStats(self.connector.config.mode, per, secs))
+        self._transfers, self._bytes = st.transfers_done, st.bytes_moved
+        for reason, count in st.failures.items():
+            for _ in range(count - self._failures.get(reason, 0)):
+                self.metrics.record_failure(reason)
+            self._failures[reason] = count
+        for key, mgr in self.connector.managers.items():
+            for mode in PeerMode:
+                done = mgr.stats.handshakes[mode]
+                seen = self._handshakes.get((key, mode), 0)
+                recent = list(mgr.stats.durations_s[mode])
+                if done <= seen:
+                    continue
+                # Durations are not kept per peer: name the local rank and the engines it knows.
+                remotes = ",".join(sorted({p.engine_id for p in mgr.peers()})) or "?"
+                peer = f"{self.connector.engine.engine_id} pp{key[0]}/tp{key[1]} -> {remotes}"
+                for secs in recent[len(recent) - min(done - seen, len(recent)) :]:
+                    self.metrics.record_handshake(HandshakeStats(peer=peer, mode=mode, seconds=secs))
+                self._handshakes[(key, mode)] = done

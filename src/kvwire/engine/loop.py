@@ -1,0 +1,45 @@
+"""The engine thread: steps the engine while there is work, sleeps (bounded) when there is none."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from kvwire.engine.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, *, idle_wait_s: float = 0.05, poll_wait_s: float = 0.0005) -> None:
+        self.engine = engine
+        self.idle_wait_s = idle_wait_s
+        # While the connector holds blocks, poll it often: a ready KV must not wait for a tick.
+        self.poll_wait_s = poll_wait_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvwire-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop stepping, then end every live request and close the connector."""
+        self._stop.set()
+        self.engine.wake()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        self.engine.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            try:
+                engine.step()
+            except Exception:
+                log.exception("engine step failed")
+            lent = engine.scheduler.has_lent_blocks() or bool(engine.scheduler.waiting)
+            engine.wait(self.poll_wait_s if lent else self.idle_wait_s)

@@ -1,0 +1,124 @@
+"""A request inside the engine: its state machine, its blocks, and what it reports after each step."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # queued, no blocks yet
+    WAITING_FOR_KV = "waiting_for_kv"  # D: blocks allocated and handed to the connector
+    RECOMPUTE_PENDING = "recompute_pending"  # D: load failed; waits for the blocks' release to prefill
+    RUNNING = "running"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = frozenset(
+    {
+        RequestState.FINISHED_STOPPED,
+        RequestState.FINISHED_LENGTH,
+        RequestState.FINISHED_ABORTED,
+        RequestState.FINISHED_ERROR,
+    }
+)
+
+
+class TransferRole(enum.Enum):
+    """The request's part in a disaggregated pair (vLLM's names)."""
+
+    NONE = "none"
+    REMOTE_DECODE = "do_remote_decode"  # on P: prefill here, the KV goes to a decoder
+    REMOTE_PREFILL = "do_remote_prefill"  # on D: the KV comes from a prefiller
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+_REASON = {
+    RequestState.FINISHED_STOPPED: FinishReason.STOP,
+    RequestState.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestState.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestState.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """New tokens of one request after one engine step (or its end)."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: FinishReason | None = None
+    error: Exception | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    ttft_s: float | None = None
+    kv_transfer_s: float | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    ignore_eos: bool = False
+    role: TransferRole = TransferRole.NONE
+    transfer_id: str | None = None
+    kv_transfer_params: Mapping[str, Any] = field(default_factory=dict)
+    on_output: Callable[[RequestOutput], None] | None = None
+    # -- engine state --
+    state: RequestState = RequestState.WAITING
+    block_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    needs_prefill: bool = True
+    error: Exception | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    kv_wait_start: float | None = None
+    kv_ready_at: float | None = None
+
+    @property
+    def next_position(self) -> int:
+        """The position the next ``step`` computes: the last prompt token, then each sampled token."""
+        return len(self.prompt) - 1 + len(self.output_ids)
+
+    @property
+    def next_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt[-1]
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _REASON.get(self.state)
+
+    def output(self, new: tuple[int, ...]) -> RequestOutput:
+        ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
+        kv = None
+        if self.kv_wait_start is not None and self.kv_ready_at is not None:
+            kv = self.kv_ready_at - self.kv_wait_start
+        return RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=new,
+            finished=self.state.finished,
+            finish_reason=self.finish_reason,
+            error=self.error,
+            num_prompt_tokens=len(self.prompt),
+            num_output_tokens=len(self.output_ids),
+            ttft_s=ttft,
+            kv_transfer_s=kv,
+        )

@@ -1,0 +1,184 @@
+"""Continuous batching: who runs in the next engine step, and who holds which blocks.
+
+Queues: ``waiting`` (FIFO, no blocks), ``waiting_for_kv`` (D: blocks lent to the connector, by transfer
+id), ``running`` (one step each per engine step). New requests join between steps. A request gets every
+block it can ever need when admitted (prompt plus ``max_tokens``), so a running request never runs out of
+blocks and nothing is preempted. Blocks lent to a connector are tracked until it gives them back:
+``held`` (P: finished requests whose KV is being sent) and ``fenced`` (D: failed or aborted loads waiting
+for RELEASED).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvwire.engine.config import EngineConfig
+from kvwire.engine.request import Request, RequestState, TransferRole
+from kvwire.errors import EngineOverloaded, InvalidRequest, UnknownTransfer
+from kvwire.kv.allocator import BlockAllocator
+
+
+@dataclass
+class Admitted:
+    prefills: list[Request] = field(default_factory=list)  # to prefill locally in this step
+    remote: list[Request] = field(default_factory=list)  # D: to hand to the connector
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, allocator: BlockAllocator) -> None:
+        self.cfg = cfg
+        self.allocator = allocator
+        self.block_size = cfg.model.block_size
+        self.waiting: deque[Request] = deque()
+        self.waiting_for_kv: dict[str, Request] = {}
+        self.running: list[Request] = []
+        self.held: dict[str, list[int]] = {}
+        self.fenced: dict[str, list[int]] = {}
+
+    # -- sizes ---------------------------------------------------------------------------------------------
+    def blocks_needed(self, req: Request) -> int:
+        # KV is written for every prompt position and every sampled token but the last.
+        return -(-(len(req.prompt) + req.max_tokens - 1) // self.block_size)
+
+    def prompt_blocks(self, req: Request) -> int:
+        return -(-len(req.prompt) // self.block_size)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.running) + len(self.waiting_for_kv)
+
+    @property
+    def fenced_blocks(self) -> int:
+        return sum(len(b) for b in self.fenced.values())
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.waiting_for_kv or self.running)
+
+    def has_lent_blocks(self) -> bool:
+        return bool(self.waiting_for_kv or self.held or self.fenced)
+
+    # -- admission -----------------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        need, have = self.blocks_needed(req), self.allocator.num_blocks
+        if need > have:
+            raise InvalidRequest(f"request needs {need} KV blocks; the cache has {have}")
+        if len(self.waiting) >= self.cfg.max_waiting:
+            raise EngineOverloaded(f"{len(self.waiting)} requests already waiting")
+        tid = req.transfer_id
+        if req.role is TransferRole.REMOTE_PREFILL and (tid in self.waiting_for_kv or tid in self.fenced):
+            raise InvalidRequest(f"transfer id {req.transfer_id!r} is already in use here")
+        req.state = RequestState.WAITING
+        self.waiting.append(req)
+
+    def admit(self) -> Admitted:
+        """Move waiting requests in FIFO order while blocks, slots and the prefill budget allow."""
+        out = Admitted()
+        budget = self.cfg.max_prefill_tokens
+        while self.waiting and self.num_active < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            need = self.blocks_needed(req)
+            local = req.role is not TransferRole.REMOTE_PREFILL
+            if need > self.allocator.num_free or (local and out.prefills and len(req.prompt) > budget):
+                break
+            self.waiting.popleft()
+            req.block_ids = self.allocator.allocate(need)
+            if local:
+                budget -= len(req.prompt)
+                req.state = RequestState.RUNNING
+                self.running.append(req)
+                out.prefills.append(req)
+            else:
+                assert req.transfer_id is not None
+                self.allocator.quarantine(req.block_ids[: self.prompt_blocks(req)])
+                req.state = RequestState.WAITING_FOR_KV
+                self.waiting_for_kv[req.transfer_id] = req
+                out.remote.append(req)
+        return out
+
+    # -- transfer events -----------------------------------------------------------------------------------
+    def kv_ready(self, transfer_id: str) -> Request:
+        """D: the KV landed. The request runs its step for the last prompt position next."""
+        req = self._pop_waiting_for_kv(transfer_id)
+        self.allocator.release_quarantine(req.block_ids[: self.prompt_blocks(req)])
+        req.needs_prefill = False
+        req.state = RequestState.RUNNING
+        self.running.append(req)
+        return req
+
+    def kv_failed(self, transfer_id: str, *, recompute: bool) -> Request:
+        """D: the KV will not come. Its blocks stay fenced until released."""
+        req = self._pop_waiting_for_kv(transfer_id)
+        if recompute:
+            req.state = RequestState.RECOMPUTE_PENDING
+            self.waiting_for_kv[transfer_id] = req
+        else:
+            self._fence(req)
+        return req
+
+    def kv_released(self, transfer_id: str, *, recompute: bool) -> Request | None:
+        """D: no peer touches the blocks any more: free them, or start the pending recompute.
+
+        Returns the request if it was still waiting (a request released with neither READY nor FAILED
+        before stays WAITING_FOR_KV, without blocks, unless ``recompute``); None for a fenced one.
+        """
+        blocks = self.fenced.pop(transfer_id, None)
+        if blocks is not None:
+            self.allocator.release_quarantine(blocks, free=True)
+            return None
+        req = self._pop_waiting_for_kv(transfer_id)
+        self.allocator.release_quarantine(req.block_ids[: self.prompt_blocks(req)])
+        if req.state is RequestState.RECOMPUTE_PENDING or recompute:
+            req.needs_prefill = True
+            req.state = RequestState.RUNNING
+            self.running.append(req)
+        else:
+            # Released with neither READY nor FAILED before: the load ended without KV.
+            self.allocator.free(req.block_ids)
+            req.block_ids = []
+        return req
+
+    def producer_done(self, transfer_id: str) -> None:
+        blocks = self.held.pop(transfer_id, None)
+        if blocks is None:
+            raise UnknownTransfer(f"producer event for transfer {transfer_id!r}, which holds no blocks")
+        self.allocator.free(blocks)
+
+    # -- ends ----------------------------------------------------------------------------------------------
+    def finish(self, req: Request, state: RequestState, *, hold: bool = False) -> None:
+        """End a running or waiting request; ``hold`` keeps its blocks for the connector (P)."""
+        if req.state is RequestState.RUNNING:
+            self.running.remove(req)
+        elif req.state is RequestState.WAITING:
+            self.waiting.remove(req)
+        req.state = state
+        if hold:
+            # The request keeps naming its blocks (P reports them to the router for pull mode).
+            assert req.transfer_id is not None
+            self.held[req.transfer_id] = req.block_ids
+            return
+        if req.block_ids:
+            self.allocator.free(req.block_ids)
+        req.block_ids = []
+
+    def abort_waiting_for_kv(self, transfer_id: str, state: RequestState) -> Request:
+        """D: end a request whose blocks the connector still holds; they stay fenced until released."""
+        req = self._pop_waiting_for_kv(transfer_id)
+        self._fence(req)
+        req.state = state
+        return req
+
+    def _fence(self, req: Request) -> None:
+        assert req.transfer_id is not None
+        prompt = self.prompt_blocks(req)
+        # Decode-only blocks were never lent: free them now; the prompt's stay quarantined.
+        if req.block_ids[prompt:]:
+            self.allocator.free(req.block_ids[prompt:])
+        self.fenced[req.transfer_id] = req.block_ids[:prompt]
+        req.block_ids = []
+
+    def _pop_waiting_for_kv(self, transfer_id: str) -> Request:
+        req = self.waiting_for_kv.pop(transfer_id, None)
+        if req is None:
+            raise UnknownTransfer(f"no request waits for the KV of transfer {transfer_id!r}")
+        return req

@@ -1,0 +1,307 @@
+"""The engine's HTTP server (FastAPI): /health, /metrics, /v1/kv_stats, /v1/models, /v1/completions.
+
+The engine runs on its own thread (``EngineLoop``); a handler submits a ``Request`` whose ``on_output``
+callback hands each step's output to the handler's asyncio queue (``call_soon_threadsafe``). A stream
+waits for the request's first output before answering, so errors before the first token (bad input, KV
+load failed) still get a proper status code; later errors are sent as an ``error`` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvwire.engine.api import (
+    CompletionRequest,
+    completion_body,
+    completion_id,
+    error_body,
+    error_status,
+    parse_completion,
+)
+from kvwire.engine.config import Role
+from kvwire.engine.engine import Engine
+from kvwire.engine.loop import EngineLoop
+from kvwire.engine.request import Request as EngineRequest
+from kvwire.engine.request import RequestOutput, TransferRole
+from kvwire.errors import EngineOverloaded, InvalidRequest, KvwireError
+from kvwire.metrics import CONTENT_TYPE, BlockStats, KvMetrics, Outcome
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who this engine is, as peers and the router see it."""
+
+    role: Role
+    engine_id: str
+    incarnation: str
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 0
+    model: str = "kvwire-tiny"
+
+
+class EngineServer:
+    """An engine, its thread, its metrics, and the FastAPI app serving them."""
+
+    def __init__(self, engine: Engine, identity: Identity, metrics: KvMetrics | None = None) -> None:
+        self.engine = engine
+        self.identity = identity
+        self.metrics = metrics if metrics is not None else KvMetrics()
+        self.loop = EngineLoop(engine)
+        # Called before /metrics and /v1/kv_stats answer (e.g. to copy a connector's counters).
+        self.scrape_hooks: list[Callable[[], None]] = []
+        self._started = False
+        self.app = self._build_app()
+
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            self.loop.start()
+
+    def stop(self) -> None:
+        if self._started:
+            self._started = False
+            self.loop.stop()
+
+    # -- views ---------------------------------------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        ident, load = self.identity, self.engine.load()
+        return {
+            "status": "ok" if self.loop.alive else "starting",
+            "role": ident.role.value,
+            "engine_id": ident.engine_id,
+            "incarnation": ident.incarnation,
+            "side_channel_host": ident.side_channel_host,
+            "side_channel_port": ident.side_channel_port,
+            "tp_size": self.engine.cfg.tp_size,
+            "pp_size": self.engine.cfg.pp_size,
+            "model": ident.model,
+            "load": {"running": load.running, "waiting": load.waiting, "free_blocks": load.free_blocks},
+        }
+
+    def refresh_metrics(self) -> None:
+        for hook in self.scrape_hooks:
+            try:
+                hook()
+            except Exception:
+                log.exception("metrics scrape hook failed")
+        alloc = self.engine.kv.allocator
+        fenced = self.engine.scheduler.fenced_blocks
+        self.metrics.set_blocks(BlockStats(in_use=alloc.num_used, quarantined=fenced, total=alloc.num_blocks))
+
+    def kv_bytes(self, num_prompt_tokens: int) -> int:
+        """Bytes of KV a decode leg receives: the prompt's whole blocks, every layer and head."""
+        spec = self.engine.kv.spec
+        blocks = -(-num_prompt_tokens // spec.block_size)
+        return blocks * spec.block_size * spec.bytes_per_token()
+
+    # -- completions ---------------------------------------------------------------------------------------
+    def _submit(self, creq: CompletionRequest) -> tuple[EngineRequest, asyncio.Queue[RequestOutput]]:
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        aloop = asyncio.get_running_loop()
+
+        def deliver(out: RequestOutput) -> None:
+            aloop.call_soon_threadsafe(queue.put_nowait, out)
+
+        req = EngineRequest(
+            request_id=uuid.uuid4().hex,
+            prompt=creq.prompt,
+            max_tokens=creq.max_tokens,
+            ignore_eos=creq.ignore_eos,
+            role=creq.role,
+            transfer_id=creq.transfer_id,
+            kv_transfer_params=creq.kv_transfer_params,
+            on_output=deliver,
+        )
+        self.engine.submit(req)
+        return req, queue
+
+    def _kv_params_out(self, creq: CompletionRequest, req: EngineRequest) -> dict[str, Any] | None:
+        if creq.role is not TransferRole.REMOTE_DECODE:
+            return None
+        ident = self.identity
+        prompt_blocks = self.engine.scheduler.prompt_blocks(req)
+        return {
+            "transfer_id": creq.transfer_id,
+            "remote_engine_id": ident.engine_id,
+            "remote_host": ident.side_channel_host,
+            "remote_port": ident.side_channel_port,
+            "remote_tp_size": self.engine.cfg.tp_size,
+            "remote_pp_size": self.engine.cfg.pp_size,
+            "num_tokens": len(creq.prompt),
+            "remote_block_ids": list(req.block_ids[:prompt_blocks]),
+        }
+
+    def _timings(self, creq: CompletionRequest, last: RequestOutput) -> dict[str, Any]:
+        remote = creq.role is TransferRole.REMOTE_PREFILL
+        kv_ms = last.kv_transfer_s * 1e3 if last.kv_transfer_s is not None else None
+        return {
+            "ttft_ms": last.ttft_s * 1e3 if last.ttft_s is not None else None,
+            "kv_transfer_ms": kv_ms,
+            "kv_bytes": self.kv_bytes(len(creq.prompt)) if remote and kv_ms is not None else None,
+        }
+
+    def _record(self, exc: BaseException | None, started: float, ttft_s: float | None) -> None:
+        if exc is None:
+            outcome = Outcome.OK
+        else:
+            status, _ = error_status(exc)
+            outcome = {400: Outcome.BAD_REQUEST, 503: Outcome.UNAVAILABLE}.get(status, Outcome.ENGINE_ERROR)
+        self.metrics.record_request(outcome, time.monotonic() - started, ttft_s)
+
+    async def completions(self, http: Request) -> Response:
+        started = time.monotonic()
+        try:
+            body = await http.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return self._error(InvalidRequest("the body is not valid JSON"), started)
+        try:
+            creq = parse_completion(body, self.engine.tokenizer)
+            req, queue = self._submit(creq)
+        except (InvalidRequest, EngineOverloaded) as exc:
+            return self._error(exc, started)
+        try:
+            first = await queue.get()
+        except asyncio.CancelledError:
+            self.engine.abort(req.request_id)
+            raise
+        if first.error is not None:
+            return self._error(first.error, started)
+        if creq.stream:
+            return StreamingResponse(
+                self._stream(creq, req, queue, first, started), media_type="text/event-stream"
+            )
+        outs = [first]
+        try:
+            while not outs[-1].finished:
+                outs.append(await queue.get())
+        except asyncio.CancelledError:
+            self.engine.abort(req.request_id)
+            raise
+        last = outs[-1]
+        if last.error is not None:
+            return self._error(last.error, started)
+        tokens = [t for o in outs for t in o.new_token_ids]
+        self._record(None, started, last.ttft_s)
+        return JSONResponse(
+            completion_body(
+                cid=completion_id(),
+                model=creq.model or self.identity.model,
+                text=self.engine.tokenizer.decode(tokens),
+                token_ids=tokens,
+                finish_reason=last.finish_reason.value if last.finish_reason else None,
+                prompt_tokens=len(creq.prompt),
+                kv_transfer_params=self._kv_params_out(creq, req),
+                timings=self._timings(creq, last),
+            )
+        )
+
+    async def _stream(
+        self,
+        creq: CompletionRequest,
+        req: EngineRequest,
+        queue: asyncio.Queue[RequestOutput],
+        first: RequestOutput,
+        started: float,
+    ) -> AsyncIterator[bytes]:
+        cid, created = completion_id(), int(time.time())
+        model = creq.model or self.identity.model
+        decoder = self.engine.tokenizer.stream_decoder()
+        out = first
+        try:
+            while True:
+                if out.error is not None:
+                    self._record(out.error, started, out.ttft_s)
+                    yield _sse(error_body(out.error)[1])
+                    return
+                text = "".join(decoder.push(t) for t in out.new_token_ids)
+                if out.finished:
+                    text += decoder.flush()
+                chunk = completion_body(
+                    cid=cid,
+                    model=model,
+                    text=text,
+                    token_ids=list(out.new_token_ids),
+                    finish_reason=out.finish_reason.value if out.finish_reason else None,
+                    prompt_tokens=len(creq.prompt),
+                    kv_transfer_params=self._kv_params_out(creq, req) if out.finished else None,
+                    timings=self._timings(creq, out) if out.finished else None,
+                    created=created,
+                    completion_tokens=out.num_output_tokens,
+                )
+                if not out.finished:
+                    chunk["usage"] = None
+                yield _sse(chunk)
+                if out.finished:
+                    self._record(None, started, out.ttft_s)
+                    yield b"data: [DONE]\n\n"
+                    return
+                out = await queue.get()
+        finally:
+            if not out.finished:  # the client went away (or the server is stopping)
+                self.engine.abort(req.request_id)
+
+    def _error(self, exc: BaseException, started: float) -> JSONResponse:
+        status, body = error_body(exc)
+        if status >= 500:
+            log.warning("request failed (%d): %s", status, exc)
+        self._record(exc, started, None)
+        return JSONResponse(body, status_code=status)
+
+    # -- app -----------------------------------------------------------------------------------------------
+    def _build_app(self) -> FastAPI:
+        @asynccontextmanager
+        async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+            self.start()
+            try:
+                yield
+            finally:
+                self.stop()
+
+        app = FastAPI(title=f"kvwire {self.identity.role.value} engine", lifespan=lifespan)
+
+        @app.get("/health")
+        async def health() -> dict[str, Any]:
+            return self.health()
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            self.refresh_metrics()
+            return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+        @app.get("/v1/kv_stats")
+        async def kv_stats() -> dict[str, Any]:
+            self.refresh_metrics()
+            return self.metrics.snapshot()
+
+        @app.get("/v1/models")
+        async def models() -> dict[str, Any]:
+            card = {"id": self.identity.model, "object": "model", "created": 0, "owned_by": "kvwire"}
+            return {"object": "list", "data": [card]}
+
+        @app.post("/v1/completions")
+        async def completions(http: Request) -> Response:
+            return await self.completions(http)
+
+        @app.exception_handler(KvwireError)
+        async def kvwire_error(_: Request, exc: KvwireError) -> JSONResponse:
+            status, body = error_body(exc)
+            return JSONResponse(body, status_code=status)
+
+        return app
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"

@@ -1,0 +1,1 @@
+"""OpenAI-compatible router: policy (pure), engine registry, HTTP legs and the FastAPI app."""

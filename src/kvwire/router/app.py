@@ -1,0 +1,384 @@
+"""The OpenAI-compatible router: a thin FastAPI app over ``Router``.
+
+Per request: pick a P and a D (``policy``), choose a transfer id, and send both legs **at the same time**
+(push mode: D registers its blocks with P while P prefills; in pull mode D needs P's block ids, so P's
+leg goes first). The client gets D's answer; P's one-token answer is only
+checked. A failure of either leg before D produced its first token cancels the other leg and is answered
+as OpenAI-style error JSON (400 bad input, 502 engine failure, 503 nothing healthy or engine overloaded,
+504 timeout). After the first streamed token an error can only be sent as an SSE ``error`` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import Gauge
+
+from kvwire.config import RouterConfig
+from kvwire.metrics import CONTENT_TYPE, KvMetrics, Outcome
+from kvwire.protocol.messages import TransferMode
+from kvwire.router import openai_api as api
+from kvwire.router.engines import EngineRegistry, HealthInfo
+from kvwire.router.legs import (
+    DecodeStream,
+    LegError,
+    decode_body,
+    post_completion,
+    prefill_body,
+    pull_params,
+)
+from kvwire.router.openai_api import ApiError, ApiKind, ErrorType, ParsedRequest
+from kvwire.router.policy import NoHealthyEngine, Picker, Role
+
+log = logging.getLogger(__name__)
+
+# A stream may carry a few non-token events (a usage chunk, a final chunk) besides one per token.
+_EXTRA_EVENTS = 16
+# How long a cancelled leg may take to close its connection before the router stops waiting for it.
+_CANCEL_WAIT_S = 2.0
+_OUTCOME = {
+    ErrorType.INVALID_REQUEST: Outcome.BAD_REQUEST,
+    ErrorType.NOT_FOUND: Outcome.BAD_REQUEST,
+    ErrorType.ENGINE_ERROR: Outcome.ENGINE_ERROR,
+    ErrorType.INTERNAL: Outcome.ENGINE_ERROR,
+    ErrorType.UNAVAILABLE: Outcome.UNAVAILABLE,
+    ErrorType.TIMEOUT: Outcome.TIMEOUT,
+}
+
+
+def error_response(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+class Router:
+    def __init__(self, config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.config = config
+        timeout = httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s)
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
+        self.client = httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
+        self.registry = EngineRegistry(
+            self.client, config.prefill_urls, config.decode_urls, config.health_timeout_s
+        )
+        self.picker = Picker(config.policy)
+        self.metrics = KvMetrics()
+        self._healthy_gauge = Gauge(
+            "kvwire_router_engine_healthy",
+            "1 if the engine's last health check passed",
+            ["role", "url"],
+            registry=self.metrics.registry,
+        )
+        self.created = int(time.time())
+        self._stop = asyncio.Event()
+        self._poller: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+
+    async def start(self) -> None:
+        await self.registry.check_all()
+        self._poller = asyncio.create_task(self.registry.poll(self.config.health_interval_s, self._stop))
+
+    async def close(self) -> None:
+        self._stop.set()
+        tasks = [t for t in (self._poller, *self._background) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.registry.close()
+        await self.client.aclose()
+
+    # -- status endpoints ----------------------------------------------------------------------------
+
+    def served_models(self) -> list[str]:
+        return sorted({self.config.model} | self.registry.models())
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        engines = {
+            role.value: [e.summary() for e in states] for role, states in self.registry.engines.items()
+        }
+        ok = all(any(e.healthy for e in states) for states in self.registry.engines.values())
+        return (200 if ok else 503), {"status": "ok" if ok else "unavailable", "role": "router", **engines}
+
+    def render_metrics(self) -> bytes:
+        for role, states in self.registry.engines.items():
+            for e in states:
+                self._healthy_gauge.labels(role=role.value, url=e.url).set(1 if e.healthy else 0)
+        return self.metrics.render()
+
+    # -- requests --------------------------------------------------------------------------------------
+
+    async def serve(self, raw: bytes, kind: ApiKind) -> Response:
+        start = time.monotonic()
+        try:
+            req = api.parse_request(api.decode_json_object(raw), kind, frozenset(self.served_models()))
+            p_url, d_url, p_info = await self._choose()
+            rid = ("cmpl-" if kind is ApiKind.COMPLETION else "chatcmpl-") + uuid.uuid4().hex
+            transfer_id = uuid.uuid4().hex
+            base = req.engine_body()
+            legs = (prefill_body(base, transfer_id), decode_body(base, transfer_id, p_info))
+            self.registry.begin(p_url, d_url)
+            try:
+                prefilled = None
+                if self.config.mode is TransferMode.PULL:
+                    # D reads P's blocks, so it needs their ids: P answers first (vLLM's order).
+                    prefilled = await self._prefill_first(p_url, legs[0])
+                    legs[1]["kv_transfer_params"].update(pull_params(p_url, prefilled))
+                if req.stream:
+                    return await self._stream(req, rid, p_url, d_url, legs, start, prefilled)
+                response = await self._unary(req, rid, p_url, d_url, legs, prefilled)
+            finally:
+                if not req.stream:
+                    self.registry.end(p_url, d_url)
+        except Exception as exc:
+            if not isinstance(exc, ApiError):
+                log.exception("router error")
+                exc = ApiError(ErrorType.INTERNAL, f"router error: {type(exc).__name__}: {exc}")
+            self._record(_OUTCOME[exc.kind], start)
+            if exc.status >= 500:
+                log.warning("request failed (%d): %s", exc.status, exc.message)
+            return error_response(exc)
+        self._record(Outcome.OK, start)
+        return response
+
+    def _record(self, outcome: Outcome, start: float, ttft_s: float | None = None) -> None:
+        self.metrics.record_request(outcome, time.monotonic() - start, ttft_s)
+
+    async def _choose(self) -> tuple[str, str, HealthInfo]:
+        picks = []
+        for role in (Role.PREFILL, Role.DECODE):
+            try:
+                picks.append(self.picker.pick(role, self.registry.views(role)))
+            except NoHealthyEngine:
+                # The cached health may be stale (an engine came back): look again once before refusing.
+                await self.registry.check_all(role)
+                try:
+                    picks.append(self.picker.pick(role, self.registry.views(role)))
+                except NoHealthyEngine as exc:
+                    raise ApiError(ErrorType.UNAVAILABLE, str(exc)) from exc
+        p_url, d_url = picks[0].url, picks[1].url
+        info = await self.registry.info_of(p_url)
+        if info is None:
+            raise ApiError(ErrorType.UNAVAILABLE, f"prefill engine {p_url} is not healthy")
+        return p_url, d_url, info
+
+    def _leg_failed(self, exc: LegError) -> None:
+        if exc.unreachable or exc.status >= 500:
+            self.registry.suspect(exc.url)
+
+    async def _race(self, p_task: asyncio.Task[Any], d_task: asyncio.Task[Any]) -> Any:
+        """D's result; P's failure wins only while D has nothing yet."""
+        done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+        if d_task in done or p_task.exception() is None:
+            return await d_task
+        raise p_task.exception()  # type: ignore[misc]
+
+    async def _legs(self, p_task: asyncio.Task[Any], d_task: asyncio.Task[Any], timeout_s: float) -> Any:
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await self._race(p_task, d_task)
+        except TimeoutError as exc:
+            raise ApiError(ErrorType.TIMEOUT, f"no answer within {timeout_s:.0f} s") from exc
+        except LegError as exc:
+            self._leg_failed(exc)
+            raise
+        finally:
+            # Whatever happened, neither leg may outlive the request unattended.
+            answered = d_task.done() and not d_task.cancelled() and d_task.exception() is None
+            if not d_task.done():
+                d_task.cancel()
+                await asyncio.wait([d_task], timeout=_CANCEL_WAIT_S)
+            self._settle_prefill(p_task, cancel=not answered)
+
+    def _settle_prefill(self, p_task: asyncio.Task[Any], cancel: bool) -> None:
+        """Cancel P's leg on failure; after success let it finish in the background (P cleans up)."""
+        if p_task.done():
+            if not p_task.cancelled():
+                p_task.exception()  # already reported to the caller, or a success
+            return
+        if cancel:
+            p_task.cancel()
+        self._background.add(p_task)
+        p_task.add_done_callback(self._prefill_finished)
+
+    def _prefill_finished(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if isinstance(exc, LegError):
+            self._leg_failed(exc)
+            log.warning("prefill leg failed after the decode leg answered: %s", exc.message)
+        elif exc is not None:
+            log.error("prefill leg crashed", exc_info=exc)
+
+    async def _prefill_first(self, p_url: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            async with asyncio.timeout(self.config.request_timeout_s):
+                return await post_completion(self.client, Role.PREFILL, p_url, body)
+        except TimeoutError as exc:
+            raise ApiError(ErrorType.TIMEOUT, f"prefill engine {p_url}: no answer in time") from exc
+        except LegError as exc:
+            self._leg_failed(exc)
+            raise
+
+    def _prefill_task(
+        self, p_url: str, body: dict[str, Any], prefilled: dict[str, Any] | None
+    ) -> asyncio.Task[dict[str, Any]]:
+        """P's leg as a task: running (push), or already answered (pull)."""
+        if prefilled is None:
+            return asyncio.create_task(post_completion(self.client, Role.PREFILL, p_url, body))
+
+        async def answered() -> dict[str, Any]:
+            return prefilled
+
+        return asyncio.create_task(answered())
+
+    async def _unary(
+        self,
+        req: ParsedRequest,
+        rid: str,
+        p_url: str,
+        d_url: str,
+        legs: tuple[dict[str, Any], dict[str, Any]],
+        prefilled: dict[str, Any] | None,
+    ) -> Response:
+        p_task = self._prefill_task(p_url, legs[0], prefilled)
+        d_task = asyncio.create_task(post_completion(self.client, Role.DECODE, d_url, legs[1]))
+        result = await self._legs(p_task, d_task, self.config.request_timeout_s)
+        return JSONResponse(api.completion_response(result, req, rid, self.created_now()))
+
+    @staticmethod
+    def created_now() -> int:
+        return int(time.time())
+
+    async def _stream(
+        self,
+        req: ParsedRequest,
+        rid: str,
+        p_url: str,
+        d_url: str,
+        legs: tuple[dict[str, Any], dict[str, Any]],
+        start: float,
+        prefilled: dict[str, Any] | None,
+    ) -> Response:
+        deadline = time.monotonic() + self.config.request_timeout_s
+        stream = DecodeStream(self.client, d_url, legs[1])
+
+        async def first_event() -> dict[str, Any] | None:
+            await stream.open()
+            return await stream.next_event()
+
+        p_task = self._prefill_task(p_url, legs[0], prefilled)
+        d_task = asyncio.create_task(first_event())
+        try:
+            first = await self._legs(p_task, d_task, self.config.request_timeout_s)
+            if first is None:
+                raise LegError(Role.DECODE, d_url, ErrorType.ENGINE_ERROR, "stream ended before any token")
+        except BaseException:
+            await stream.aclose()
+            self.registry.end(p_url, d_url)
+            raise
+        body = self._relay(req, rid, stream, first, deadline, start, (p_url, d_url))
+        return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def _relay(
+        self,
+        req: ParsedRequest,
+        rid: str,
+        stream: DecodeStream,
+        first: dict[str, Any],
+        deadline: float,
+        start: float,
+        urls: tuple[str, str],
+    ) -> AsyncGenerator[bytes, None]:
+        created = self.created_now()
+        ttft_s = time.monotonic() - start
+        outcome = Outcome.CANCELLED  # unless the loop below finishes: the client went away
+        try:
+            for chunk in api.stream_chunks(first, req, rid, created, first=True):
+                yield api.sse(chunk)
+            ended = Outcome.OK
+            async for event in self._rest(stream, req.max_tokens + _EXTRA_EVENTS, deadline):
+                if isinstance(event, ApiError):
+                    ended = _OUTCOME[event.kind]
+                    yield api.sse(event.body())
+                    break
+                for chunk in api.stream_chunks(event, req, rid, created, first=False):
+                    yield api.sse(chunk)
+            if ended is Outcome.OK:
+                yield api.SSE_DONE
+            outcome = ended
+        finally:
+            await stream.aclose()
+            self.registry.end(*urls)
+            self._record(outcome, start, ttft_s)
+
+    async def _rest(
+        self, stream: DecodeStream, max_events: int, deadline: float
+    ) -> AsyncIterator[dict[str, Any] | ApiError]:
+        """D's remaining events (bounded), ending with an ``ApiError`` if the leg fails."""
+        for _ in range(max_events):
+            try:
+                async with asyncio.timeout_at(_loop_deadline(deadline)):
+                    event = await stream.next_event()
+            except TimeoutError:
+                yield ApiError(ErrorType.TIMEOUT, "the decode engine stopped answering")
+                return
+            except LegError as exc:
+                self._leg_failed(exc)
+                yield exc
+                return
+            if event is None:
+                return
+            yield event
+        yield ApiError(ErrorType.ENGINE_ERROR, "the decode engine sent more events than tokens asked for")
+
+
+def _loop_deadline(monotonic_deadline: float) -> float:
+    loop = asyncio.get_running_loop()
+    return loop.time() + (monotonic_deadline - time.monotonic())
+
+
+def create_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    router = Router(config, transport)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.close()
+
+    app = FastAPI(title="kvwire router", lifespan=lifespan)
+    app.state.router = router
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await router.serve(await request.body(), ApiKind.COMPLETION)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await router.serve(await request.body(), ApiKind.CHAT)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return JSONResponse(api.models_list(router.served_models(), router.created))
+
+    @app.get("/health")
+    async def health() -> Response:
+        status, body = router.health()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.render_metrics(), media_type=CONTENT_TYPE)
+
+    return app

@@ -1,0 +1,165 @@
+"""The router's view of its engines: health, load and P's side-channel address, from their ``/health``.
+
+Health is polled in the background and refreshed at once when a leg to an engine fails, so a restarted
+prefill engine (new engine id, incarnation or side-channel port) is picked up without waiting for the poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from kvwire.router.policy import EngineView, Load, Role
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HealthInfo:
+    """The fields of an engine's ``/health`` the router needs."""
+
+    role: str
+    engine_id: str
+    incarnation: str
+    side_channel_host: str
+    side_channel_port: int
+    tp_size: int
+    pp_size: int
+    model: str
+    load: Load
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> HealthInfo:
+        """Raises ``KeyError``, ``TypeError`` or ``ValueError`` on a body that does not follow the API."""
+        load = body.get("load") or {}
+        info = cls(
+            role=str(body["role"]),
+            engine_id=str(body["engine_id"]),
+            incarnation=str(body.get("incarnation", "")),
+            side_channel_host=str(body["side_channel_host"]),
+            side_channel_port=int(body["side_channel_port"]),
+            tp_size=int(body.get("tp_size", 1)),
+            pp_size=int(body.get("pp_size", 1)),
+            model=str(body.get("model", "")),
+            load=Load(
+                running=int(load.get("running", 0)),
+                waiting=int(load.get("waiting", 0)),
+                free_blocks=int(load.get("free_blocks", 0)),
+            ),
+        )
+        if body.get("status", "ok") != "ok":
+            raise ValueError(f"status {body.get('status')!r}")
+        return info
+
+
+@dataclass
+class EngineState:
+    url: str
+    role: Role
+    healthy: bool = False
+    info: HealthInfo | None = None
+    inflight: int = 0
+    error: str | None = None
+    checked_at: float = 0.0
+    _refreshing: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    def view(self) -> EngineView:
+        load = self.info.load if self.info is not None else Load()
+        return EngineView(url=self.url, healthy=self.healthy, load=load, inflight=self.inflight)
+
+    def summary(self) -> dict[str, Any]:
+        info = self.info
+        return {
+            "url": self.url,
+            "healthy": self.healthy,
+            "engine_id": info.engine_id if info else None,
+            "inflight": self.inflight,
+            "load": vars(info.load) if info else None,
+            "error": self.error,
+        }
+
+
+class EngineRegistry:
+    def __init__(
+        self, client: httpx.AsyncClient, prefill: Sequence[str], decode: Sequence[str], timeout_s: float
+    ) -> None:
+        self._client = client
+        self._timeout_s = timeout_s
+        self.engines: dict[Role, list[EngineState]] = {
+            Role.PREFILL: [EngineState(url, Role.PREFILL) for url in prefill],
+            Role.DECODE: [EngineState(url, Role.DECODE) for url in decode],
+        }
+        self._by_url = {e.url: e for states in self.engines.values() for e in states}
+
+    def get(self, url: str) -> EngineState:
+        return self._by_url[url]
+
+    def views(self, role: Role) -> list[EngineView]:
+        return [e.view() for e in self.engines[role]]
+
+    def models(self) -> set[str]:
+        return {e.info.model for e in self._by_url.values() if e.info is not None and e.info.model}
+
+    async def check(self, state: EngineState) -> None:
+        """Fetch one engine's ``/health`` and update its state (never raises for the engine's faults)."""
+        try:
+            resp = await self._client.get(f"{state.url}/health", timeout=self._timeout_s)
+            if resp.status_code != 200:
+                raise ValueError(f"/health answered {resp.status_code}")
+            info = HealthInfo.parse(resp.json())
+            if info.role != state.role.value:
+                raise ValueError(f"configured as {state.role.value} but reports role {info.role!r}")
+        except (httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
+            if state.healthy or state.error is None:
+                log.warning("%s engine %s unhealthy: %s", state.role.value, state.url, exc)
+            state.healthy, state.error = False, str(exc) or type(exc).__name__
+        else:
+            if not state.healthy:
+                log.info("%s engine %s healthy (engine_id %s)", state.role.value, state.url, info.engine_id)
+            state.healthy, state.info, state.error = True, info, None
+        state.checked_at = time.monotonic()
+
+    async def check_all(self, role: Role | None = None) -> None:
+        states = self._by_url.values() if role is None else self.engines[role]
+        await asyncio.gather(*(self.check(s) for s in states))
+
+    def suspect(self, url: str) -> None:
+        """A leg to this engine failed: re-check its health now, in the background (deduplicated)."""
+        state = self._by_url[url]
+        if state._refreshing is None or state._refreshing.done():
+            state._refreshing = asyncio.create_task(self.check(state))
+
+    async def info_of(self, url: str) -> HealthInfo | None:
+        state = self._by_url[url]
+        if state.info is None:
+            await self.check(state)
+        return state.info if state.healthy else None
+
+    def begin(self, *urls: str) -> None:
+        """Count a request this router sent to these engines (least-loaded picks see it at once)."""
+        for url in urls:
+            self._by_url[url].inflight += 1
+
+    def end(self, *urls: str) -> None:
+        for url in urls:
+            self._by_url[url].inflight -= 1
+
+    async def poll(self, interval_s: float, stop: asyncio.Event) -> None:
+        """Re-check every engine each ``interval_s`` until ``stop`` is set."""
+        while not stop.is_set():
+            await self.check_all()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=interval_s)
+
+    async def close(self) -> None:
+        pending = [s._refreshing for s in self._by_url.values() if s._refreshing and not s._refreshing.done()]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)

@@ -1,0 +1,180 @@
+"""The two HTTP legs of a disaggregated request: prefill (P, one token) and decode (D, the answer).
+
+httpx errors and engine error answers are translated here into ``LegError`` (an ``ApiError`` that knows
+which engine failed), so the app above handles one exception type.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import httpx
+
+from kvwire.router.engines import HealthInfo
+from kvwire.router.openai_api import ApiError, ErrorType
+from kvwire.router.policy import Role
+
+COMPLETIONS = "/v1/completions"
+
+
+class LegError(ApiError):
+    def __init__(self, role: Role, url: str, kind: ErrorType, detail: str, unreachable: bool = False) -> None:
+        super().__init__(kind, f"{role.value} engine {url}: {detail}")
+        self.role = role
+        self.url = url
+        self.unreachable = unreachable
+
+
+def prefill_body(base: Mapping[str, Any], transfer_id: str) -> dict[str, Any]:
+    body = dict(base)
+    body.update(
+        max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id}
+    )
+    return body
+
+
+def decode_body(base: Mapping[str, Any], transfer_id: str, p: HealthInfo) -> dict[str, Any]:
+    body = dict(base)
+    body["kv_transfer_params"] = {
+        "do_remote_prefill": True,
+        "transfer_id": transfer_id,
+        "remote_engine_id": p.engine_id,
+        "remote_host": p.side_channel_host,
+        "remote_port": p.side_channel_port,
+        "remote_tp_size": p.tp_size,
+        "remote_pp_size": p.pp_size,
+    }
+    return body
+
+
+def pull_params(p_url: str, prefilled: Mapping[str, Any]) -> dict[str, Any]:
+    """What D's leg needs from P's answer in pull mode: P's block ids (and P's own view of its address)."""
+    kv = prefilled.get("kv_transfer_params")
+    if not isinstance(kv, dict) or not isinstance(kv.get("remote_block_ids"), list):
+        detail = "answer has no remote_block_ids (is P in pull mode?)"
+        raise LegError(Role.PREFILL, p_url, ErrorType.ENGINE_ERROR, detail)
+    keys = ("remote_block_ids", "remote_engine_id", "remote_host", "remote_port", "remote_tp_size")
+    return {k: kv[k] for k in (*keys, "remote_pp_size") if k in kv}
+
+
+def _engine_message(payload: object, fallback: str) -> str:
+    if isinstance(payload, dict):
+        err = payload.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        if isinstance(payload.get("detail"), str):
+            return str(payload["detail"])
+    return fallback
+
+
+def _kind_of_status(status: int) -> ErrorType:
+    if status in (400, 422):
+        return ErrorType.INVALID_REQUEST
+    if status == 503:
+        return ErrorType.UNAVAILABLE
+    if status == 504:
+        return ErrorType.TIMEOUT
+    return ErrorType.ENGINE_ERROR
+
+
+def _kind_of_error_event(err: Mapping[str, Any]) -> ErrorType:
+    code = err.get("code")
+    if isinstance(code, int) and 400 <= code <= 599:
+        return _kind_of_status(code)
+    if err.get("type") == "invalid_request_error":
+        return ErrorType.INVALID_REQUEST
+    return ErrorType.ENGINE_ERROR
+
+
+def _error_of_response(role: Role, url: str, status: int, content: bytes) -> LegError:
+    try:
+        payload: object = json.loads(content)
+    except ValueError:
+        payload = None
+    text = content[:200].decode(errors="replace")
+    return LegError(role, url, _kind_of_status(status), _engine_message(payload, f"HTTP {status}: {text}"))
+
+
+def _translate(role: Role, url: str, exc: httpx.HTTPError) -> LegError:
+    if isinstance(exc, httpx.TimeoutException):
+        return LegError(role, url, ErrorType.TIMEOUT, f"timed out ({type(exc).__name__})")
+    unreachable = isinstance(exc, httpx.TransportError)
+    return LegError(
+        role, url, ErrorType.ENGINE_ERROR, f"{type(exc).__name__}: {exc}", unreachable=unreachable
+    )
+
+
+async def post_completion(
+    client: httpx.AsyncClient, role: Role, url: str, body: Mapping[str, Any]
+) -> dict[str, Any]:
+    """A non-streaming leg: the engine's completion object."""
+    try:
+        resp = await client.post(url + COMPLETIONS, json=body)
+    except httpx.HTTPError as exc:
+        raise _translate(role, url, exc) from exc
+    if resp.status_code != 200:
+        raise _error_of_response(role, url, resp.status_code, resp.content)
+    try:
+        obj = resp.json()
+    except ValueError as exc:
+        raise LegError(role, url, ErrorType.ENGINE_ERROR, "answer is not JSON") from exc
+    if not isinstance(obj, dict):
+        raise LegError(role, url, ErrorType.ENGINE_ERROR, "answer is not a JSON object")
+    return obj
+
+
+class DecodeStream:
+    """D's streaming leg: SSE events as dicts; an ``error`` event raises ``LegError``."""
+
+    def __init__(self, client: httpx.AsyncClient, url: str, body: Mapping[str, Any]) -> None:
+        self._client = client
+        self.url = url
+        self._body = body
+        self._resp: httpx.Response | None = None
+        self._lines: AsyncIterator[str] | None = None
+
+    async def open(self) -> None:
+        request = self._client.build_request("POST", self.url + COMPLETIONS, json=self._body)
+        try:
+            self._resp = await self._client.send(request, stream=True)
+            if self._resp.status_code != 200:
+                content = await self._resp.aread()
+                raise _error_of_response(Role.DECODE, self.url, self._resp.status_code, content)
+        except httpx.HTTPError as exc:
+            raise _translate(Role.DECODE, self.url, exc) from exc
+        self._lines = self._resp.aiter_lines()
+
+    async def next_event(self) -> dict[str, Any] | None:
+        """The next event, or None at ``[DONE]`` or the end of the stream."""
+        if self._lines is None:
+            raise RuntimeError("DecodeStream.next_event before open")
+        try:
+            async for line in self._lines:
+                if not line.startswith("data:"):
+                    continue  # blank separators, comments, other SSE fields
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return None
+                return self._event(data)
+        except httpx.HTTPError as exc:
+            raise _translate(Role.DECODE, self.url, exc) from exc
+        return None
+
+    def _event(self, data: str) -> dict[str, Any]:
+        try:
+            event = json.loads(data)
+        except ValueError as exc:
+            raise LegError(Role.DECODE, self.url, ErrorType.ENGINE_ERROR, "bad SSE event") from exc
+        if not isinstance(event, dict):
+            raise LegError(Role.DECODE, self.url, ErrorType.ENGINE_ERROR, "SSE event is not an object")
+        err = event.get("error")
+        if isinstance(err, dict):
+            message = _engine_message(event, "error event")
+            raise LegError(Role.DECODE, self.url, _kind_of_error_event(err), message)
+        return event
+
+    async def aclose(self) -> None:
+        if self._resp is not None:
+            await self._resp.aclose()

@@ -1,0 +1,278 @@
+"""The OpenAI side of the router, pure: request validation, the chat template, response and error shapes.
+
+Engines speak only ``/v1/completions`` (see the serving API notes); chat requests are rendered into one
+prompt string with a fixed template, and the engines' completion objects and chunks are reshaped into
+``chat.completion`` / ``chat.completion.chunk`` objects on the way back.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvwire.errors import KvwireError
+
+DEFAULT_MAX_TOKENS = 16
+# Fields of a client's body that the router passes on to the engines (anything else stays at the router).
+_FORWARDED = ("temperature", "top_p", "seed", "stop", "ignore_eos")
+
+
+class ApiKind(enum.Enum):
+    COMPLETION = "completion"
+    CHAT = "chat"
+
+
+class ErrorType(enum.Enum):
+    INVALID_REQUEST = ("invalid_request_error", 400)
+    NOT_FOUND = ("not_found_error", 404)
+    ENGINE_ERROR = ("engine_error", 502)
+    UNAVAILABLE = ("service_unavailable", 503)
+    TIMEOUT = ("timeout", 504)
+    INTERNAL = ("internal_error", 500)
+
+    @property
+    def type_name(self) -> str:
+        return self.value[0]
+
+    @property
+    def status(self) -> int:
+        return self.value[1]
+
+
+class ApiError(KvwireError):
+    """An error answered to the client as OpenAI-style JSON with an HTTP status."""
+
+    def __init__(self, kind: ErrorType, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.param = param
+
+    @property
+    def status(self) -> int:
+        return self.kind.status
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind.type_name,
+                "param": self.param,
+                "code": self.kind.status,
+            }
+        }
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    kind: ApiKind
+    model: str
+    prompt: str | list[int]
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    extra: Mapping[str, Any]
+
+    def engine_body(self) -> dict[str, Any]:
+        """The completions body both legs start from (the router then sets the leg-specific fields)."""
+        body: dict[str, Any] = dict(self.extra)
+        body.update(model=self.model, prompt=self.prompt, max_tokens=self.max_tokens, stream=self.stream)
+        return body
+
+
+def _bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(ErrorType.INVALID_REQUEST, message, param)
+
+
+def decode_json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _bad(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise _bad("request body must be a JSON object")
+    return body
+
+
+def _is_token_list(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _prompt(body: Mapping[str, Any]) -> str | list[int]:
+    prompt = body.get("prompt")
+    # OpenAI allows a batch of prompts; the router serves one prompt per request.
+    if (
+        isinstance(prompt, list)
+        and len(prompt) == 1
+        and (isinstance(prompt[0], str) or _is_token_list(prompt[0]))
+    ):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise _bad("prompt must not be empty", "prompt")
+        return prompt
+    if _is_token_list(prompt) and prompt:
+        if any(t < 0 for t in prompt):
+            raise _bad("token ids must be non-negative", "prompt")
+        return list(prompt)
+    raise _bad("prompt must be a non-empty string or list of token ids (one prompt per request)", "prompt")
+
+
+def _message_text(message: object, index: int) -> tuple[str, str]:
+    if not isinstance(message, dict):
+        raise _bad(f"messages[{index}] must be an object", "messages")
+    role = message.get("role")
+    if role not in ("system", "developer", "user", "assistant", "tool"):
+        raise _bad(f"messages[{index}].role {role!r} is not supported", "messages")
+    content = message.get("content")
+    if content is None:
+        content = ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not (
+                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            ):
+                raise _bad(f"messages[{index}]: only text content parts are supported", "messages")
+            parts.append(part["text"])
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise _bad(f"messages[{index}].content must be a string or text parts", "messages")
+    return ("system" if role == "developer" else str(role)), content
+
+
+def render_chat(messages: object) -> str:
+    """The fixed chat template: one ``<|role|>`` header line per message, then the assistant's header."""
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages must be a non-empty list", "messages")
+    lines = []
+    for i, message in enumerate(messages):
+        role, text = _message_text(message, i)
+        lines.append(f"<|{role}|>\n{text}\n")
+    lines.append("<|assistant|>\n")
+    return "".join(lines)
+
+
+def _max_tokens(body: Mapping[str, Any], kind: ApiKind) -> int:
+    value = body.get("max_tokens")
+    if value is None and kind is ApiKind.CHAT:
+        value = body.get("max_completion_tokens")
+    if value is None:
+        return DEFAULT_MAX_TOKENS
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise _bad("max_tokens must be a positive integer", "max_tokens")
+    return value
+
+
+def parse_request(body: Mapping[str, Any], kind: ApiKind, served_models: frozenset[str]) -> ParsedRequest:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("model is required", "model")
+    if model not in served_models:
+        known = ", ".join(sorted(served_models))
+        raise ApiError(ErrorType.NOT_FOUND, f"the model {model!r} does not exist (served: {known})", "model")
+    n = body.get("n", 1)
+    if n not in (1, None):
+        raise _bad("only n=1 is supported", "n")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad("stream must be a boolean", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise _bad("stream_options must be an object", "stream_options")
+    prompt = render_chat(body.get("messages")) if kind is ApiKind.CHAT else _prompt(body)
+    return ParsedRequest(
+        kind=kind,
+        model=model,
+        prompt=prompt,
+        max_tokens=_max_tokens(body, kind),
+        stream=stream,
+        include_usage=bool(options.get("include_usage", False)),
+        extra={k: body[k] for k in _FORWARDED if k in body and body[k] is not None},
+    )
+
+
+# -- responses -----------------------------------------------------------------------------------------
+
+
+def _first_choice(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    choices = obj.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        return choices[0]
+    return {}
+
+
+def completion_response(
+    engine: Mapping[str, Any], req: ParsedRequest, rid: str, created: int
+) -> dict[str, Any]:
+    """D's completion object, as the router's answer (``completion`` or ``chat.completion``)."""
+    choice = _first_choice(engine)
+    usage = engine.get("usage")
+    common = {"id": rid, "created": created, "model": req.model, "usage": usage}
+    if "timings" in engine:
+        common["timings"] = engine["timings"]
+    out_choice: dict[str, Any] = {
+        "index": 0,
+        "finish_reason": choice.get("finish_reason") or "length",
+        "logprobs": None,
+        "token_ids": choice.get("token_ids"),
+    }
+    if req.kind is ApiKind.COMPLETION:
+        out_choice["text"] = choice.get("text", "")
+        return {"object": "text_completion", "choices": [out_choice], **common}
+    out_choice["message"] = {"role": "assistant", "content": choice.get("text", "")}
+    return {"object": "chat.completion", "choices": [out_choice], **common}
+
+
+def stream_chunks(
+    engine_chunk: Mapping[str, Any], req: ParsedRequest, rid: str, created: int, first: bool
+) -> list[dict[str, Any]]:
+    """The client chunks for one engine chunk (a chat stream opens with a role-only delta)."""
+    choice = _first_choice(engine_chunk)
+    usage = engine_chunk.get("usage")
+    if not choice and usage is None:
+        return []
+    common: dict[str, Any] = {"id": rid, "created": created, "model": req.model}
+    out: list[dict[str, Any]] = []
+    if not choice:
+        # A usage-only chunk: forwarded only when the client asked for it, as OpenAI does.
+        if req.include_usage:
+            out.append({**common, "object": _chunk_object(req), "choices": [], "usage": usage})
+        return out
+    finish = choice.get("finish_reason")
+    text = choice.get("text", "")
+    if req.kind is ApiKind.COMPLETION:
+        piece: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        piece["token_ids"] = choice.get("token_ids")
+        out.append({**common, "object": "text_completion", "choices": [piece]})
+    else:
+        if first:
+            role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+            out.append({**common, "object": "chat.completion.chunk", "choices": [role]})
+        delta = {"index": 0, "delta": {"content": text}, "finish_reason": finish, "logprobs": None}
+        delta["token_ids"] = choice.get("token_ids")
+        out.append({**common, "object": "chat.completion.chunk", "choices": [delta]})
+    if usage is not None and req.include_usage:
+        out.append({**common, "object": _chunk_object(req), "choices": [], "usage": usage})
+    if "timings" in engine_chunk:
+        out[-1]["timings"] = engine_chunk["timings"]
+    return out
+
+
+def _chunk_object(req: ParsedRequest) -> str:
+    return "text_completion" if req.kind is ApiKind.COMPLETION else "chat.completion.chunk"
+
+
+def sse(obj: Mapping[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def models_list(names: list[str], created: int) -> dict[str, Any]:
+    data = [{"id": n, "object": "model", "created": created, "owned_by": "kvwire"} for n in names]
+    return {"object": "list", "data": data}

@@ -1,0 +1,292 @@
+"""The router with the official ``openai`` client, against fake P and D engine servers on real ports.
+
+The fakes deadlock unless the router sends both legs at the same time (see ``kvwire.router.testing``), so
+every successful answer here also proves the legs were concurrent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from kvwire.config import DemoConfig, RouterConfig
+from kvwire.demo.procs import ServerGroup
+from kvwire.demo.runner import start_cluster
+from kvwire.protocol.messages import TransferMode
+from kvwire.router.app import create_app
+from kvwire.router.openai_api import render_chat
+from kvwire.router.testing import FakeCluster, Fault, ServerThread, fake_engine_app, fake_tokens, free_port
+
+P_SIDE_PORT = 45_001
+
+
+@dataclass
+class Stack:
+    cluster: FakeCluster
+    router: str  # base URL of the normal router
+    slow_router: str  # request timeout of 1 s
+    dead_router: str  # its only prefill engine is down
+    p_url: str
+    pull_cluster: FakeCluster
+    pull_router: str
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    cluster = FakeCluster()
+    pp, dp, r1, r2, r3, dead, pull_p, pull_d, r4 = (free_port() for _ in range(9))
+    pull = FakeCluster(pull=True)
+    p_url, d_url = f"http://127.0.0.1:{pp}", f"http://127.0.0.1:{dp}"
+
+    def router(prefill: str, timeout_s: float = 30.0, decode: str = d_url, **kw: Any) -> object:
+        config = RouterConfig(
+            prefill_urls=(prefill,),
+            decode_urls=(decode,),
+            request_timeout_s=timeout_s,
+            health_interval_s=0.5,
+            **kw,
+        )
+        return create_app(config)
+
+    apps = [
+        (fake_engine_app("prefill", cluster, P_SIDE_PORT), pp),
+        (fake_engine_app("decode", cluster, 45_002), dp),
+        (router(p_url), r1),
+        (router(p_url, timeout_s=1.0), r2),
+        (router(f"http://127.0.0.1:{dead}"), r3),
+        (fake_engine_app("prefill", pull, 45_003), pull_p),
+        (fake_engine_app("decode", pull, 45_004), pull_d),
+        (
+            router(f"http://127.0.0.1:{pull_p}", decode=f"http://127.0.0.1:{pull_d}", mode=TransferMode.PULL),
+            r4,
+        ),
+    ]
+    urls = [f"http://127.0.0.1:{port}" for port in (r1, r2, r3)]
+    with ServerThread(apps):
+        yield Stack(cluster, *urls, p_url, pull, f"http://127.0.0.1:{r4}")
+
+
+@pytest.fixture
+def cluster(stack: Stack) -> Iterator[FakeCluster]:
+    stack.cluster.prefill_fault = stack.cluster.decode_fault = Fault.NONE
+    stack.cluster.prefill_bodies.clear()
+    stack.cluster.decode_bodies.clear()
+    yield stack.cluster
+    stack.cluster.prefill_fault = stack.cluster.decode_fault = Fault.NONE
+
+
+_clients: list[openai.OpenAI] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    yield
+    while _clients:
+        _clients.pop().close()
+
+
+def client(base: str) -> openai.OpenAI:
+    c = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=30.0)
+    _clients.append(c)
+    return c
+
+
+def expected(prompt: str, n: int) -> str:
+    return "".join(chr(t) for t in fake_tokens(prompt, n))
+
+
+def test_completion_non_streaming(stack: Stack, cluster: FakeCluster) -> None:
+    out = client(stack.router).completions.create(model="kvwire", prompt="hello world", max_tokens=9)
+    assert out.object == "text_completion"
+    assert out.choices[0].text == expected("hello world", 9)
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage is not None and out.usage.completion_tokens == 9
+    (p_body,), (d_body,) = cluster.prefill_bodies, cluster.decode_bodies
+    assert p_body["max_tokens"] == 1 and p_body["stream"] is False
+    assert p_body["kv_transfer_params"]["do_remote_decode"] is True
+    kv = d_body["kv_transfer_params"]
+    assert kv["transfer_id"] == p_body["kv_transfer_params"]["transfer_id"]
+    assert kv["do_remote_prefill"] is True
+    health = httpx.get(stack.p_url + "/health").json()
+    assert (kv["remote_engine_id"], kv["remote_port"]) == (health["engine_id"], P_SIDE_PORT)
+    assert (kv["remote_host"], kv["remote_tp_size"], kv["remote_pp_size"]) == ("127.0.0.1", 1, 1)
+    assert d_body["max_tokens"] == 9
+
+
+def test_completion_streaming(stack: Stack, cluster: FakeCluster) -> None:
+    stream = client(stack.router).completions.create(
+        model="fake", prompt="stream me", max_tokens=12, stream=True
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == expected("stream me", 12)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert cluster.decode_bodies[0]["stream"] is True
+    assert cluster.prefill_bodies[0]["stream"] is False
+
+
+def test_completion_token_ids_prompt(stack: Stack, cluster: FakeCluster) -> None:
+    out = client(stack.router).completions.create(model="kvwire", prompt=[5, 6, 7], max_tokens=4)
+    assert out.choices[0].text == "".join(chr(t) for t in fake_tokens([5, 6, 7], 4))
+    assert cluster.decode_bodies[0]["prompt"] == [5, 6, 7]
+
+
+def test_chat_non_streaming(stack: Stack, cluster: FakeCluster) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    out = client(stack.router).chat.completions.create(model="kvwire", messages=messages, max_tokens=5)  # type: ignore[arg-type]
+    prompt = render_chat(messages)
+    assert out.object == "chat.completion"
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == expected(prompt, 5)
+    assert (
+        cluster.decode_bodies[0]["prompt"] == prompt == "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"
+    )
+
+
+def test_chat_streaming(stack: Stack, cluster: FakeCluster) -> None:
+    messages = [{"role": "user", "content": "tell me"}]
+    stream = client(stack.router).chat.completions.create(
+        model="kvwire",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=7,
+        stream=True,
+    )
+    chunks = list(stream)
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == expected(render_chat(messages), 7)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_models_and_health(stack: Stack) -> None:
+    ids = {m.id for m in client(stack.router).models.list()}
+    assert ids == {"kvwire", "fake"}
+    health = httpx.get(stack.router + "/health")
+    assert health.status_code == 200
+    assert health.json()["prefill"][0]["healthy"] is True
+
+
+def test_bad_requests(stack: Stack, cluster: FakeCluster) -> None:
+    c = client(stack.router)
+    with pytest.raises(openai.BadRequestError) as bad:
+        c.completions.create(model="kvwire", prompt="", max_tokens=3)
+    assert bad.value.status_code == 400
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model="kvwire", prompt="x", max_tokens=0)
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="gpt-9", prompt="x")
+    raw = httpx.post(stack.router + "/v1/completions", content=b"{not json")
+    assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
+    assert cluster.prefill_bodies == [] and cluster.decode_bodies == []
+
+
+def _wait_cancelled(cluster: FakeCluster, tid: str) -> bool:
+    for _ in range(250):
+        if tid in cluster.cancelled:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prefill_failure_cancels_decode(stack: Stack, cluster: FakeCluster, stream: bool) -> None:
+    cluster.prefill_fault = Fault.HTTP_500
+    with pytest.raises(openai.InternalServerError) as err:
+        client(stack.router).completions.create(model="kvwire", prompt="doomed", max_tokens=3, stream=stream)
+    assert err.value.status_code == 502
+    assert "prefill engine" in str(err.value)
+    tid = cluster.decode_bodies[0]["kv_transfer_params"]["transfer_id"]
+    assert _wait_cancelled(cluster, tid), "the decode leg was not cancelled"
+
+
+def test_decode_overloaded_is_503(stack: Stack, cluster: FakeCluster) -> None:
+    cluster.decode_fault = Fault.HTTP_503
+    with pytest.raises(openai.InternalServerError) as err:
+        client(stack.router).completions.create(model="kvwire", prompt="busy", max_tokens=3)
+    assert err.value.status_code == 503
+
+
+def test_error_after_first_token_is_an_sse_error(stack: Stack, cluster: FakeCluster) -> None:
+    cluster.decode_fault = Fault.STREAM_ERROR
+    stream = client(stack.router).completions.create(
+        model="kvwire", prompt="midway", max_tokens=5, stream=True
+    )
+    with pytest.raises(openai.APIError, match="mid-stream"):
+        list(stream)
+
+
+def test_timeout_is_504(stack: Stack, cluster: FakeCluster) -> None:
+    cluster.decode_fault = Fault.HANG
+    with pytest.raises(openai.InternalServerError) as err:
+        client(stack.slow_router).completions.create(model="kvwire", prompt="slow", max_tokens=3)
+    assert err.value.status_code == 504
+    tid = cluster.decode_bodies[0]["kv_transfer_params"]["transfer_id"]
+    assert _wait_cancelled(cluster, tid)
+
+
+def test_no_healthy_prefill_is_503(stack: Stack, cluster: FakeCluster) -> None:
+    with pytest.raises(openai.InternalServerError) as err:
+        client(stack.dead_router).completions.create(model="kvwire", prompt="x", max_tokens=2)
+    assert err.value.status_code == 503
+    assert "no healthy prefill engine" in str(err.value)
+    assert httpx.get(stack.dead_router + "/health").status_code == 503
+    assert cluster.decode_bodies == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_pull_mode_sends_prefill_first_then_decode_with_block_ids(stack: Stack, stream: bool) -> None:
+    pull = stack.pull_cluster
+    pull.order.clear()
+    out = client(stack.pull_router).completions.create(
+        model="kvwire", prompt="pull", max_tokens=4, stream=stream
+    )
+    text = "".join(c.choices[0].text for c in out) if stream else out.choices[0].text  # type: ignore[union-attr]
+    assert text == expected("pull", 4)
+    tid = pull.prefill_bodies[-1]["kv_transfer_params"]["transfer_id"]
+    assert pull.order == [f"prefill:{tid}", f"decode:{tid}"]
+    assert pull.decode_bodies[-1]["kv_transfer_params"]["remote_block_ids"] == [3, 4]
+
+
+def test_metrics_count_outcomes(stack: Stack, cluster: FakeCluster) -> None:
+    client(stack.router).completions.create(model="kvwire", prompt="count me", max_tokens=2)
+    text = httpx.get(stack.router + "/metrics").text
+    assert 'kvwire_requests_total{outcome="ok"}' in text
+    assert 'kvwire_router_engine_healthy{role="prefill"' in text
+
+
+@pytest.mark.nixl
+def test_openai_client_against_real_engines(tmp_path: Path) -> None:
+    """Real P, D (NIXL push) and colocated engine processes behind a router process, as the demo runs them."""
+    with ServerGroup(tmp_path, {"UCX_MODULES": "^ib*"}) as group:
+        servers = start_cluster(DemoConfig(requests=1, startup_timeout_s=60.0), group)
+        assert servers.router is not None and servers.colocated is not None
+        ref = httpx.post(
+            servers.colocated.url + "/v1/completions",
+            json={"prompt": "The KV cache moves", "max_tokens": 12},
+            timeout=60,
+        ).json()["choices"][0]
+        c = client(servers.router.url)
+        model = c.models.list().data[0].id
+        out = c.completions.create(model=model, prompt="The KV cache moves", max_tokens=12)
+        assert out.choices[0].text == ref["text"]
+        assert out.choices[0].model_extra is not None
+        assert out.choices[0].model_extra["token_ids"] == ref["token_ids"]
+        chunks = list(
+            c.completions.create(model=model, prompt="The KV cache moves", max_tokens=12, stream=True)
+        )
+        assert "".join(ch.choices[0].text for ch in chunks) == ref["text"]
+        chat = c.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=5,
+            stream=True,
+        )
+        assert len("".join(ch.choices[0].delta.content or "" for ch in chat)) > 0
+        assert group.stop_all() == []

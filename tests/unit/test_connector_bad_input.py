@@ -1,0 +1,251 @@
+"""Bad input at the connector (DESIGN.md §3 items 1 and 5): bad registrations refused before any write,
+and malformed, stale, foreign or unexpected notifications dropped and counted by reason, with no crash
+and no byte of either cache touched."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from connector_env import Pair, wait_for
+
+from kvwire.connector import ConsumerEventKind, ProducerOutcome
+from kvwire.connector.testing import build_engine, same_bytes, untouched_blocks_zero
+from kvwire.handshake.server import SideChannelServer
+from kvwire.kv.spec import KVSpec
+from kvwire.protocol.codec import decode_notif, encode_notif
+from kvwire.protocol.messages import (
+    Cancel,
+    Done,
+    Failed,
+    FailReason,
+    Notification,
+    PushReg,
+)
+from kvwire.transport.base import make_agent_name
+from kvwire.transport.inproc import InprocAgent
+
+SPEC = KVSpec(num_layers=2, kv_heads=2, head_dim=8, block_size=4)
+D_BLOCKS = 16
+_n = itertools.count()
+
+
+class BareD:
+    """A D engine with its side channel and its agent but no Consumer: the test speaks for it, so it can
+    send what a Consumer never would (D validates its own block ids before they reach the wire)."""
+
+    def __init__(self, pair: Pair) -> None:
+        self.pair = pair
+        self.setup = build_engine(f"bare-d{next(_n)}", SPEC, num_blocks=D_BLOCKS, fabric=pair.fabric)
+        rank = self.setup.ranks[0]
+        agent = rank.agent
+        assert isinstance(agent, InprocAgent)
+        self.agent = agent
+        pair.on_loop(lambda: agent.register(rank.cache.slab))
+        self.server = SideChannelServer(self.setup.engine, self.setup.ranks)
+        self.port = pair.loop.run(self.server.start(), 5.0)
+        p_md = pair.p_agent().conn_metadata()
+        pair.on_loop(lambda: agent.add_peer(p_md))
+        self.inbox: list[Notification] = []
+
+    def push_reg(self, tid: str, block_ids: list[int], num_tokens: int) -> None:
+        e = self.setup.engine
+        msg = PushReg(
+            transfer_id=tid,
+            engine_id=e.engine_id,
+            incarnation=e.incarnation,
+            tp_rank=0,
+            tp_size=1,
+            host="127.0.0.1",
+            port=self.port,
+            block_ids=block_ids,
+            num_tokens=num_tokens,
+        )
+        p_name = self.pair.p_agent().name
+        self.pair.on_loop(lambda: self.agent.send_notif(p_name, encode_notif(msg)))
+
+    def received(self) -> list[Notification]:
+        for msgs in self.pair.on_loop(self.agent.drain_notifs).values():
+            self.inbox += [decode_notif(m) for m in msgs]
+        return self.inbox
+
+    def close(self) -> None:
+        self.pair.loop.run(self.server.close(), 5.0)
+        self.setup.close()
+
+
+@pytest.mark.parametrize(
+    "d_blocks", [[0, D_BLOCKS], [3, 3], [0, 1, 99]], ids=["out-of-range", "duplicate", "trailing-bad"]
+)
+@pytest.mark.parametrize("finish_first", [True, False], ids=["finished-first", "registered-first"])
+def test_bad_block_ids_are_refused_with_failed_and_nothing_written(
+    d_blocks: list[int], finish_first: bool
+) -> None:
+    pair = Pair(SPEC)
+    bare = BareD(pair)
+    try:
+        pair.fill_p([2, 3], 8)
+        if finish_first:
+            pair.producer.request_finished("bad", [2, 3], 8)
+        bare.push_reg("bad", d_blocks, 8)
+        failed = wait_for(lambda: [m for m in bare.received() if isinstance(m, Failed)], "failed to D")
+        assert [(m.transfer_id, m.reason, m.tp_rank) for m in failed] == [
+            ("bad", FailReason.BAD_REGISTRATION, 0)
+        ]
+        if not finish_first:
+            pair.producer.request_finished("bad", [2, 3], 8)
+        assert pair.p_event("bad").outcome is ProducerOutcome.FAILED
+        assert pair.producer.stats.failures[FailReason.BAD_REGISTRATION] == 1
+        assert pair.producer.stats.transfers_started == 0
+        assert untouched_blocks_zero(bare.setup.ranks, [])  # not one byte of D's cache written
+        assert not [m for m in bare.received() if isinstance(m, Done)]
+    finally:
+        bare.close()
+        pair.close()
+
+
+def test_duplicate_push_reg_is_dropped_and_the_first_one_served() -> None:
+    pair = Pair(SPEC)
+    bare = BareD(pair)
+    try:
+        pair.fill_p([2, 3], 8)
+        pair.producer.request_finished("dup", [2, 3], 8)
+        bare.push_reg("dup", [5, 6], 8)
+        bare.push_reg("dup", [7, 8], 8)  # a second registration of the same D rank: never written
+        wait_for(lambda: [m for m in bare.received() if isinstance(m, Done)], "done to D")
+        assert pair.producer.stats.dropped_notifs["duplicate"] == 1
+        wait_for(lambda: pair.producer.stats.transfers_done == 1, "P saw its write end")
+        assert pair.producer.stats.transfers_started == 1
+        assert untouched_blocks_zero(bare.setup.ranks, [5, 6])
+    finally:
+        bare.close()
+        pair.close()
+
+
+def _rogue(pair: Pair, name: str, *targets: InprocAgent) -> InprocAgent:
+    agent = pair.fabric.create_agent(name)
+    for target in targets:
+        md = target.conn_metadata()
+        pair.on_loop(lambda md=md: agent.add_peer(md))
+    return agent
+
+
+def _done(tid: str, engine_id: str, incarnation: str, tp_rank: int = 0) -> bytes:
+    return encode_notif(
+        Done(
+            transfer_id=tid,
+            engine_id=engine_id,
+            incarnation=incarnation,
+            tp_rank=tp_rank,
+            pp_rank=0,
+            num_blocks=2,
+        )
+    )
+
+
+def test_bad_notifications_to_d_are_dropped_by_reason_and_touch_nothing() -> None:
+    pair = Pair(SPEC)
+    try:
+        d_agent = pair.d.ranks[0].agent
+        assert isinstance(d_agent, InprocAgent)
+        p_agent = pair.p_agent()
+        p_id, p_inc = pair.p.engine.engine_id, pair.p.engine.incarnation
+        pair.consumer.request_allocated("live", [0, 1], 8, 0, pair.remote())
+        # P loads D (full) once it has the push_reg: from then on P's own agent can reach D.
+        wait_for(lambda: pair.on_loop(lambda: p_agent.peer_mode(d_agent.name)), "P loaded D")
+        rogue = _rogue(pair, "rogue/r1/pp0/tp0", d_agent)
+        ghost = _rogue(pair, make_agent_name(p_id, "0ld", 0, 0), d_agent)  # an earlier life of P
+        valid = _done("live", "rogue", "r1")
+        corpus: list[tuple[InprocAgent, bytes, str]] = [
+            (rogue, b"\x00garbage", "malformed"),
+            (rogue, b"KVW1", "malformed"),
+            (rogue, valid[:-3], "malformed"),  # truncated
+            (rogue, b"KVW9" + valid[4:], "malformed"),  # wrong magic
+            (rogue, valid.replace(b"done", b"dune"), "malformed"),  # unknown type
+            (rogue, valid.replace(b"num_blocks\x02", b"num_blocks\xa1x"), "malformed"),  # wrong type
+            (rogue, b"KVW1" + bytes(1 << 20), "malformed"),  # oversized junk
+            (rogue, _done("live", p_id, p_inc), "wrong_sender"),  # claims to be P
+            (rogue, valid, "wrong_sender"),  # honest, but not the P rank the request waits on
+            (ghost, _done("live", p_id, "0ld"), "stale_incarnation"),
+            (ghost, _done("gone", p_id, "0ld"), "unknown_transfer"),
+            (p_agent, _done("nope", p_id, p_inc), "unknown_transfer"),
+            (p_agent, _done("live", p_id, p_inc, tp_rank=1), "wrong_sender"),  # a rank D never registered
+            (
+                rogue,
+                encode_notif(Cancel(transfer_id="live", engine_id="rogue", incarnation="r1")),
+                "unexpected",
+            ),
+        ]
+        for sender, raw, _ in corpus:
+            pair.on_loop(lambda s=sender, r=raw: s.send_notif(d_agent.name, r))
+        want: dict[str, int] = {}
+        for _, _, why in corpus:
+            want[why] = want.get(why, 0) + 1
+        dropped = pair.consumer.stats.dropped_notifs
+        wait_for(lambda: sum(dropped.values()) == len(corpus), "every bad notification dropped")
+        assert dict(dropped) == want
+        # The request is untouched by all that, and completes with P's bytes only.
+        kv = pair.fill_p([4, 5], 8)
+        pair.producer.request_finished("live", [4, 5], 8)
+        assert [e.kind for e in pair.d_event("live")] == [ConsumerEventKind.READY]
+        assert same_bytes(pair.d_tokens([0, 1], range(8)), kv)
+        assert untouched_blocks_zero(pair.d.ranks, [0, 1])
+    finally:
+        pair.close()
+
+
+def test_bad_notifications_to_p_are_dropped_by_reason() -> None:
+    pair = Pair(SPEC)
+    try:
+        p_agent = pair.p_agent()
+        rogue = _rogue(pair, "rogue/r2/pp0/tp0", p_agent)
+        corpus: list[tuple[bytes, str]] = [
+            (b"KVW1\xff\x00", "malformed"),
+            (encode_notif(Cancel(transfer_id="x", engine_id="rogue", incarnation="r2")), "unknown_transfer"),
+            (_done("x", "rogue", "r2"), "unexpected"),  # P gets no done in push mode
+            (_done("x", "other", "r2"), "wrong_sender"),
+        ]
+        for raw, _ in corpus:
+            pair.on_loop(lambda r=raw: rogue.send_notif(p_agent.name, r))
+        dropped = pair.producer.stats.dropped_notifs
+        wait_for(lambda: sum(dropped.values()) == len(corpus), "every bad notification dropped")
+        assert dict(dropped) == {"malformed": 1, "unknown_transfer": 1, "unexpected": 1, "wrong_sender": 1}
+    finally:
+        pair.close()
+
+
+def test_mutated_notifications_never_crash_or_write() -> None:
+    pair = Pair(SPEC)
+    try:
+        d_agent = pair.d.ranks[0].agent
+        assert isinstance(d_agent, InprocAgent)
+        rogue = _rogue(pair, "rogue/r3/pp0/tp0", d_agent, pair.p_agent())
+        rng = random.Random(7)
+        seeds = [
+            _done("m", "rogue", "r3"),
+            encode_notif(Cancel(transfer_id="m", engine_id="rogue", incarnation="r3")),
+        ]
+        sent = {d_agent.name: 0, pair.p_agent().name: 0}
+        for i in range(400):
+            raw = bytearray(rng.choice(seeds))
+            for _ in range(rng.randint(1, 4)):
+                raw[rng.randrange(len(raw))] = rng.randrange(256)
+            target = d_agent.name if i % 2 else pair.p_agent().name
+            sent[target] += 1
+            pair.on_loop(lambda t=target, r=bytes(raw): rogue.send_notif(t, r))
+        wait_for(
+            lambda: (
+                sum(pair.consumer.stats.dropped_notifs.values()) == sent[d_agent.name]
+                and sum(pair.producer.stats.dropped_notifs.values()) == sent[pair.p_agent().name]
+            ),
+            "every mutated notification dropped",
+        )
+        kv = pair.fill_p([2, 3], 8)
+        pair.consumer.request_allocated("after", [0, 1], 8, 0, pair.remote())
+        pair.producer.request_finished("after", [2, 3], 8)
+        assert [e.kind for e in pair.d_event("after")] == [ConsumerEventKind.READY]
+        assert same_bytes(pair.d_tokens([0, 1], range(8)), kv)
+        assert untouched_blocks_zero(pair.d.ranks, [0, 1])
+    finally:
+        pair.close()

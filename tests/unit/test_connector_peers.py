@@ -1,0 +1,126 @@
+"""Peer lifecycle on the in-process backend (issue 6 item 4, NIXL #795): idle peers reaped, peers in use
+kept, restarted peers handshaked again and used, nothing of a dead or replaced peer left loaded."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from connector_env import Pair, wait_for
+
+from kvwire.connector import ConnectorConfig, ConsumerEventKind, ProducerOutcome
+from kvwire.connector.testing import same_bytes, untouched_blocks_zero
+from kvwire.kv.spec import KVSpec
+
+SPEC = KVSpec(num_layers=2, kv_heads=2, head_dim=8, block_size=4)
+READY = [ConsumerEventKind.READY]
+
+
+def _push(pair: Pair, tid: str, p_blocks: list[int], d_blocks: list[int], n: int, seed: int) -> np.ndarray:
+    kv = pair.fill_p(p_blocks, n, seed=seed)
+    pair.consumer.request_allocated(tid, d_blocks, n, 0, pair.remote())
+    pair.producer.request_finished(tid, p_blocks, n)
+    assert [e.kind for e in pair.d_event(tid)] == READY
+    assert pair.p_event(tid).outcome is ProducerOutcome.SENT
+    assert same_bytes(pair.d_tokens(d_blocks, range(n)), kv)
+    return kv
+
+
+def _loaded(pair: Pair) -> tuple[list[str], list[str]]:
+    """Agent names each side's handshake managers keep loaded (P's view of D, D's view of P)."""
+    p_peers = [peer.agent_name for m in pair.producer.managers.values() for peer in m.peers()]
+    d_peers = [peer.agent_name for m in pair.consumer.managers.values() for peer in m.peers()]
+    return p_peers, d_peers
+
+
+def test_idle_peers_are_reaped_and_reconnected_on_demand() -> None:
+    cfg = ConnectorConfig(engine_ttl_s=0.05, heartbeat_interval_s=0.01, liveness_timeout_s=0.5)
+    pair = Pair(SPEC, config=cfg)
+    try:
+        _push(pair, "r1", [0, 1], [2, 3], 8, seed=1)
+        p_agent, d_agent = pair.p.ranks[0].agent, pair.d.ranks[0].agent
+        wait_for(lambda: _loaded(pair) == ([], []), "both sides reap the idle peer")
+        assert pair.producer.stats.peers_reaped >= 1 and pair.consumer.stats.peers_reaped >= 1
+        assert pair.on_loop(lambda: (p_agent.peer_mode(d_agent.name), d_agent.peer_mode(p_agent.name))) == (
+            None,
+            None,
+        )
+        _push(pair, "r2", [4, 5], [6, 7], 8, seed=2)  # handshaked again on demand
+        wait_for(lambda: pair.consumer.watched_peers() == [], "liveness map pruned")
+    finally:
+        pair.close()
+
+
+def test_peers_in_use_are_not_reaped() -> None:
+    # A TTL far below the heartbeat period: only the connector's own "in use" refresh keeps them loaded.
+    cfg = ConnectorConfig(engine_ttl_s=0.002, heartbeat_interval_s=0.02, liveness_timeout_s=5.0)
+    pair = Pair(SPEC, config=cfg)
+    try:
+        pair.consumer.request_allocated("long", [0, 1], 8, 0, pair.remote())
+        wait_for(lambda: pair.producer.stats.heartbeats_sent >= 8, "P past many reaper periods")
+        assert pair.producer.stats.peers_reaped == 0 and pair.consumer.stats.peers_reaped == 0
+        p_peers, d_peers = _loaded(pair)
+        assert p_peers == [pair.d.ranks[0].agent.name] and d_peers == [pair.p.ranks[0].agent.name]
+        kv = pair.fill_p([4, 5], 8)
+        pair.producer.request_finished("long", [4, 5], 8)
+        assert [e.kind for e in pair.d_event("long")] == READY
+        assert same_bytes(pair.d_tokens([0, 1], range(8)), kv)
+        wait_for(lambda: _loaded(pair) == ([], []), "reaped once idle")
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("kill", [True, False], ids=["killed", "closed"])
+def test_restarted_producer_is_handshaked_again_without_restarting_d(kill: bool) -> None:
+    pair = Pair(SPEC, config=ConnectorConfig(heartbeat_interval_s=0.02, liveness_timeout_s=1.0))
+    try:
+        _push(pair, "before", [0, 1], [0, 1], 8, seed=1)
+        old = pair.p.ranks[0].agent.name
+        old_life = (pair.p.engine.engine_id, pair.p.engine.incarnation)
+        pair.restart_p(kill=kill)
+        new = pair.p.ranks[0].agent.name
+        assert new != old
+        kv = _push(pair, "after", [2, 3], [4, 5], 8, seed=2)
+        assert same_bytes(pair.d_tokens([4, 5], range(8)), kv)
+        d_agent = pair.d.ranks[0].agent
+        assert pair.on_loop(lambda: (d_agent.peer_mode(old), d_agent.peer_mode(new) is not None)) == (
+            None,
+            True,
+        )
+        assert _loaded(pair)[1] == [new]
+        wait_for(lambda: old_life not in pair.consumer.watched_peers(), "the old life's liveness pruned")
+        assert untouched_blocks_zero(pair.d.ranks, [0, 1, 4, 5])
+    finally:
+        pair.close()
+
+
+def test_restarted_consumer_replaces_the_old_one_on_p() -> None:
+    pair = Pair(SPEC)
+    try:
+        _push(pair, "before", [0, 1], [0, 1], 8, seed=1)
+        old = pair.d.ranks[0].agent.name
+        pair.restart_d()
+        new = pair.d.ranks[0].agent.name
+        kv = _push(pair, "after", [2, 3], [6, 7], 8, seed=2)
+        assert same_bytes(pair.d_tokens([6, 7], range(8)), kv)
+        p_agent = pair.p.ranks[0].agent
+        assert pair.on_loop(lambda: p_agent.peer_mode(old)) is None
+        assert _loaded(pair)[0] == [new]
+        assert untouched_blocks_zero(pair.d.ranks, [6, 7])  # the new D's cache starts zeroed
+    finally:
+        pair.close()
+
+
+def test_dead_producer_leaves_nothing_loaded_and_its_liveness_is_pruned() -> None:
+    cfg = ConnectorConfig(heartbeat_interval_s=0.02, liveness_timeout_s=0.1, dead_peer_grace_s=0.02)
+    pair = Pair(SPEC, config=cfg)
+    try:
+        pair.consumer.request_allocated("dead", [0, 1], 8, 0, pair.remote())
+        wait_for(lambda: pair.consumer.watched_peers(), "P's liveness tracked")
+        pair.fabric.kill(pair.p_agent().name)
+        kinds = [e.kind for e in pair.d_event("dead")]
+        assert kinds == [ConsumerEventKind.FAILED, ConsumerEventKind.RELEASED]
+        wait_for(lambda: pair.consumer.watched_peers() == [], "liveness map pruned")
+        assert _loaded(pair)[1] == []
+        assert untouched_blocks_zero(pair.d.ranks, [])
+    finally:
+        pair.close()

@@ -1,0 +1,291 @@
+"""The engine server's HTTP API, in process (httpx against the ASGI app; the engine thread runs)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from kvwire.engine.config import EngineConfig, Role, preset
+from kvwire.engine.engine import Engine
+from kvwire.engine.loopback import LoopbackHub
+from kvwire.engine.model import Model
+from kvwire.engine.server import EngineServer, Identity
+
+pytestmark = pytest.mark.anyio
+
+TINY = preset("tiny")
+MODEL = Model(TINY, seed=0)
+
+
+def make_server(role: Role = Role.COLOCATED, num_blocks: int = 128) -> EngineServer:
+    engine = Engine(EngineConfig(TINY, role=role, num_blocks=num_blocks), model=MODEL)
+    return EngineServer(engine, Identity(role, f"{role.value}-test", "inc0", "127.0.0.1", 5600))
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[tuple[httpx.AsyncClient, EngineServer]]:
+    server = make_server()
+    server.start()
+    try:
+        transport = httpx.ASGITransport(app=server.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://engine") as c:
+            yield c, server
+    finally:
+        server.stop()
+
+
+def reference(prompt: str, max_tokens: int) -> list[int]:
+    engine = Engine(EngineConfig(TINY, num_blocks=128), model=MODEL)
+    return engine.generate([engine.tokenizer.encode(prompt)], max_tokens, ignore_eos=True)[0]
+
+
+async def test_health(client: tuple[httpx.AsyncClient, EngineServer]) -> None:
+    c, _ = client
+    r = await c.get("/health")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["role"] == "colocated" and body["engine_id"] == "colocated-test"
+    assert body["side_channel_port"] == 5600 and body["tp_size"] == 1 and body["pp_size"] == 1
+    assert body["load"] == {"running": 0, "waiting": 0, "free_blocks": 128}
+
+
+async def test_completion_matches_engine(client: tuple[httpx.AsyncClient, EngineServer]) -> None:
+    c, _ = client
+    r = await c.post(
+        "/v1/completions", json={"prompt": "Hello, kvwire!", "max_tokens": 8, "ignore_eos": True}
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    choice = body["choices"][0]
+    assert body["object"] == "text_completion"
+    assert choice["token_ids"] == reference("Hello, kvwire!", 8)
+    assert choice["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 15, "completion_tokens": 8, "total_tokens": 23}
+    assert body["kv_transfer_params"] is None
+    assert body["timings"]["ttft_ms"] > 0
+
+
+async def test_token_id_prompt_and_unknown_fields(client: tuple[httpx.AsyncClient, EngineServer]) -> None:
+    c, server = client
+    ids = server.engine.tokenizer.encode("abc")
+    body = {"prompt": ids, "max_tokens": 3, "ignore_eos": True, "top_p": 0.9, "user": "x", "temperature": 0}
+    r = await c.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == reference("abc", 3)
+
+
+async def test_stream(client: tuple[httpx.AsyncClient, EngineServer]) -> None:
+    c, _ = client
+    body = {"prompt": "stream me", "max_tokens": 5, "stream": True, "ignore_eos": True}
+    async with c.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line[len("data: ") :] async for line in r.aiter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [t for ch in chunks for t in ch["choices"][0]["token_ids"]] == reference("stream me", 5)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(ch["choices"][0]["finish_reason"] is None for ch in chunks[:-1])
+    assert chunks[-1]["timings"]["ttft_ms"] > 0
+    assert chunks[-1]["usage"]["completion_tokens"] == 5
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"max_tokens": 4},
+        {"prompt": [], "max_tokens": 4},
+        {"prompt": [1, "a"]},
+        {"prompt": [999999]},
+        {"prompt": "x", "max_tokens": 0},
+        {"prompt": "x", "max_tokens": "4"},
+        {"prompt": "x", "max_tokens": True},
+        {"prompt": "x", "stream": "yes"},
+        {"prompt": "x", "n": 2},
+        {"prompt": "x", "max_tokens": 100000},
+        {"prompt": "x", "kv_transfer_params": {"do_remote_decode": True}},
+        {"prompt": "x", "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": "t"}},
+        {"prompt": "x", "kv_transfer_params": "nope"},
+        [1, 2],
+    ],
+)
+async def test_bad_input_is_400(client: tuple[httpx.AsyncClient, EngineServer], body: object) -> None:
+    c, _ = client
+    r = await c.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == 400 and err["message"]
+
+
+async def test_invalid_json_is_400(client: tuple[httpx.AsyncClient, EngineServer]) -> None:
+    c, _ = client
+    r = await c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400
+
+
+async def test_prompt_larger_than_cache_is_400(client: tuple[httpx.AsyncClient, EngineServer]) -> None:
+    c, _ = client
+    r = await c.post("/v1/completions", json={"prompt": "y" * (128 * 16 + 1), "max_tokens": 1})
+    assert r.status_code == 400
+    assert "blocks" in r.json()["error"]["message"]
+
+
+async def test_metrics_and_kv_stats(client: tuple[httpx.AsyncClient, EngineServer]) -> None:
+    c, _ = client
+    await c.post("/v1/completions", json={"prompt": "count me", "max_tokens": 2})
+    await c.post("/v1/completions", json={"prompt": "", "max_tokens": 0})
+    text = (await c.get("/metrics")).text
+    assert 'kvwire_requests_total{outcome="ok"} 1.0' in text
+    assert 'kvwire_requests_total{outcome="bad_request"} 1.0' in text
+    assert "kvwire_blocks_total 128.0" in text
+    stats = (await c.get("/v1/kv_stats")).json()
+    assert stats["blocks_in_use"] == 0 and stats["blocks_quarantined"] == 0
+    models = (await c.get("/v1/models")).json()
+    assert models["data"][0]["id"] == "kvwire-tiny"
+
+
+async def test_disaggregated_legs_over_http() -> None:
+    """P and D servers in one process, wired by the loopback hooks: D's answer equals colocated."""
+    hub = LoopbackHub()
+    p, d = make_server(Role.PREFILL), make_server(Role.DECODE)
+    p.engine.set_hooks(hub.producer(p.engine.kv))
+    d.engine.set_hooks(hub.consumer(d.engine.kv))
+    p.start()
+    d.start()
+    try:
+        pt, dt = httpx.ASGITransport(app=p.app), httpx.ASGITransport(app=d.app)
+        async with (
+            httpx.AsyncClient(transport=pt, base_url="http://p") as pc,
+            httpx.AsyncClient(transport=dt, base_url="http://d") as dc,
+        ):
+            prompt = "disaggregate this prompt, please"
+            decode_params = {
+                "do_remote_prefill": True,
+                "transfer_id": "tx1",
+                "remote_engine_id": "prefill-test",
+                "remote_host": "127.0.0.1",
+                "remote_port": 5600,
+                "remote_tp_size": 1,
+                "remote_pp_size": 1,
+            }
+            d_body = {
+                "prompt": prompt,
+                "max_tokens": 6,
+                "ignore_eos": True,
+                "kv_transfer_params": decode_params,
+            }
+            p_params = {"do_remote_decode": True, "transfer_id": "tx1"}
+            p_body = {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": p_params}
+            rd, rp = await asyncio.gather(
+                dc.post("/v1/completions", json=d_body), pc.post("/v1/completions", json=p_body)
+            )
+            assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+            kvp = rp.json()["kv_transfer_params"]
+            assert kvp["transfer_id"] == "tx1" and kvp["remote_engine_id"] == "prefill-test"
+            assert kvp["num_tokens"] == len(prompt) + 1
+            got = rd.json()
+            assert got["choices"][0]["token_ids"] == reference(prompt, 6)
+            assert got["timings"]["kv_bytes"] == 3 * 16 * TINY.kv_spec().bytes_per_token()
+            assert got["timings"]["kv_transfer_ms"] >= 0
+    finally:
+        p.stop()
+        d.stop()
+
+
+async def test_disaggregated_with_the_real_connector_inproc() -> None:
+    """P (tp 2, pp 2) and D (tp 1) servers with kvwire's Producer/Consumer on the in-process transport."""
+    from kvwire.engine.connector_hooks import ConnectorMetrics, ConnectorSettings, attach_connector
+
+    servers = {}
+    for role, tp, pp in ((Role.PREFILL, 2, 2), (Role.DECODE, 1, 1)):
+        eng = Engine(EngineConfig(TINY, role=role, tp_size=tp, pp_size=pp, num_blocks=64), model=MODEL)
+        eid = f"{role.value}-real"
+        hooks = attach_connector(eng, ConnectorSettings(eid, "inc1", "kvwire-tiny", backend="inproc"))
+        srv = EngineServer(eng, Identity(role, eid, "inc1", "127.0.0.1", hooks.connector.port))
+        srv.scrape_hooks.append(ConnectorMetrics(hooks.connector, srv.metrics).sync)
+        servers[role] = srv
+    p, d = servers[Role.PREFILL], servers[Role.DECODE]
+    p.start()
+    d.start()
+    try:
+        pt, dt = httpx.ASGITransport(app=p.app), httpx.ASGITransport(app=d.app)
+        async with (
+            httpx.AsyncClient(transport=pt, base_url="http://p") as pc,
+            httpx.AsyncClient(transport=dt, base_url="http://d") as dc,
+        ):
+            for i, prompt in enumerate(["short", "a longer prompt " * 9]):
+                tid = f"real{i}"
+                dparams = {
+                    "do_remote_prefill": True,
+                    "transfer_id": tid,
+                    "remote_engine_id": "prefill-real",
+                    "remote_host": "127.0.0.1",
+                    "remote_port": p.identity.side_channel_port,
+                    "remote_tp_size": 2,
+                    "remote_pp_size": 2,
+                }
+                d_body = {
+                    "prompt": prompt,
+                    "max_tokens": 5,
+                    "ignore_eos": True,
+                    "kv_transfer_params": dparams,
+                }
+                p_body = {
+                    "prompt": prompt,
+                    "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid},
+                }
+                rd, rp = await asyncio.gather(
+                    dc.post("/v1/completions", json=d_body), pc.post("/v1/completions", json=p_body)
+                )
+                assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+                assert rd.json()["choices"][0]["token_ids"] == reference(prompt, 5)
+            stats = (await pc.get("/v1/kv_stats")).json()
+            # 2 requests x 4 P ranks, each one push; D counts none (the poster counts)
+            assert stats["transfers"] == 8 and stats["bytes"] > 0
+            assert {h["notif_only"] for h in stats["handshakes"]} == {False}
+            d_stats = (await dc.get("/v1/kv_stats")).json()
+            assert d_stats["transfers"] == 0 and {h["notif_only"] for h in d_stats["handshakes"]} == {True}
+            for c in (pc, dc):
+                assert (await c.get("/health")).json()["load"]["free_blocks"] == 64
+    finally:
+        p.stop()
+        d.stop()
+
+
+async def test_decode_leg_fails_with_503_when_the_prefiller_is_unreachable() -> None:
+    from kvwire.connector import ConnectorConfig
+    from kvwire.engine.connector_hooks import ConnectorSettings, attach_connector
+
+    eng = Engine(EngineConfig(TINY, role=Role.DECODE, num_blocks=64), model=MODEL)
+    cfg = ConnectorConfig(handshake_timeout_s=0.2, handshake_retries=0)
+    hooks = attach_connector(eng, ConnectorSettings("dec", "inc1", "m", backend="inproc", config=cfg))
+    srv = EngineServer(eng, Identity(Role.DECODE, "dec", "inc1", "127.0.0.1", hooks.connector.port))
+    srv.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=srv.app), base_url="http://d") as dc:
+            dparams = {
+                "do_remote_prefill": True,
+                "transfer_id": "lost",
+                "remote_engine_id": "nobody",
+                "remote_host": "127.0.0.1",
+                "remote_port": 9,  # discard: nothing listens
+            }
+            r = await dc.post("/v1/completions", json={"prompt": "x", "kv_transfer_params": dparams})
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["type"] == "kv_load_failed"
+            for _ in range(100):  # the blocks come back once the connector releases them
+                if (await dc.get("/health")).json()["load"]["free_blocks"] == 64:
+                    break
+                await asyncio.sleep(0.05)
+            assert (await dc.get("/health")).json()["load"]["free_blocks"] == 64
+    finally:
+        srv.stop()

@@ -1,0 +1,154 @@
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvwire.router.engines import HealthInfo
+from kvwire.router.legs import decode_body, prefill_body
+from kvwire.router.openai_api import (
+    ApiError,
+    ApiKind,
+    ErrorType,
+    completion_response,
+    decode_json_object,
+    parse_request,
+    render_chat,
+    stream_chunks,
+)
+
+MODELS = frozenset({"kvwire", "tiny"})
+
+
+def parse(body: dict[str, Any], kind: ApiKind = ApiKind.COMPLETION) -> Any:
+    return parse_request(body, kind, MODELS)
+
+
+def test_parse_completion_defaults_and_forwarded_fields() -> None:
+    req = parse({"model": "tiny", "prompt": "hi", "temperature": 0, "user": "x", "top_p": None})
+    assert (req.prompt, req.max_tokens, req.stream, req.include_usage) == ("hi", 16, False, False)
+    body = req.engine_body()
+    assert body == {"model": "tiny", "prompt": "hi", "max_tokens": 16, "stream": False, "temperature": 0}
+
+
+def test_parse_accepts_single_prompt_batches_and_token_ids() -> None:
+    assert parse({"model": "kvwire", "prompt": ["one"]}).prompt == "one"
+    assert parse({"model": "kvwire", "prompt": [[1, 2, 3]]}).prompt == [1, 2, 3]
+    assert parse({"model": "kvwire", "prompt": [4, 5]}).prompt == [4, 5]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "kvwire"}, "prompt"),
+        ({"model": "kvwire", "prompt": ""}, "prompt"),
+        ({"model": "kvwire", "prompt": ["a", "b"]}, "prompt"),
+        ({"model": "kvwire", "prompt": [1, -2]}, "prompt"),
+        ({"model": "kvwire", "prompt": [True]}, "prompt"),
+        ({"model": "kvwire", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"model": "kvwire", "prompt": "x", "max_tokens": "3"}, "max_tokens"),
+        ({"model": "kvwire", "prompt": "x", "n": 2}, "n"),
+        ({"model": "kvwire", "prompt": "x", "stream": "yes"}, "stream"),
+        ({"prompt": "x"}, "model"),
+    ],
+)
+def test_parse_rejects_bad_requests_with_400(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(ApiError) as err:
+        parse(body)
+    assert err.value.kind is ErrorType.INVALID_REQUEST and err.value.status == 400
+    assert err.value.param == param
+    assert err.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_model_is_404() -> None:
+    with pytest.raises(ApiError) as err:
+        parse({"model": "gpt-9", "prompt": "x"})
+    assert err.value.status == 404
+
+
+def test_decode_json_object_refuses_non_objects() -> None:
+    assert decode_json_object(b'{"a": 1}') == {"a": 1}
+    for raw in (b"[1]", b"{", b"\xff"):
+        with pytest.raises(ApiError):
+            decode_json_object(raw)
+
+
+def test_chat_template_and_max_completion_tokens() -> None:
+    messages = [
+        {"role": "developer", "content": "rules"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None},
+    ]
+    assert render_chat(messages) == "<|system|>\nrules\n<|user|>\nab\n<|assistant|>\n\n<|assistant|>\n"
+    req = parse({"model": "kvwire", "messages": messages, "max_completion_tokens": 3}, ApiKind.CHAT)
+    assert req.max_tokens == 3 and req.kind is ApiKind.CHAT
+    for bad in (
+        [],
+        [{"role": "wizard", "content": "x"}],
+        [{"role": "user", "content": [{"type": "image_url"}]}],
+    ):
+        with pytest.raises(ApiError):
+            render_chat(bad)
+
+
+def _engine_obj(text: str, ids: list[int], finish: str | None = "length") -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "token_ids": ids, "finish_reason": finish}
+    return {
+        "choices": [choice],
+        "usage": {"prompt_tokens": 2, "completion_tokens": len(ids), "total_tokens": 5},
+    }
+
+
+def test_completion_and_chat_response_shapes() -> None:
+    comp = parse({"model": "tiny", "prompt": "x"})
+    out = completion_response(_engine_obj("abc", [97, 98, 99]), comp, "cmpl-1", 7)
+    assert out["object"] == "text_completion" and out["model"] == "tiny" and out["id"] == "cmpl-1"
+    assert out["choices"][0]["text"] == "abc" and out["choices"][0]["token_ids"] == [97, 98, 99]
+    chat = parse({"model": "tiny", "messages": [{"role": "user", "content": "x"}]}, ApiKind.CHAT)
+    out = completion_response(_engine_obj("abc", [97, 98, 99]), chat, "chatcmpl-1", 7)
+    assert out["object"] == "chat.completion"
+    assert out["choices"][0]["message"] == {"role": "assistant", "content": "abc"}
+    assert out["usage"]["completion_tokens"] == 3
+
+
+def test_chat_stream_opens_with_role_delta_and_usage_only_when_asked() -> None:
+    chat = parse(
+        {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": True}, ApiKind.CHAT
+    )
+    first = stream_chunks(_engine_obj("a", [97], None), chat, "c", 1, first=True)
+    assert [c["choices"][0]["delta"] for c in first] == [
+        {"role": "assistant", "content": ""},
+        {"content": "a"},
+    ]
+    later = stream_chunks(_engine_obj("b", [98]), chat, "c", 1, first=False)
+    assert len(later) == 1 and later[0]["choices"][0]["finish_reason"] == "length"
+    assert stream_chunks({"usage": {"total_tokens": 3}}, chat, "c", 1, first=False) == []
+    asked = parse({"model": "tiny", "prompt": "x", "stream": True, "stream_options": {"include_usage": True}})
+    usage = stream_chunks({"choices": [], "usage": {"total_tokens": 3}}, asked, "c", 1, first=False)
+    assert usage == [{"id": "c", "created": 1, "model": "tiny", "object": "text_completion", "choices": [],
+                      "usage": {"total_tokens": 3}}]  # fmt: skip
+
+
+def test_leg_bodies_follow_the_serving_api() -> None:
+    base = parse({"model": "tiny", "prompt": "x", "max_tokens": 9, "stream": True}).engine_body()
+    p = prefill_body(base, "t1")
+    assert p["max_tokens"] == 1 and p["stream"] is False
+    assert p["kv_transfer_params"] == {"do_remote_decode": True, "transfer_id": "t1"}
+    health = {"status": "ok", "role": "prefill", "engine_id": "P", "incarnation": "i", "model": "tiny"}
+    health.update(side_channel_host="10.0.0.1", side_channel_port=7000, tp_size=2, pp_size=1)
+    info = HealthInfo.parse(health)
+    d = decode_body(base, "t1", info)
+    assert d["max_tokens"] == 9 and d["stream"] is True
+    assert d["kv_transfer_params"] == {
+        "do_remote_prefill": True, "transfer_id": "t1", "remote_engine_id": "P", "remote_host": "10.0.0.1",
+        "remote_port": 7000, "remote_tp_size": 2, "remote_pp_size": 1,
+    }  # fmt: skip
+    assert base["max_tokens"] == 9  # the legs are copies
+
+
+def test_health_info_refuses_incomplete_bodies() -> None:
+    with pytest.raises(KeyError):
+        HealthInfo.parse({"status": "ok", "role": "prefill"})
+    with pytest.raises(ValueError):
+        HealthInfo.parse({"status": "starting", "role": "prefill", "engine_id": "P", "side_channel_host": "h",
+                          "side_channel_port": 1})  # fmt: skip
