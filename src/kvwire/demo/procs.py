@@ -99,6 +99,34 @@ class ServerGroup:
         self._write_index()
         return server
 
+    def kill(self, server: Server, timeout_s: float = 10.0) -> None:
+        """SIGKILL ``server`` (and anything it spawned) and reap it: a crash, not a shutdown."""
+        if server.proc is None:
+            return
+        _signal_group(server, signal.SIGKILL)
+        server.proc.wait(timeout=timeout_s)
+
+    def restart(self, server: Server) -> Server:
+        """Start ``server`` again with the same command line and port (killing it first if it runs).
+
+        The log is appended to, so one file tells the story of every life; ``servers.json`` lists the new pid.
+        """
+        if server.proc is not None and server.proc.poll() is None:
+            self.kill(server)
+        if server._log is not None:
+            server._log.close()
+        server._log = server.log_path.open("ab")
+        server.proc = subprocess.Popen(
+            server.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=server._log,
+            stderr=subprocess.STDOUT,
+            env=self._env,
+            start_new_session=True,
+        )
+        self._write_index()
+        return server
+
     def _write_index(self) -> None:
         """``servers.json`` in the log directory: who runs where (for debugging, and for leak checks)."""
         index = [

@@ -39,6 +39,9 @@ from kvwire.metrics import CONTENT_TYPE, BlockStats, KvMetrics, Outcome
 
 log = logging.getLogger(__name__)
 
+# Attempts at reading the block accounting while the engine thread changes it.
+_ACCOUNTING_TRIES = 5
+
 
 @dataclass(frozen=True, slots=True)
 class Identity:
@@ -100,6 +103,40 @@ class EngineServer:
         alloc = self.engine.kv.allocator
         fenced = self.engine.scheduler.fenced_blocks
         self.metrics.set_blocks(BlockStats(in_use=alloc.num_used, quarantined=fenced, total=alloc.num_blocks))
+
+    def accounting(self) -> dict[str, Any]:
+        """Where every block is and how many requests are live: leak checks read it once the engine is quiet
+        (then ``blocks.free == blocks.total`` unless a block leaked)."""
+        for _ in range(_ACCOUNTING_TRIES):
+            try:
+                return self._accounting()
+            except RuntimeError:  # a dict changed size under us: the engine thread moved on, look again
+                continue
+        return self._accounting()
+
+    def _accounting(self) -> dict[str, Any]:
+        # Read from the HTTP thread while the engine thread runs: each figure is a snapshot, not a
+        # consistent cut; a quiet engine (what the leak checks wait for) has nothing moving.
+        sched, alloc = self.engine.scheduler, self.engine.kv.allocator
+        held = sum(len(b) for b in list(sched.held.values()))
+        return {
+            "blocks": {
+                "total": alloc.num_blocks,
+                "free": alloc.num_free,
+                "in_use": alloc.num_used,
+                "quarantined": alloc.num_quarantined,
+                "held": held,
+                "fenced": sum(len(b) for b in list(sched.fenced.values())),
+            },
+            "requests": {
+                "live": len(sched.waiting) + len(sched.waiting_for_kv) + len(sched.running),
+                "waiting": len(sched.waiting),
+                "waiting_for_kv": len(sched.waiting_for_kv),
+                "running": len(sched.running),
+                "held": len(sched.held),
+                "fenced": len(sched.fenced),
+            },
+        }
 
     def kv_bytes(self, num_prompt_tokens: int) -> int:
         """Bytes of KV a decode leg receives: the prompt's whole blocks, every layer and head."""
@@ -284,7 +321,7 @@ class EngineServer:
         @app.get("/v1/kv_stats")
         async def kv_stats() -> dict[str, Any]:
             self.refresh_metrics()
-            return self.metrics.snapshot()
+            return {**self.metrics.snapshot(), "accounting": self.accounting()}
 
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:
