@@ -172,6 +172,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=7, help="timed runs per case (median reported)")
     parser.add_argument("--small", action="store_true", help="tiny sizes, for smoke tests")
     parser.add_argument("--no-kv", action="store_true", help="skip the Llama-3-8B kvwire push cases")
+    parser.add_argument(
+        "--no-connector", action="store_true", help="skip the Producer/Consumer column of the push cases"
+    )
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG bar plot")
 
@@ -179,7 +182,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cases = SMALL_CASES if args.small else FULL_CASES
     results = run_cases(cases, args.reps)
-    kv_results = [] if args.no_kv else run_kv_cases(request_for(args.small), args.reps)
+    kv_results = (
+        []
+        if args.no_kv
+        else run_kv_cases(request_for(args.small), args.reps, connector=not args.no_connector)
+    )
     rows = [
         (r["case"], r["bytes"], r["nixl_ms"], r["nixl_gbps"], r["memcpy_ms"], r["memcpy_gbps"])
         for r in results
@@ -195,7 +202,8 @@ def run(args: argparse.Namespace) -> int:
         series = {
             "NIXL WRITE": [r["nixl_gbps"] for r in everything],
             "np.copyto": [r["memcpy_gbps"] for r in everything],
-            "kvwire push": [r.get("kvwire_gbps", float("nan")) for r in everything],
+            "kvwire data path": [r.get("kvwire_gbps", float("nan")) for r in everything],
+            "Producer->Consumer": [r.get("connector_gbps", float("nan")) for r in everything],
         }
         bar_plot(args.plot, "transfer throughput", [r["case"] for r in everything], series, "GB/s")
     return 0
@@ -204,11 +212,15 @@ def run(args: argparse.Namespace) -> int:
 def print_kv_table(results: Sequence[dict[str, Any]], reps: int) -> None:
     keys = (
         "case", "descriptors", "nixl_gbps", "memcpy_gbps", "kvwire_gbps", "kvwire_lanes2_gbps",
-        "ratio_vs_nixl", "ratio_vs_memcpy", "lanes2_vs_1",
+        "connector_gbps", "connector_ms", "ratio_vs_nixl", "ratio_vs_memcpy", "datapath_ratio_vs_nixl",
     )  # fmt: skip
     columns = (
-        "case", "descs", "NIXL GB/s", "memcpy GB/s", "kvwire GB/s", "2 lanes GB/s", "x NIXL", "x memcpy",
-        "2 lanes x 1",
+        "case", "descs", "NIXL GB/s", "memcpy GB/s", "path GB/s", "2 lanes GB/s", "P->C GB/s", "P->C ms",
+        "x NIXL", "x memcpy", "path x NIXL",
     )  # fmt: skip
-    rows = [tuple(r[k] for k in keys) for r in results]
-    print_table(f"transfer: kvwire push (plan + post_array + DONE), median of {reps}", columns, rows)
+    rows = [tuple(r.get(k, "-") for k in keys) for r in results]
+    title = (
+        "transfer: kvwire push (path: plan + post_array + DONE; P->C: Producer push_reg to Consumer READY), "
+        f"median of {reps}"
+    )
+    print_table(title, columns, rows)

@@ -12,17 +12,27 @@ the shared machine's noise hits them alike), after one warm-up each:
 * ``kvwire_lanes2``: the same, the descriptors split into two transfers of about equal bytes posted
   back to back (lanes), both waited for.
 
-``PUSHES`` maps a column name to a callable doing one request; the connector's ``Producer`` path can be
-added there as one more column (its callable: hand it the block ids and wait for the ``done``).
-D verifies every byte of each case after it is timed. Ratios are throughput ratios (``x_ms / kvwire_ms``).
+* ``connector``: the real thing: a ``Producer`` in this process pushes into a ``Consumer`` in a child
+  process (its own cache, real NIXL, the side channel, handshakes done in the warm-up), timed from P's
+  loop thread taking the ``push_reg`` to D's loop thread emitting READY (issue 7, item 1). The ratios
+  ``ratio_vs_nixl`` and ``ratio_vs_memcpy`` are this column's (``ratios_of``); the data path's ratio to
+  raw NIXL is ``datapath_ratio_vs_nixl``.
+
+``PUSHES`` maps a column name to a callable doing one request with the bench's agent (more data-path
+variants can be added there).
+D (the peer process, and the Consumer) verifies every byte of each case after it is timed. Ratios are
+throughput ratios (``x_ms / push_ms``).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+import multiprocessing as mp
 import statistics
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
@@ -38,7 +48,26 @@ from kvwire.bench.kvrequest import (
     wait_all,
 )
 from kvwire.bench.peer import PeerProcess
+from kvwire.connector import (
+    ConnectorConfig,
+    Consumer,
+    ConsumerEvent,
+    ConsumerEventKind,
+    Producer,
+    RemoteEngine,
+)
+from kvwire.connector._base import RankKey
+from kvwire.connector.testing import (
+    build_engine,
+    gather_tokens,
+    random_kv,
+    same_bytes,
+    scatter_tokens,
+    untouched_blocks_zero,
+)
 from kvwire.errors import TransferFailed
+from kvwire.kv.spec import KVSpec
+from kvwire.protocol.messages import PushReg
 from kvwire.transport import XferOp, make_agent_name, new_incarnation
 from kvwire.transport.nixl import NixlAgent
 
@@ -83,21 +112,28 @@ class _RawRepost:
         self.raw.release_xfer_handle(self.handle)
 
 
-def _round_robin(fns: dict[str, Callable[[], None]], reps: int) -> dict[str, float]:
-    """Median seconds per function, runs interleaved across functions."""
+def _round_robin(fns: dict[str, Callable[[], float | None]], reps: int) -> dict[str, float]:
+    """Median seconds per function, runs interleaved across functions. A function that returns a float
+    times itself (the connector's push, timed between two events); the others are timed around the call."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(max(1, reps)):
         for name, fn in fns.items():
             t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
+            own = fn()
+            times[name].append(own if own is not None else time.perf_counter() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def _case(
-    name: str, assignment: Assignment, agent: NixlAgent, ep: Endpoints, peer: PeerProcess, reps: int
+    name: str,
+    assignment: Assignment,
+    agent: NixlAgent,
+    ep: Endpoints,
+    peer: PeerProcess,
+    reps: int,
+    conn: ConnectorPush | None,
 ) -> dict[str, Any]:
     blocks = block_assignment(assignment, ep.req.blocks)
     plan = ep.plan(*blocks)
@@ -105,15 +141,21 @@ def _case(
     src = ep.cache.slab.reshape(-1).view(np.uint8)[:nbytes]
     dst = np.zeros(nbytes, dtype=np.uint8)  # pages touched by the warm-up run, not in the timed ones
     peer.call(("zero",))
+    if conn is not None:
+        conn.prepare(blocks)
     raw = _RawRepost(agent, ep, blocks, peer.name)
     try:
-        fns: dict[str, Callable[[], None]] = {"nixl": raw, "memcpy": lambda: np.copyto(dst, src)}
+        fns: dict[str, Callable[[], float | None]] = {"nixl": raw, "memcpy": lambda: np.copyto(dst, src)}
         for col, push in PUSHES.items():
             fns[col] = functools.partial(push, agent, ep, blocks, peer.name)
+        if conn is not None:
+            fns["connector"] = functools.partial(conn.push, blocks)
         med = _round_robin(fns, reps)
     finally:
         raw.close()
     ep.verify(peer, *blocks)
+    if conn is not None:
+        conn.check(blocks)
     out: dict[str, Any] = {
         "case": f"llama3-8b-1k-{name}" if ep.req.num_tokens == 1024 else f"kv-{ep.req.num_tokens}t-{name}",
         "bytes": nbytes,
@@ -123,22 +165,164 @@ def _case(
     for col, seconds in med.items():
         out[f"{col}_ms"] = seconds * 1e3
         out[f"{col}_gbps"] = gbps(nbytes, seconds)
-    out["ratio_vs_nixl"] = med["nixl"] / med["kvwire"]
-    out["ratio_vs_memcpy"] = med["memcpy"] / med["kvwire"]
+    # The issue's figure is the connector's push (push_reg on P to READY on D); without it (--no-connector),
+    # the data path's.
+    col = "connector" if "connector" in med else "kvwire"
+    out["ratio_vs_nixl"] = med["nixl"] / med[col]
+    out["ratio_vs_memcpy"] = med["memcpy"] / med[col]
+    out["ratios_of"] = col
+    out["datapath_ratio_vs_nixl"] = med["nixl"] / med["kvwire"]
     out["lanes2_vs_1"] = med["kvwire"] / med["kvwire_lanes2"]
     return out
 
 
-def run_kv_cases(req: Request, reps: int) -> list[dict[str, Any]]:
+def run_kv_cases(req: Request, reps: int, connector: bool = True) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     with PeerProcess(make_agent_name("bench-kv-d", new_incarnation(), 0, 0), req.cache_bytes) as peer:
         ep = endpoints(req, peer)
         agent = NixlAgent(make_agent_name("bench-kv-p", new_incarnation(), 0, 0))
+        conn = ConnectorPush(req) if connector else None
         try:
             agent.register(ep.cache.slab)
             agent.add_peer(peer.metadata)
             for name, assignment in CASES:
-                results.append(_case(name, assignment, agent, ep, peer, reps))
+                results.append(_case(name, assignment, agent, ep, peer, reps, conn))
         finally:
+            if conn is not None:
+                conn.close()
             agent.close()
     return results
+
+
+# -- the connector's own push: Producer here, Consumer in a child process -------------------------------
+# Timed from P's loop thread taking the push_reg to D's loop thread emitting READY: both stamps are
+# time.monotonic() (CLOCK_MONOTONIC, one clock for every process on the host).
+_FILL_SEED = 11
+
+
+class _StampedProducer(Producer):
+    def _setup(self) -> None:
+        super()._setup()
+        self.push_reg_at: dict[str, float] = {}
+
+    def _on_push_reg(self, key: RankKey, sender: str, msg: PushReg, now: float) -> None:
+        self.push_reg_at.setdefault(msg.transfer_id, time.monotonic())
+        super()._on_push_reg(key, sender, msg, now)
+
+
+class _StampedConsumer(Consumer):
+    def _setup(self) -> None:
+        super()._setup()
+        self.ended_at: dict[str, float] = {}
+
+    def _emit(self, event: ConsumerEvent) -> None:
+        self.ended_at.setdefault(event.transfer_id, time.monotonic())
+        super()._emit(event)
+
+
+def _consumer_child(conn: Connection, spec: KVSpec, num_blocks: int) -> None:
+    """D: a Consumer on real NIXL; commands ``("push", tid, blocks, tokens, remote)``, ``("check", ...)``."""
+    setup = build_engine("bench-D", spec, num_blocks=num_blocks, backend="nixl")
+    consumer = _StampedConsumer(setup.engine, setup.ranks, ConnectorConfig())
+    try:
+        consumer.start()
+        conn.send(("ready", None))
+        while True:
+            cmd = conn.recv()
+            if cmd[0] == "stop":
+                return
+            if cmd[0] == "push":
+                _, tid, blocks, tokens, remote = cmd
+                consumer.request_allocated(tid, blocks, tokens, 0, remote)
+                conn.send(_await_consumer(consumer, tid))
+            elif cmd[0] == "check":
+                _, blocks, tokens = cmd
+                got = gather_tokens(setup.ranks, blocks, range(tokens))
+                ok = same_bytes(got, random_kv(spec, tokens, _FILL_SEED))
+                conn.send(("ok", ok and untouched_blocks_zero(setup.ranks, blocks)))
+            elif cmd[0] == "zero":
+                for rank in setup.ranks:
+                    rank.cache.slab[...] = 0
+                conn.send(("ok", None))
+    finally:
+        consumer.close()
+        setup.close()
+
+
+def _await_consumer(consumer: _StampedConsumer, tid: str) -> tuple[str, Any]:
+    deadline = time.monotonic() + POLL_LIMIT_S
+    while time.monotonic() < deadline:
+        for ev in consumer.poll():
+            if ev.transfer_id == tid:
+                if ev.kind is ConsumerEventKind.READY:
+                    return ("ok", consumer.ended_at.pop(tid))
+                return ("err", f"{tid}: D got {ev.kind.value} ({ev.reason})")
+        time.sleep(0.0005)
+    return ("err", f"{tid}: D saw no event within {POLL_LIMIT_S} s")
+
+
+class ConnectorPush:
+    """Producer (this process) pushing into a Consumer (a child process) over NIXL and the side channel."""
+
+    def __init__(self, req: Request) -> None:
+        self.req = req
+        self.setup = build_engine("bench-P", req.spec, num_blocks=req.cache_blocks, backend="nixl")
+        self.producer = _StampedProducer(self.setup.engine, self.setup.ranks, ConnectorConfig())
+        port = self.producer.start()
+        self.remote = RemoteEngine(self.setup.engine.engine_id, "127.0.0.1", port)
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=_consumer_child, args=(child, req.spec, req.cache_blocks), daemon=True
+        )
+        self._proc.start()
+        child.close()
+        self._ask(None)
+        self._ids = itertools.count()
+
+    def _ask(self, cmd: tuple[Any, ...] | None) -> Any:
+        if cmd is not None:
+            self._conn.send(cmd)
+        if not self._conn.poll(POLL_LIMIT_S * 2):
+            raise TransferFailed(f"the consumer process did not answer {cmd and cmd[0]}")
+        status, value = self._conn.recv()
+        if status == "err":
+            raise TransferFailed(str(value))
+        return value
+
+    def prepare(self, blocks: Blocks) -> None:
+        """P's blocks hold a known KV; D's cache is zeroed."""
+        kv = random_kv(self.req.spec, self.req.num_tokens, _FILL_SEED)
+        scatter_tokens(self.setup.ranks, blocks[0], kv)
+        self._ask(("zero",))
+
+    def push(self, blocks: Blocks) -> float:
+        """One request; seconds from P taking the push_reg to D's READY."""
+        tid = f"bench-{next(self._ids)}"
+        self.producer.request_finished(tid, blocks[0], self.req.num_tokens)
+        ready_at = self._ask(("push", tid, blocks[1], self.req.num_tokens, self.remote))
+        deadline = time.monotonic() + POLL_LIMIT_S
+        while time.monotonic() < deadline:  # P's one event: the blocks are free again
+            if any(e.transfer_id == tid for e in self.producer.poll()):
+                break
+            time.sleep(0.0005)
+        return float(ready_at - self.producer.push_reg_at.pop(tid))
+
+    def check(self, blocks: Blocks) -> None:
+        if not self._ask(("check", blocks[1], self.req.num_tokens)):
+            raise TransferFailed("D's Consumer found wrong bytes after the connector's push")
+
+    def close(self) -> None:
+        try:
+            if self._proc.is_alive():
+                self._conn.send(("stop",))
+                self._proc.join(10)
+        except (OSError, EOFError):
+            pass
+        finally:
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(5)
+            self._conn.close()
+            self.producer.close()
+            self.setup.close()

@@ -8,7 +8,8 @@ agents (NIXL's Python layer is not thread-safe) nor the state need locks.
 
 The loop runs a ticker: progress every agent, drain and dispatch its notifications, poll posted transfers,
 and every few milliseconds check the timers (fences, leases, liveness, heartbeats, idle peers). It ticks
-every ``poll_interval_s`` while transfers are live and every ``idle_poll_interval_s`` otherwise.
+every ``poll_interval_s`` while transfers are live and for a few ticks after any activity (a peer's answer
+usually follows), then backs off to ``idle_poll_interval_s``; engine calls and posts wake it at once.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from kvwire.connector.config import ConnectorConfig
 from kvwire.connector.events import ConnectorStats
 from kvwire.errors import ConfigError, KvwireError, PeerDisconnected, ProtocolError, TransportError
 from kvwire.handshake.loop import BackgroundLoop
-from kvwire.handshake.manager import HandshakeManager
+from kvwire.handshake.manager import HandshakeManager, warm_up
 from kvwire.handshake.server import SideChannelServer
 from kvwire.handshake.types import EngineInfo, LocalRank, PeerRank
 from kvwire.protocol.codec import decode_notif, encode_notif
@@ -39,12 +40,8 @@ RankKey = tuple[int, int]  # (pp_rank, tp_rank) of a local rank
 E = TypeVar("E")
 
 _TIMER_PERIOD_S = 0.005
+_HOT_TICKS = 4  # ticks at the busy rate after any activity (see ConnectorBase._interval)
 _START_TIMEOUT_S = 10.0
-
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 def sender_matches(sender: str, engine_id: str, incarnation: str) -> bool:
@@ -68,6 +65,7 @@ class ConnectorBase(Generic[E]):
         secret: bytes | None = None,
         loop: BackgroundLoop | None = None,
         clock: Callable[[], float] = time.monotonic,
+        warm_up: bool = True,
     ) -> None:
         self.engine = engine
         self.config = config or ConnectorConfig()
@@ -82,6 +80,7 @@ class ConnectorBase(Generic[E]):
         self._port = port
         self._secret = secret
         self._clock = clock
+        self._warm_up = warm_up
         self._own_loop = loop is None
         self._bg = loop
         self._server: SideChannelServer | None = None
@@ -91,7 +90,12 @@ class ConnectorBase(Generic[E]):
         self._ticker: concurrent.futures.Future[None] | None = None
         self._tasks: set[asyncio.Future[Any]] = set()
         self._next_timers = 0.0
-        self._sleeping: asyncio.Future[None] | None = None
+        # The next tick: a TimerHandle while waiting out an interval, a Handle once woken, None while
+        # ticking or stopped.
+        self._next: asyncio.Handle | None = None
+        self._woken = False
+        self._ticking = False
+        self._quiet = 0  # ticks since the last activity (adaptive polling, see _interval)
         self._broken: set[RankKey] = set()
         self._started = False
         self._closed = False
@@ -108,6 +112,11 @@ class ConnectorBase(Generic[E]):
             return self._port
         for rank in self.ranks.values():
             self._regs.append((rank, rank.agent.register(rank.cache.slab)))
+        if self._warm_up:
+            # NIXL's first agent load costs 10-30 ms: pay it here, not in the first request's handshake.
+            warmed_s = warm_up([r.agent for r in self.ranks.values()])
+            if warmed_s:
+                log.debug("%s: agents warmed up in %.1f ms", self.role, warmed_s * 1e3)
         if self._bg is None:
             self._bg = BackgroundLoop(name=f"kvwire-{self.role}")
         self._server = SideChannelServer(
@@ -198,27 +207,50 @@ class ConnectorBase(Generic[E]):
 
     # -- the ticker (loop thread) ----------------------------------------------------------------------
     async def _run(self) -> None:
-        cfg = self.config
+        """Ticks until cancelled. Each tick is a plain loop callback (no future, no task step per pass);
+        this coroutine only holds the ticker's life, so cancelling ``_ticker`` stops the ticks."""
         loop = asyncio.get_running_loop()
-        while True:
-            now = self._clock()
-            self._guarded(self._tick, (now,))
-            # Sleep until the next tick, or until _wake: work that just started (an engine call, a
-            # posted transfer) is polled at once instead of after an idle interval.
-            self._sleeping = fut = loop.create_future()
-            timer = loop.call_later(
-                cfg.poll_interval_s if self._busy() else cfg.idle_poll_interval_s, _resolve, fut
-            )
-            try:
-                await fut
-            finally:
-                timer.cancel()
-                self._sleeping = None
+        self._ticking = True
+        self._next = loop.call_soon(self._on_tick, loop)
+        try:
+            await loop.create_future()  # never resolved: runs until cancelled
+        finally:
+            self._ticking = False
+            if self._next is not None:
+                self._next.cancel()
+                self._next = None
+
+    def _on_tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._next, self._woken = None, False
+        self._guarded(self._tick, (self._clock(),))
+        if self._ticking and self._next is None:
+            self._next = loop.call_later(self._interval(), self._on_tick, loop)
+
+    def _interval(self) -> float:
+        """Fast while transfers are live; after any activity (an engine call, a notification in or out, a
+        post) fast for ``_HOT_TICKS`` more ticks, then doubling back to the idle interval. A peer's answer
+        usually follows soon after activity, and NIXL has no descriptor to wait on: this catches it
+        without polling fast all the time."""
+        cfg = self.config
+        if self._busy():
+            self._quiet = 0
+            return cfg.poll_interval_s
+        self._quiet += 1
+        if self._quiet <= _HOT_TICKS:
+            return cfg.poll_interval_s
+        return min(cfg.idle_poll_interval_s, cfg.poll_interval_s * (1 << min(self._quiet - _HOT_TICKS, 16)))
 
     def _wake(self) -> None:
-        """Run the next tick as soon as the loop is free (loop thread only)."""
-        if self._sleeping is not None:
-            _resolve(self._sleeping)
+        """Run the next tick as soon as the loop is free (loop thread only): work that just started (an
+        engine call, a posted transfer) is polled at once instead of after an idle interval."""
+        self._quiet = 0
+        nxt = self._next
+        if nxt is None or self._woken:
+            return  # ticking now (the next interval is short after activity) or already woken
+        nxt.cancel()
+        self._woken = True
+        loop = asyncio.get_running_loop()
+        self._next = loop.call_soon(self._on_tick, loop)
 
     def _tick(self, now: float) -> None:
         for key, rank in self.ranks.items():
@@ -246,6 +278,7 @@ class ConnectorBase(Generic[E]):
         except ProtocolError as exc:
             self._drop("malformed", f"from {sender}: {exc}")
             return
+        self._quiet = 0
         if not sender_matches(sender, msg.engine_id, msg.incarnation):
             self._drop(
                 "wrong_sender",
@@ -260,6 +293,7 @@ class ConnectorBase(Generic[E]):
 
     def _send(self, key: RankKey, peer: str, msg: Notification) -> bool:
         """Send one notification; False (logged) when the transport refuses."""
+        self._quiet = 0  # an answer may follow
         try:
             self.ranks[key].agent.send_notif(peer, encode_notif(msg))
         except PeerDisconnected as exc:
@@ -284,7 +318,21 @@ class ConnectorBase(Generic[E]):
     ) -> None:
         """Start ``ensure`` on the loop; ``done(peer, error)`` runs on the loop when it ends."""
         self.stats.handshakes_started += 1
-        coro = self.managers[key].ensure(
+        mgr = self.managers[key]
+        try:
+            hit = mgr.cached(
+                host, port, remote[0], remote[1], mode, engine_id=engine_id, incarnation=incarnation
+            )
+        except KvwireError as exc:
+            self.stats.handshakes_failed += 1
+            asyncio.get_running_loop().call_soon(self._guarded, done, (None, exc))
+            return
+        if hit is not None:
+            # Cached (the usual case): no task; ``done`` still runs later, as after a handshake, so callers
+            # never see it re-entrantly.
+            asyncio.get_running_loop().call_soon(self._guarded, done, (hit, None))
+            return
+        coro = mgr.ensure(
             host, port, remote[0], remote[1], mode, engine_id=engine_id, incarnation=incarnation
         )
         task = asyncio.ensure_future(coro)

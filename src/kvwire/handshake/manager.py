@@ -23,8 +23,12 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import random
+import threading
 import time
+import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvwire.errors import (
@@ -50,7 +54,7 @@ from kvwire.handshake.types import (
     PeerRank,
 )
 from kvwire.kv.mapping import RankLayout
-from kvwire.transport.base import PeerMode
+from kvwire.transport.base import Agent, PeerMode
 
 log = logging.getLogger("kvwire.handshake")
 
@@ -139,6 +143,9 @@ class HandshakeManager:
         messages.
         """
         addr = PeerAddress(host, port, pp_rank, tp_rank)
+        hit = self._hit(addr, mode, engine_id, incarnation)
+        if hit is not None:
+            return hit
         peer: PeerRank | None = None
         for _ in range(_ENSURE_ROUNDS):
             cached = self._peers.get(addr)
@@ -160,6 +167,35 @@ class HandshakeManager:
             if _satisfies(peer.mode, mode):
                 return self._checked(peer, engine_id)
         raise HandshakeError(f"{addr}: not loaded in mode {mode.value} after {_ENSURE_ROUNDS} rounds")
+
+    def cached(
+        self,
+        host: str,
+        port: int,
+        pp_rank: int,
+        tp_rank: int,
+        mode: PeerMode,
+        *,
+        engine_id: str | None = None,
+        incarnation: str | None = None,
+    ) -> PeerRank | None:
+        """What ``ensure`` would return at once from the cache (counted as a hit), or None when it would
+        have to handshake. Raises ``IncompatiblePeer`` as ``ensure`` does. No I/O, no await: callers on
+        the loop skip a task per request."""
+        return self._hit(PeerAddress(host, port, pp_rank, tp_rank), mode, engine_id, incarnation)
+
+    def _hit(
+        self, addr: PeerAddress, mode: PeerMode, engine_id: str | None, incarnation: str | None
+    ) -> PeerRank | None:
+        cached = self._peers.get(addr)
+        if (
+            cached is None
+            or incarnation not in (None, cached.incarnation)
+            or not _satisfies(cached.mode, mode)
+        ):
+            return None
+        self.stats.cache_hits += 1
+        return self._checked(cached, engine_id)
 
     def forget(self, engine_id: str, incarnation: str | None = None) -> None:
         """The peer is dead or gone: remove its remote agents and drop its entries. With ``incarnation``,
@@ -335,6 +371,44 @@ class HandshakeManager:
             steps.fetch * 1e3,
             exc,
         )
+
+
+_spare_lock = threading.Lock()
+_spare: list[Agent] = []  # the process's throwaway agent for warm_up, created once
+
+
+def _spare_metadata() -> bytes:
+    from kvwire.transport.nixl import NixlAgent  # NIXL's modules load only where NIXL agents exist
+
+    with _spare_lock:
+        if not _spare:
+            # Creating an agent costs 100+ ms: one per process, kept (idle) for the connectors started later.
+            _spare.append(NixlAgent(f"kvwire-warmup/{os.getpid()}/{uuid.uuid4().hex[:12]}"))
+        return _spare[0].metadata()
+
+
+def warm_up(agents: Sequence[Agent]) -> float:
+    """Pay NIXL's one-off cost of a local agent's first ``add_remote_agent`` now; returns the seconds spent.
+
+    UCX sets up a worker's first endpoint lazily, in the agent's first load of a remote agent: that load
+    costs 10-30 ms where later ones cost about 1 ms, and without this it lands in the first request's
+    handshake (D's notif-only one with P). Each NIXL agent loads, then unloads, the metadata of a
+    throwaway agent (one per process). Other backends have no such cost and are skipped. Best effort: a
+    failure is logged, never raised.
+    """
+    from kvwire.transport.nixl import NixlAgent
+
+    targets = [a for a in agents if isinstance(a, NixlAgent)]
+    if not targets:
+        return 0.0
+    t0 = time.perf_counter()
+    try:
+        metadata = _spare_metadata()
+        for agent in targets:
+            agent.remove_peer(agent.add_peer(metadata))
+    except TransportError as exc:
+        log.debug("agent warm-up failed: %s", exc)
+    return time.perf_counter() - t0
 
 
 def max_mode(a: PeerMode, b: PeerMode) -> PeerMode:

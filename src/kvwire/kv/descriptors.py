@@ -25,8 +25,10 @@ Rules:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -36,6 +38,10 @@ from kvwire.kv.spec import KVSpec, Layout
 from kvwire.transport.base import Desc
 
 _I64 = np.int64
+# P blocks moved at most, for the pure-Python planner (its cost grows with the units; numpy's is flat).
+_SMALL_BLOCKS = 8
+# Descriptors at most, for building them with one broadcast add per side.
+_SMALL_DESCS = 512
 
 
 class TransferPlan:
@@ -55,10 +61,11 @@ class TransferPlan:
         *,
         num_runs: int = 0,
         num_regions: int = 0,
+        nbytes: int | None = None,
     ) -> None:
         self.src_array: np.ndarray = np.zeros((0, 3), dtype=_I64) if src_array is None else src_array
         self.dst_array: np.ndarray = np.zeros((0, 3), dtype=_I64) if dst_array is None else dst_array
-        self.nbytes = int(self.src_array[:, 1].sum())
+        self.nbytes = int(self.src_array[:, 1].sum()) if nbytes is None else nbytes
         self.num_runs = num_runs  # runs per region pair
         self.num_regions = num_regions  # (layer, kind) region pairs both ranks hold
         self._src: list[Desc] | None = None
@@ -139,28 +146,59 @@ def plan_transfer(
         raise BlockRangeError(
             f"{num_tokens} tokens need {-(-num_tokens // dst.block_size)} D blocks, got {len(dst_blocks)}"
         )
-    # Validate the ids even when this rank pair moves nothing: a bad registration is refused by every rank.
-    src_ids = _block_ids(src_blocks[first_p:last_p], src.num_blocks, "P")
     d_first, d_last = first_p // ratio, -(-last_p // ratio)
-    dst_used = _block_ids(dst_blocks[d_first:d_last], dst.num_blocks, "D")
-    slices = pair_slices(spec, src.tp_size, dst.tp_size, src.tp_rank, dst.tp_rank)
+    small = last_p - first_p <= _SMALL_BLOCKS
+    # Validate the ids even when this rank pair moves nothing: a bad registration is refused by every rank.
+    check = _block_ids_py if small else _block_ids
+    src_ids = check(src_blocks[first_p:last_p], src.num_blocks, "P")
+    dst_used = check(dst_blocks[d_first:d_last], dst.num_blocks, "D")
+    slices = _pair_slices(spec, src.tp_size, dst.tp_size, src.tp_rank, dst.tp_rank)
     layers = range(max(src.first_layer, dst.first_layer), min(src.layers.stop, dst.layers.stop))
     if not slices or not layers or first_p >= last_p:
         return TransferPlan()
-    geo = _Geometry(
+    geo = _geometry(spec, src, dst)
+    if small:
+        # A few blocks: numpy's per-call overhead (dozens of tiny arrays) costs more than the Python loop.
+        src_py = cast("list[int]", src_ids)
+        dst_py = [cast("list[int]", dst_used)[i // ratio - d_first] for i in range(first_p, last_p)]
+        slots = [i % ratio for i in range(first_p, last_p)]
+        rs: list[int] = []
+        rd: list[int] = []
+        rl: list[int] = []
+        for s in slices:
+            _coalesce_py(*_units_py(geo, s, src_py, dst_py, slots), rs, rd, rl)
+        run_src, run_dst, run_len = (np.array(x, dtype=_I64) for x in (rs, rd, rl))
+        return _build_plan(spec, src, dst, layers, geo, run_src, run_dst, run_len, sum(rl))
+    src_arr, dst_used_arr = cast(np.ndarray, src_ids), cast(np.ndarray, dst_used)
+    p_index = np.arange(first_p, last_p, dtype=_I64)
+    dst_ids = dst_used_arr[p_index // ratio - d_first]
+    slot = p_index % ratio
+    runs = [_coalesce(*_units(geo, s, src_arr, dst_ids, slot)) for s in slices]
+    run_src, run_dst, run_len = (np.concatenate([r[i] for r in runs]) for i in range(3))
+    return _build_plan(spec, src, dst, layers, geo, run_src, run_dst, run_len, None)
+
+
+@functools.lru_cache(maxsize=256)
+def _pair_slices(
+    spec: KVSpec, src_tp: int, dst_tp: int, src_rank: int, dst_rank: int
+) -> tuple[HeadSlice, ...]:
+    return tuple(pair_slices(spec, src_tp, dst_tp, src_rank, dst_rank))
+
+
+@functools.lru_cache(maxsize=256)
+def _geometry_of(spec: KVSpec, src_tp: int, src_bs: int, dst_tp: int, dst_bs: int) -> _Geometry:
+    return _Geometry(
         spec.layout,
         spec.head_dim * spec.itemsize,
-        src.heads(spec),
-        dst.heads(spec),
-        src.block_size,
-        dst.block_size,
+        spec.heads_per_rank(src_tp),
+        spec.heads_per_rank(dst_tp),
+        src_bs,
+        dst_bs,
     )
-    p_index = np.arange(first_p, last_p, dtype=_I64)
-    dst_ids = dst_used[p_index // ratio - d_first]
-    slot = p_index % ratio
-    runs = [_coalesce(*_units(geo, s, src_ids, dst_ids, slot)) for s in slices]
-    run_src, run_dst, run_len = (np.concatenate([r[i] for r in runs]) for i in range(3))
-    return _build_plan(spec, src, dst, layers, geo, run_src, run_dst, run_len)
+
+
+def _geometry(spec: KVSpec, src: RankLayout, dst: RankLayout) -> _Geometry:
+    return _geometry_of(spec, src.tp_size, src.block_size, dst.tp_size, dst.block_size)
 
 
 def _token_range(src: RankLayout, dst: RankLayout, num_tokens: int, cached: int) -> tuple[int, int, int]:
@@ -187,6 +225,58 @@ def _block_ids(ids: Sequence[int], num_blocks: int, side: str) -> np.ndarray:
         if bool((ordered[1:] == ordered[:-1]).any()):
             raise BlockRangeError(f"a {side} block id is listed twice")
     return arr
+
+
+def _block_ids_py(ids: Sequence[int], num_blocks: int, side: str) -> list[int]:
+    """``_block_ids`` for a few ids, as a list (same checks, same errors)."""
+    out = [int(b) for b in ids]
+    for b in out:
+        if not 0 <= b < num_blocks:
+            raise BlockRangeError(f"{side} block id {b} outside [0, {num_blocks})")
+    if len(set(out)) != len(out):
+        raise BlockRangeError(f"a {side} block id is listed twice")
+    return out
+
+
+def _units_py(
+    geo: _Geometry, s: HeadSlice, src_ids: list[int], dst_ids: list[int], slots: list[int]
+) -> tuple[list[int], list[int], int]:
+    """``_units`` in pure Python, for a few blocks (same pieces, same order)."""
+    e, bp = geo.elem, geo.src_bs
+    sbl, dbl = geo.src_block_len, geo.dst_block_len
+    pairs = list(zip(src_ids, dst_ids, slots, strict=True))
+    if geo.layout is Layout.HND:
+        if geo.src_bs == geo.dst_bs:
+            so, do = s.src_head * bp * e, s.dst_head * bp * e
+            return [a * sbl + so for a in src_ids], [b * dbl + do for b in dst_ids], s.num_heads * bp * e
+        hs = [(s.src_head + k) * bp * e for k in range(s.num_heads)]
+        hd = [(s.dst_head + k) * geo.dst_bs * e for k in range(s.num_heads)]
+        src_off = [a * sbl + h for a, _, _ in pairs for h in hs]
+        dst_off = [b * dbl + sl * bp * e + h for _, b, sl in pairs for h in hd]
+        return src_off, dst_off, bp * e
+    if s.num_heads == geo.src_heads == geo.dst_heads:
+        row = bp * geo.dst_heads * e
+        return [a * sbl for a in src_ids], [b * dbl + sl * row for _, b, sl in pairs], bp * geo.src_heads * e
+    ts = [(o * geo.src_heads + s.src_head) * e for o in range(bp)]
+    src_off = [a * sbl + t for a, _, _ in pairs for t in ts]
+    dst_off = [
+        b * dbl + ((sl * bp + o) * geo.dst_heads + s.dst_head) * e for _, b, sl in pairs for o in range(bp)
+    ]
+    return src_off, dst_off, s.num_heads * e
+
+
+def _coalesce_py(
+    src_off: list[int], dst_off: list[int], unit: int, rs: list[int], rd: list[int], rl: list[int]
+) -> None:
+    """``_coalesce`` in pure Python, appending the runs to ``rs``/``rd``/``rl``."""
+    first = len(rl)
+    for a, b in zip(src_off, dst_off, strict=True):
+        if len(rl) > first and a == rs[-1] + rl[-1] and b == rd[-1] + rl[-1]:
+            rl[-1] += unit
+        else:
+            rs.append(a)
+            rd.append(b)
+            rl.append(unit)
 
 
 def _units(
@@ -236,10 +326,47 @@ def _build_plan(
     run_src: np.ndarray,
     run_dst: np.ndarray,
     run_len: np.ndarray,
+    run_bytes: int | None,
 ) -> TransferPlan:
-    """Apply the region-relative runs to every region pair (layer-major, then kind, then run)."""
+    """Apply the region-relative runs to every region pair (layer-major, then kind, then run).
+    ``run_bytes``: ``run_len``'s sum when the caller knows it."""
+    src_bases, dst_bases = _region_bases(spec, src, dst, layers, geo)
+    n_pairs, n_runs = src_bases.shape[0], len(run_len)
+    if n_pairs * n_runs <= _SMALL_DESCS:
+        # Each descriptor is its region's (base, 0, device) plus its run's (offset, length, 0): one
+        # broadcast add per side (its inner loop is 3 long, so this only pays for few descriptors).
+        runs = np.zeros((2, n_runs, 3), dtype=_I64)
+        runs[0, :, 0] = run_src
+        runs[1, :, 0] = run_dst
+        runs[:, :, 1] = run_len
+        src_arr = (src_bases + runs[0]).reshape(-1, 3)
+        dst_arr = (dst_bases + runs[1]).reshape(-1, 3)
+    else:
+        src_arr, dst_arr = _fill(src_bases, run_src, run_len), _fill(dst_bases, run_dst, run_len)
+    nbytes = None if run_bytes is None else run_bytes * n_pairs
+    return TransferPlan(src_arr, dst_arr, num_runs=n_runs, num_regions=n_pairs, nbytes=nbytes)
+
+
+def _fill(bases: np.ndarray, run_off: np.ndarray, run_len: np.ndarray) -> np.ndarray:
+    """``[pairs * runs, 3]`` descriptors, column by column (inner loops as long as the runs)."""
+    out = np.empty((bases.shape[0], len(run_len), 3), dtype=_I64)
+    out[:, :, 0] = bases[:, :, 0] + run_off
+    out[:, :, 1] = run_len
+    out[:, :, 2] = bases[:, :, 2]
+    return out.reshape(-1, 3)
+
+
+def _region_bases(
+    spec: KVSpec, src: RankLayout, dst: RankLayout, layers: range, geo: _Geometry
+) -> tuple[np.ndarray, np.ndarray]:
+    """``[pairs, 1, 3]`` (base address, 0, device id) of P's and of D's regions, checked against the
+    geometry's block lengths once per (region table, geometry)."""
     table = src.region_table(dst, layers, spec.kinds)  # [pairs, 6]: P's then D's (base, device, block_len)
     src_len, dst_len = geo.src_block_len, geo.dst_block_len
+    memo = src.table_memo(table)
+    hit: tuple[np.ndarray, np.ndarray] | None = memo.get((src_len, dst_len))
+    if hit is not None:
+        return hit
     wrong = np.flatnonzero((table[:, 2] != src_len) | (table[:, 5] != dst_len))
     if wrong.size:
         sr, dr = src.region_pairs(dst, layers, spec.kinds)[int(wrong[0])]
@@ -247,13 +374,9 @@ def _build_plan(
             f"layer {sr.layer} {sr.kind.value}: block_len P {sr.block_len} / D {dr.block_len}, "
             f"expected {src_len} / {dst_len} for this geometry"
         )
-    n_pairs, n_runs = table.shape[0], len(run_len)
-    src_arr = np.empty((n_pairs, n_runs, 3), dtype=_I64)
-    dst_arr = np.empty((n_pairs, n_runs, 3), dtype=_I64)
-    src_arr[:, :, 0] = table[:, 0:1] + run_src
-    src_arr[:, :, 1] = run_len
-    src_arr[:, :, 2] = table[:, 1:2]
-    dst_arr[:, :, 0] = table[:, 3:4] + run_dst
-    dst_arr[:, :, 1] = run_len
-    dst_arr[:, :, 2] = table[:, 4:5]
-    return TransferPlan(src_arr.reshape(-1, 3), dst_arr.reshape(-1, 3), num_runs=n_runs, num_regions=n_pairs)
+    bases = np.zeros((2, table.shape[0], 1, 3), dtype=_I64)
+    bases[0, :, 0, 0], bases[0, :, 0, 2] = table[:, 0], table[:, 1]
+    bases[1, :, 0, 0], bases[1, :, 0, 2] = table[:, 3], table[:, 4]
+    bases.setflags(write=False)
+    memo[(src_len, dst_len)] = hit = (bases[0], bases[1])
+    return hit

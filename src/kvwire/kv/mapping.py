@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -136,6 +137,11 @@ class RankLayout:
         init=False, repr=False, compare=False, hash=False
     )
 
+    # Per region table (by id): the table and what the planner derived from it (table_memo).
+    _memos: dict[int, tuple[np.ndarray, dict[Any, Any]]] = field(
+        init=False, repr=False, compare=False, hash=False
+    )
+
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size or not 0 <= self.pp_rank < self.pp_size:
             raise LayoutError(f"rank (pp {self.pp_rank}, tp {self.tp_rank}) out of range")
@@ -153,6 +159,7 @@ class RankLayout:
                 )
         object.__setattr__(self, "_by_key", by_key)
         object.__setattr__(self, "_tables", {})
+        object.__setattr__(self, "_memos", {})
 
     @classmethod
     def from_cache(cls, cache: KVCache, pp_size: int = 1, pp_rank: int = 0) -> RankLayout:
@@ -212,8 +219,18 @@ class RankLayout:
         table.setflags(write=False)
         if len(self._tables) >= 64:  # peers come and go: keep the cache bounded
             self._tables.clear()
+            self._memos.clear()
         self._tables[key] = (other, table)
         return table
+
+    def table_memo(self, table: np.ndarray) -> dict[Any, Any]:
+        """A dict the planner keeps what it derives from ``table`` (a ``region_table`` result) in; it lives
+        as long as the table stays cached."""
+        hit = self._memos.get(id(table))
+        if hit is None or hit[0] is not table:
+            # The entry holds the table, so its id cannot be reused while the entry exists.
+            hit = self._memos[id(table)] = (table, {})
+        return hit[1]
 
     def region(self, layer: int, kind: RegionKind) -> RegionInfo:
         try:
