@@ -87,6 +87,7 @@ class ConnectorBase(Generic[E]):
         self.managers: dict[RankKey, HandshakeManager] = {}
         self._regs: list[tuple[LocalRank, Registration]] = []
         self._events: collections.deque[E] = collections.deque()
+        self._on_event: Callable[[], None] | None = None
         self._ticker: concurrent.futures.Future[None] | None = None
         self._tasks: set[asyncio.Future[Any]] = set()
         self._next_timers = 0.0
@@ -202,8 +203,15 @@ class ConnectorBase(Generic[E]):
         except Exception:
             log.exception("%s: %s failed", self.role, getattr(fn, "__name__", fn))
 
+    def on_event(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback`` (from the loop thread; it must be thread-safe and quick) whenever ``poll``
+        has something new, so the engine can sleep instead of polling while it waits for KV."""
+        self._on_event = callback
+
     def _emit(self, event: E) -> None:
         self._events.append(event)
+        if self._on_event is not None:
+            self._on_event()
 
     # -- the ticker (loop thread) ----------------------------------------------------------------------
     async def _run(self) -> None:

@@ -47,7 +47,9 @@ class _Hooks:
         self._closed = False
 
     def bind(self, wake: Callable[[], None]) -> None:
-        return None  # the engine loop polls every half millisecond while the connector holds blocks
+        # Every connector event wakes the engine: a waiting engine sleeps instead of polling, which on a
+        # few cores would take CPU from the prefill whose KV it waits for.
+        self.connector.on_event(wake)
 
     def close(self) -> None:
         if self._closed:

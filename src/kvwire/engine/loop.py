@@ -11,10 +11,12 @@ log = logging.getLogger(__name__)
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, *, idle_wait_s: float = 0.05, poll_wait_s: float = 0.0005) -> None:
+    def __init__(self, engine: Engine, *, idle_wait_s: float = 0.05, poll_wait_s: float = 0.01) -> None:
         self.engine = engine
         self.idle_wait_s = idle_wait_s
-        # While the connector holds blocks, poll it often: a ready KV must not wait for a tick.
+        # The hooks wake the engine on every transfer event (``KVTransferHooks.bind``), so while the
+        # connector holds blocks this is only a backstop; polling every half millisecond instead took
+        # enough CPU on two cores to double the prefill time of the P the engine was waiting for.
         self.poll_wait_s = poll_wait_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvwire-engine", daemon=True)
