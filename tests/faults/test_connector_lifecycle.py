@@ -186,6 +186,105 @@ def test_dead_decode_lets_p_free_every_block(make_cluster: type[Cluster]) -> Non
     assert c.p_agent().peer_mode(d_agent) is None  # nothing of the dead D stays loaded
 
 
+def test_frozen_decode_with_a_write_in_flight_is_declared_dead_by_p(make_cluster: type[Cluster]) -> None:
+    # Every timer but the liveness timeout is far away: only P's watch on D's heartbeats can end this.
+    cfg = ConnectorConfig(
+        kv_lease_duration_s=LONG,
+        fence_ms=int(LONG * 1000),
+        transfer_timeout_s=LONG,
+        heartbeat_interval_s=0.02,
+        liveness_timeout_s=0.3,
+    )
+    c = make_cluster(SPEC, cfg)
+    c.p_agent().faults.delay_s = LONG  # the write stays in progress, as NIXL's does to a frozen peer
+    scatter_tokens(c.p.ranks, [4, 5], random_kv(SPEC, 8, 3))
+    c.consumer.request_allocated("fz", [0, 1], 8, 0, c.remote())
+    c.producer.request_finished("fz", [4, 5], 8)
+    wait_for(lambda: c.producer.stats.transfers_started == 1, "the write to be posted")
+    d_agent = c.d_agent().name
+    c.freeze_d()
+    frozen_at = time.monotonic()
+    event = c.p_event("fz", timeout_s=5.0)
+    print(
+        f"frozen D declared dead by P {time.monotonic() - frozen_at:.3f} s after the freeze (liveness 0.3 s)"
+    )
+    assert event.outcome is ProducerOutcome.FAILED
+    assert c.producer.stats.peers_declared_dead == 1
+    assert c.producer.stats.failures[FailReason.PEER_DEAD] == 1
+    assert c.producer.stats.transfers_done == 0
+    assert c.p_agent().peer_mode(d_agent) is None  # the dead D is unloaded
+    # The write was released (which cancels it) before P's blocks were handed back: nothing is pending
+    # on P's agent, and nothing of the request landed in D's blocks.
+    assert not c.p_agent()._pending
+    assert untouched_blocks_zero(c.d.ranks, [])
+
+
+def test_frozen_decode_ends_registrations_before_any_write(make_cluster: type[Cluster]) -> None:
+    cfg = ConnectorConfig(
+        kv_lease_duration_s=LONG, fence_ms=int(LONG * 1000), heartbeat_interval_s=0.02, liveness_timeout_s=0.3
+    )
+    c = make_cluster(SPEC, cfg)
+    for i in range(4):
+        c.consumer.request_allocated(f"pre{i}", [2 * i, 2 * i + 1], 8, 0, c.remote())
+    wait_for(lambda: c.producer.stats.handshakes_started >= 4, "every push_reg to reach P")
+    c.freeze_d()
+    wait_for(lambda: c.producer.stats.peers_declared_dead == 1, "P to declare D dead", timeout_s=5.0)
+    for i in range(4):  # prefill ends after D was declared dead: the blocks are freeable at once
+        c.producer.request_finished(f"pre{i}", [2 * i, 2 * i + 1], 8)
+    outcomes = {c.p_event(f"pre{i}", timeout_s=1.0).outcome for i in range(4)}
+    assert outcomes == {ProducerOutcome.FAILED}
+    assert c.producer.stats.failures[FailReason.PEER_DEAD] == 4
+    assert c.producer.stats.transfers_started == 0
+    assert untouched_blocks_zero(c.d.ranks, [])
+
+
+def test_paused_producer_recalls_its_writes_before_progressing_them(make_cluster: type[Cluster]) -> None:
+    # A frozen P resumes its posted writes at its first progress call; D may have declared it dead and
+    # reused the blocks meanwhile. A write due 0.25 s after posting must not land after a 0.5 s pause.
+    cfg = ConnectorConfig(
+        kv_lease_duration_s=LONG,
+        fence_ms=int(LONG * 1000),
+        transfer_timeout_s=LONG,
+        heartbeat_interval_s=0.02,
+        liveness_timeout_s=0.3,
+        dead_peer_grace_s=0.05,
+    )
+    c = make_cluster(SPEC, cfg)
+    c.p_agent().faults.delay_s = 0.25
+    scatter_tokens(c.p.ranks, [4, 5], random_kv(SPEC, 8, 3))
+    c.consumer.request_allocated("pz", [0, 1], 8, 0, c.remote())
+    c.producer.request_finished("pz", [4, 5], 8)
+    wait_for(lambda: c.producer.stats.transfers_started == 1, "the write to be posted")
+    c.loop.loop.call_soon_threadsafe(time.sleep, 0.5)  # the whole process stops (SIGSTOP)
+    assert c.p_event("pz").outcome is ProducerOutcome.FAILED
+    assert c.producer.stats.failures[FailReason.TRANSFER_TIMEOUT] == 1
+    assert c.producer.stats.transfers_done == 0
+    assert [e.kind for e in c.d_final("pz")] == [K.FAILED, K.RELEASED]
+    assert untouched_blocks_zero(c.d.ranks, [])
+
+
+def test_p_declared_dead_then_heard_again_serves_the_next_request(make_cluster: type[Cluster]) -> None:
+    # A healed partition: P never restarted (same incarnation), D declared it dead meanwhile. The next
+    # request handshakes afresh and must not inherit the old verdict.
+    # The old request is still in its grace period when the next one starts.
+    c = make_cluster(
+        SPEC, ConnectorConfig(heartbeat_interval_s=0.5, liveness_timeout_s=0.6, dead_peer_grace_s=2.0)
+    )
+    c.p_agent().faults.drop_rate = 1.0  # everything P says vanishes: from D, a partition
+    c.consumer.request_allocated("cut", [0, 1], 8, 0, c.remote())
+
+    def cut_failed() -> bool:
+        c.pump()
+        return any(e.transfer_id == "cut" and e.kind is K.FAILED for e in c.d_events)
+
+    wait_for(cut_failed, "D to declare P dead", 5.0)
+    assert _reasons(c.d_events)["cut"] is FailReason.PEER_DEAD
+    c.p_agent().faults.drop_rate = 0.0  # healed
+    assert _push(c, "healed", [2, 3], [2, 3], seed=4)
+    assert c.consumer.stats.peers_declared_dead == 1
+    assert [e.kind for e in c.d_final("cut", timeout_s=5.0)] == [K.FAILED, K.RELEASED]
+
+
 # -- restarts (NIXL #795) and reaping ------------------------------------------------------------------
 
 

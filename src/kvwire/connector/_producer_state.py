@@ -40,6 +40,7 @@ class Reg:
     sender: str
     msg: PushReg
     fence_at: float
+    received_at: float = 0.0  # when the push_reg came: D's liveness is counted from here at the latest
     machine: ProducerRegistration = field(default_factory=ProducerRegistration)
     peer: PeerRank | None = None
     handshake_failed: bool = False
@@ -151,6 +152,36 @@ def engines_in_use(requests: Mapping[str, Request]) -> set[str]:
         for reg in req.regs.values()
         if not reg.machine.registration_ended or reg.machine.writes_in_flight
     }
+
+
+DLife = tuple[str, str]  # (engine_id, incarnation) of a D engine
+
+
+def d_life(reg: Reg) -> DLife:
+    return (reg.msg.engine_id, reg.msg.incarnation)
+
+
+def holding(reg: Reg) -> bool:
+    """Whether P still holds something for D under this registration (an open registration or a write)."""
+    return not reg.machine.registration_ended or reg.machine.writes_in_flight
+
+
+def silent_d_lives(
+    requests: Mapping[str, Request], last_seen: Mapping[DLife, float], now: float, timeout_s: float
+) -> set[DLife]:
+    """D lives that P holds registrations or writes for and that said nothing for ``timeout_s``.
+
+    Only loaded peers count: a registration whose handshake with D is still running is bounded by the
+    handshake's own timeout (and the fence)."""
+    silent: set[DLife] = set()
+    for req in requests.values():
+        for reg in req.regs.values():
+            if reg.peer is None or not holding(reg):
+                continue
+            life = d_life(reg)
+            if now - max(last_seen.get(life, reg.received_at), reg.received_at) > timeout_s:
+                silent.add(life)
+    return silent
 
 
 class Replies:

@@ -211,7 +211,12 @@ class Consumer(ConnectorBase[ConsumerEvent]):
             self._fail(req, part, CE.HANDSHAKE_FAILED, FailReason.HANDSHAKE_FAILED)
         elif part.machine.state is ConsumerState.REGISTERING:
             link.peer = peer
-            life = self._life.setdefault((peer.engine_id, peer.incarnation), PeerLife(now))
+            life = self._life.get((peer.engine_id, peer.incarnation))
+            if life is None or life.dead_at is not None:
+                # It just answered a handshake: alive again (a healed partition, a thawed process).
+                # Links of the earlier life were all marked dead when it was declared, so they go on
+                # to their grace period; this request must not inherit that verdict.
+                life = self._life[(peer.engine_id, peer.incarnation)] = PeerLife(now)
             life.last_seen = max(life.last_seen, now)
             if self.config.mode is TransferMode.PUSH:
                 self._register(req, part, link, peer, now)

@@ -30,7 +30,9 @@ once every one of its reads has finished), or the lease runs out.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
+import math
 from collections.abc import Sequence
 
 from kvwire.connector._base import ConnectorBase, RankKey
@@ -43,9 +45,12 @@ from kvwire.connector._producer_state import (
     all_ended,
     check_d_blocks,
     check_reg,
+    d_life,
     engines_in_use,
+    holding,
     live_registrations,
     outcome,
+    silent_d_lives,
 )
 from kvwire.connector.events import ProducerEvent, ProducerOutcome
 from kvwire.errors import BlockRangeError, KvwireError, LayoutError, TransportError
@@ -88,6 +93,10 @@ class Producer(ConnectorBase[ProducerEvent]):
         }
         self._next_heartbeat = 0.0
         self._replies = Replies(self.engine)
+        # When each D life (engine_id, incarnation) last said anything: P watches D as D watches P, since
+        # NIXL reports neither a frozen nor a partitioned D (a write to it just stays in progress).
+        self._d_seen: dict[tuple[str, str], float] = {}
+        self._last_tick = math.inf  # no pause before the first tick
 
     # -- engine call sites -----------------------------------------------------------------------------
     def request_finished(self, transfer_id: str, block_ids: Sequence[int], num_tokens: int) -> None:
@@ -182,7 +191,7 @@ class Producer(ConnectorBase[ProducerEvent]):
             self._drop("duplicate", f"push_reg {msg.transfer_id} from {sender}")
             return
         fence_s = min(msg.fence_ms, self.config.fence_ms) / 1000.0
-        reg = req.regs[(key, sender)] = Reg(key, sender, msg, now + fence_s)
+        reg = req.regs[(key, sender)] = Reg(key, sender, msg, now + fence_s, received_at=now)
         reg.machine.handle(PE.PUSH_REG)
         bad = check_reg(self.engine, req, reg)
         if req.phase is Phase.ENDED:
@@ -342,6 +351,7 @@ class Producer(ConnectorBase[ProducerEvent]):
 
     # -- notifications, transfers, timers (loop thread) ------------------------------------------------
     def _on_notif(self, key: RankKey, sender: str, msg: Notification, now: float) -> None:
+        self._d_seen[(msg.engine_id, msg.incarnation)] = now  # the sender was checked against these
         if isinstance(msg, PushReg):
             self._on_push_reg(key, sender, msg, now)
         elif isinstance(msg, Cancel):
@@ -423,6 +433,8 @@ class Producer(ConnectorBase[ProducerEvent]):
 
     def _timers(self, now: float) -> None:
         self._forget_tombstones(now)
+        for life in silent_d_lives(self._live, self._d_seen, now, self.config.liveness_timeout_s):
+            self._d_dead(life, now)
         for req in list(self._live.values()):
             for reg in list(req.regs.values()):
                 if reg.state in (ProducerState.REGISTERED, ProducerState.CONNECTING) and now > reg.fence_at:
@@ -442,6 +454,65 @@ class Producer(ConnectorBase[ProducerEvent]):
             self._next_heartbeat = now + self.config.heartbeat_interval_s
             self._heartbeats()
             self._reap(engines_in_use(self._live))
+            held = {d_life(reg) for req in self._live.values() for reg in req.regs.values() if holding(reg)}
+            for life in [k for k in self._d_seen if k not in held]:
+                del self._d_seen[life]
+
+    def _d_dead(self, life: tuple[str, str], now: float) -> None:
+        """D is silent past the liveness timeout: end everything P holds for it, then unload it.
+
+        A write in flight cannot be recalled, only released (which cancels it); its source blocks stay
+        quarantined until then, so the request's blocks become freeable only after the release."""
+        log.warning(
+            "producer: D %s/%s silent for %.1f s: declared dead",
+            life[0],
+            life[1],
+            now - self._d_seen.get(life, now),
+        )
+        self.stats.peers_declared_dead += 1
+        touched: list[Request] = []
+        for req in list(self._live.values()):
+            for reg in list(req.regs.values()):
+                if d_life(reg) != life or not holding(reg):
+                    continue
+                touched.append(req)
+                if reg.handle is None:
+                    self._fail(req, reg, PE.PEER_DEAD)
+                else:
+                    self._recall(req, reg, FailReason.PEER_DEAD)
+        self._forget_peer(*life)
+        self._d_seen.pop(life, None)
+        for req in touched:
+            self._settle(req, now)
+
+    def _recall(self, req: Request, reg: Reg, reason: FailReason) -> None:
+        """Release a write in flight (NIXL cancels it) and end its registration: ``failed``, or
+        ``cancel_ack`` (wrote: part of it may have landed) when D had cancelled."""
+        assert reg.handle is not None
+        with contextlib.suppress(TransportError):
+            self.ranks[reg.key].agent.release(reg.handle)
+        self._inflight.discard(reg)
+        reg.handle = None
+        if reg.state is ProducerState.CANCEL_PENDING:
+            reg.machine.handle(PE.WRITE_FAILED)
+            self._cancel_ack(req, reg, wrote=True)
+        else:
+            self._fail(req, reg, PE.WRITE_FAILED, reason)
+
+    def _tick(self, now: float) -> None:
+        # A P that was frozen (SIGSTOP, a long pause) resumes its posted writes at its first progress
+        # call, and D may have declared it dead and reused their blocks meanwhile: past the point where
+        # D may have (silent for its liveness timeout), recall every write before anything progresses.
+        paused = now - self._last_tick
+        self._last_tick = now
+        cfg = self.config
+        if self._inflight and paused > cfg.liveness_timeout_s - cfg.heartbeat_interval_s:
+            log.warning("producer: paused %.2f s with writes in flight: recalling them", paused)
+            for reg in list(self._inflight):
+                req = self._requests[reg.msg.transfer_id]
+                self._recall(req, reg, FailReason.TRANSFER_TIMEOUT)
+                self._settle(req, now)
+        super()._tick(now)
 
     def _forget_tombstones(self, now: float) -> None:
         tombs = self._tombs

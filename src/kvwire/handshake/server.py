@@ -34,6 +34,7 @@ log = logging.getLogger("kvwire.handshake")
 
 DEFAULT_IDLE_TIMEOUT_S = 10.0
 DEFAULT_MAX_REQUESTS = 64
+_ACCEPT_STEPS = 3  # loop steps from an accepted socket to connection_made (see _stop_accepting)
 
 
 @dataclass
@@ -102,7 +103,12 @@ class SideChannelServer:
         self._idle_timeout_s = idle_timeout_s
         self._max_requests = max_requests_per_conn
         self._server: asyncio.Server | None = None
-        self._conns: set[asyncio.Task[None]] = set()
+        # Handler tasks and their writers are tracked from the moment a connection is accepted: a
+        # handler cancelled before its first step never runs its ``finally``, so close() must close the
+        # writer itself, or the socket is left to the GC (a ResourceWarning).
+        self._conns: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        self._late: list[asyncio.StreamWriter] = []  # connections that arrived while closing
+        self._closing = False
         # A rank's cache never moves (one slab for its life), so its regions are built once.
         self._region_msgs: dict[tuple[int, int], list[RegionMsg]] = {}
         self.stats = ServerStats()
@@ -115,22 +121,51 @@ class SideChannelServer:
         """Start listening; returns the bound port."""
         if self._server is not None:
             return self._port
-        self._server = await asyncio.start_server(self._on_connect, self._host, self._port)
+        self._closing = False
+        self._server = await asyncio.start_server(self._accept, self._host, self._port)
         self._port = int(self._server.sockets[0].getsockname()[1])
         log.debug("side channel of %s listening on %s:%d", self.engine.engine_id, self._host, self._port)
         return self._port
 
     async def close(self) -> None:
-        """Stop listening and drop open connections; idempotent."""
+        """Stop listening and drop open connections, every accepted socket closed; idempotent."""
+        self._closing = True
         server, self._server = self._server, None
         if server is not None:
+            await self._stop_accepting(server)
             server.close()
-        for task in list(self._conns):
+        conns = dict(self._conns)
+        for task in conns:
             task.cancel()
-        if self._conns:
-            await asyncio.gather(*self._conns, return_exceptions=True)
+        if conns:
+            await asyncio.gather(*conns, return_exceptions=True)
+        for writer in [*conns.values(), *self._late]:
+            await self._close_writer(writer)
+        self._late.clear()
         if server is not None:
             await server.wait_closed()
+
+    @staticmethod
+    async def _stop_accepting(server: asyncio.Server) -> None:
+        """Stop polling the listener, then let connections the loop already accepted reach ``_accept``.
+
+        asyncio builds an accepted connection in a task, then calls connection_made a step later; a
+        listener closed in between makes it drop the half-built transport with its socket open (3.11's
+        ``Server._attach`` asserts), which only the GC finds. Once the listener is no longer polled,
+        ``_ACCEPT_STEPS`` loop steps bring every such connection to ``_accept``, which closes it.
+        """
+        loop = asyncio.get_running_loop()
+        for sock in server.sockets:
+            with contextlib.suppress(NotImplementedError, ValueError, OSError):
+                loop.remove_reader(sock.fileno())
+        for _ in range(_ACCEPT_STEPS):
+            await asyncio.sleep(0)
+
+    @staticmethod
+    async def _close_writer(writer: asyncio.StreamWriter) -> None:
+        writer.close()  # idempotent: a handler that ran has closed it already
+        with contextlib.suppress(ConnectionError, OSError, asyncio.CancelledError):
+            await writer.wait_closed()
 
     async def __aenter__(self) -> SideChannelServer:
         await self.start()
@@ -141,10 +176,20 @@ class SideChannelServer:
 
     # -- connections -----------------------------------------------------------------------------------
 
+    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Called synchronously when a connection is made: the handler task is tracked before it runs."""
+        if self._closing:
+            writer.close()
+            self._late.append(writer)  # close() waits for it
+            return
+        task = asyncio.get_running_loop().create_task(self._on_connect(reader, writer))
+        self._conns[task] = writer
+        task.add_done_callback(self._forget_conn)
+
+    def _forget_conn(self, task: asyncio.Task[None]) -> None:
+        self._conns.pop(task, None)
+
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._conns.add(task)
         self.stats.connections += 1
         try:
             await self._serve(reader, writer)
@@ -153,11 +198,7 @@ class SideChannelServer:
         except Exception:  # a bug must cost one connection, never the listener
             log.exception("side channel of %s: connection handler failed", self.engine.engine_id)
         finally:
-            if task is not None:
-                self._conns.discard(task)
-            writer.close()
-            with contextlib.suppress(ConnectionError, OSError, asyncio.CancelledError):
-                await writer.wait_closed()
+            await self._close_writer(writer)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         for _ in range(self._max_requests):
