@@ -32,7 +32,7 @@ from kvwire.handshake.server import SideChannelServer
 from kvwire.handshake.types import EngineInfo, LocalRank, PeerRank
 from kvwire.protocol.codec import decode_notif, encode_notif
 from kvwire.protocol.messages import Notification
-from kvwire.transport.base import PeerMode, Registration
+from kvwire.transport.base import PeerMode, Registration, XferHandle, XferStatus
 
 log = logging.getLogger("kvwire.connector")
 
@@ -298,6 +298,25 @@ class ConnectorBase(Generic[E]):
     def _drop(self, why: str, detail: str) -> None:
         self.stats.dropped_notifs[why] += 1
         log.debug("%s: dropped notification (%s): %s", self.role, why, detail)
+
+    def _poll_xfer(
+        self, key: RankKey, handle: XferHandle, posted_at: float, now: float
+    ) -> tuple[XferStatus, bool] | None:
+        """Poll one transfer of local rank ``key``: None while it runs within ``transfer_timeout_s``;
+        otherwise (DONE or not, whether it timed out), its handle already released and a DONE one counted."""
+        agent = self.ranks[key].agent
+        try:
+            state = agent.status(handle)
+        except TransportError:
+            state = XferStatus.FAILED
+        timed_out = state is XferStatus.IN_PROGRESS and now - posted_at > self.config.transfer_timeout_s
+        if state is XferStatus.IN_PROGRESS and not timed_out:
+            return None
+        agent.release(handle)  # first: a timed-out transfer is cancelled before it is reported
+        if state is XferStatus.DONE:
+            self.stats.bytes_moved += handle.nbytes
+            self.stats.record_duration(now - posted_at)
+        return state, timed_out
 
     def _send(self, key: RankKey, peer: str, msg: Notification) -> bool:
         """Send one notification; False (logged) when the transport refuses."""

@@ -366,24 +366,15 @@ class Consumer(ConnectorBase[ConsumerEvent]):
             req, link, key = item
             handle = link.handle
             assert handle is not None
-            agent = self.ranks[key].agent
-            try:
-                state = agent.status(handle)
-            except TransportError:
-                state = XferStatus.FAILED
-            timed_out = (
-                state is XferStatus.IN_PROGRESS and now - link.posted_at > self.config.transfer_timeout_s
-            )
-            if state is XferStatus.IN_PROGRESS and not timed_out:
+            polled = self._poll_xfer(key, handle, link.posted_at, now)
+            if polled is None:
                 continue
-            agent.release(handle)
+            state, timed_out = polled
             self._reading.discard(item)
             link.handle = None
             part = req.parts[key]
             if state is XferStatus.DONE:
                 link.read_done = True
-                self.stats.bytes_moved += handle.nbytes
-                self.stats.record_duration(now - link.posted_at)
                 self._reads_settled(part)
             else:
                 reason = FailReason.TRANSFER_TIMEOUT if timed_out else FailReason.WRITE_FAILED

@@ -392,25 +392,16 @@ class Producer(ConnectorBase[ProducerEvent]):
         for reg in list(self._inflight):
             handle = reg.handle
             assert handle is not None
-            agent = self.ranks[reg.key].agent
-            try:
-                state = agent.status(handle)
-            except TransportError:
-                state = XferStatus.FAILED
-            timed_out = (
-                state is XferStatus.IN_PROGRESS and now - reg.posted_at > self.config.transfer_timeout_s
-            )
-            if state is XferStatus.IN_PROGRESS and not timed_out:
+            polled = self._poll_xfer(reg.key, handle, reg.posted_at, now)
+            if polled is None:
                 continue
-            agent.release(handle)  # first: a timed-out write is cancelled before it is reported
+            state, timed_out = polled
             self._inflight.discard(reg)
             reg.handle = None
             req = self._requests[reg.msg.transfer_id]
             if state is XferStatus.DONE:
                 reg.wrote = True
                 self.stats.transfers_done += 1
-                self.stats.bytes_moved += handle.nbytes
-                self.stats.record_duration(now - reg.posted_at)
                 cancelled = reg.state is ProducerState.CANCEL_PENDING
                 reg.machine.handle(PE.WRITES_COMPLETE)
                 if cancelled:

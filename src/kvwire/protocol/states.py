@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from kvwire.errors import IllegalTransition
@@ -52,12 +52,29 @@ class TransitionTable(Generic[S, E]):
     initial: S
     transitions: Mapping[tuple[S, E], S]
     terminal: frozenset[S]
+    # ``transitions`` and ``terminal`` keyed by the members' ids: Enum.__hash__ is Python code, and each
+    # request makes many lookups; members are singletons, so an id names exactly one member.
+    _edges: dict[int, dict[int, S]] = field(init=False, repr=False, compare=False)
+    _terminal_ids: frozenset[int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        edges: dict[int, dict[int, S]] = {id(state): {} for state in self.states}
+        for (state, event), nxt in self.transitions.items():
+            edges.setdefault(id(state), {})[id(event)] = nxt
+        object.__setattr__(self, "_edges", edges)
+        object.__setattr__(self, "_terminal_ids", frozenset(id(state) for state in self.terminal))
 
     def next_state(self, state: S, event: E) -> S:
-        try:
-            return self.transitions[(state, event)]
-        except KeyError:
-            raise IllegalTransition(self.role, state.name, event.name) from None
+        nxt = self._edges.get(id(state), {}).get(id(event))
+        if nxt is None:
+            raise IllegalTransition(self.role, state.name, event.name)
+        return nxt
+
+    def accepts(self, state: S, event: E) -> bool:
+        return id(event) in self._edges.get(id(state), {})
+
+    def is_terminal(self, state: S) -> bool:
+        return id(state) in self._terminal_ids
 
 
 class _Machine(Generic[S, E]):
@@ -79,10 +96,10 @@ class _Machine(Generic[S, E]):
 
     @property
     def is_terminal(self) -> bool:
-        return self._state in self._table.terminal
+        return self._table.is_terminal(self._state)
 
     def accepts(self, event: E) -> bool:
-        return (self._state, event) in self._table.transitions
+        return self._table.accepts(self._state, event)
 
     def handle(self, event: E) -> S:
         self._state = self._table.next_state(self._state, event)

@@ -22,10 +22,17 @@ import enum
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import numpy as np
 
-from kvwire.errors import TransferFailed
+from kvwire.errors import (
+    HandleReleased,
+    NotAddressable,
+    PeerNotFound,
+    RegistrationError,
+    TransferFailed,
+)
 
 
 class MemKind(enum.Enum):
@@ -281,3 +288,80 @@ class Agent(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclass(slots=True)
+class PeerEntry:
+    """A loaded remote agent: how it is loaded, and which load of it (``DescListHandle.epoch``)."""
+
+    mode: PeerMode
+    epoch: int
+
+
+PeerT = TypeVar("PeerT", bound=PeerEntry)
+
+
+class PeerTableAgent(Agent, Generic[PeerT]):
+    """The checks both backends share: a table of loaded peers and the refusals every call makes."""
+
+    _peers: dict[str, PeerT]
+    _inbox: dict[str, list[bytes]]
+
+    @abc.abstractmethod
+    def _check_open(self) -> None:
+        """Raise ``AgentClosed`` once the agent may no longer be used."""
+
+    def _registrable(self, array: np.ndarray) -> Desc:
+        """The byte range ``register`` would register; ``RegistrationError`` when it cannot be."""
+        self._check_open()
+        try:
+            desc = array_desc(array)
+        except ValueError as exc:
+            raise RegistrationError(str(exc)) from exc
+        if desc.length == 0:
+            raise RegistrationError("cannot register an empty buffer")
+        return desc
+
+    def _forget_peer(self, peer: str) -> None:
+        self._check_open()
+        if self._peers.pop(peer, None) is None:
+            raise PeerNotFound(f"peer {peer} is not loaded")
+
+    def peer_mode(self, peer: str) -> PeerMode | None:
+        entry = self._peers.get(peer)
+        return None if entry is None else entry.mode
+
+    def _full_peer(self, peer: str) -> PeerT:
+        entry = self._peers.get(peer)
+        if entry is None:
+            raise PeerNotFound(f"peer {peer} is not loaded")
+        if entry.mode is not PeerMode.FULL:
+            raise NotAddressable(f"peer {peer} is loaded notif-only: its memory is not addressable")
+        return entry
+
+    def _prepped_peer(self, local: DescListHandle, remote: DescListHandle) -> tuple[str, PeerT]:
+        """``post_prepped``'s refusals; the remote peer's name and entry when the two lists may be used."""
+        self._check_open()
+        if local.released or remote.released:
+            raise HandleReleased("descriptor list used after release")
+        if local.peer is not None or remote.peer is None:
+            raise TransferFailed("post_prepped takes a local list and a remote list, in that order")
+        entry = self._full_peer(remote.peer)
+        if remote.epoch != entry.epoch:
+            raise PeerNotFound(f"remote list was prepared for an earlier load of {remote.peer}")
+        return remote.peer, entry
+
+    def _check_pollable(self, handle: XferHandle) -> None:
+        if handle.released:
+            raise HandleReleased(f"{handle.op.value} to {handle.peer} was released")
+        self._check_open()
+
+    def _check_notif_peer(self, peer: str) -> None:
+        self._check_open()
+        if peer not in self._peers:
+            raise PeerNotFound(f"peer {peer} is not loaded")
+
+    def drain_notifs(self) -> dict[str, list[bytes]]:
+        self.progress()
+        out, self._inbox = self._inbox, {}
+        return out

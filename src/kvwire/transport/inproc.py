@@ -26,7 +26,6 @@ import numpy as np
 
 from kvwire.errors import (
     AgentClosed,
-    HandleReleased,
     NotAddressable,
     PeerDisconnected,
     PeerNotFound,
@@ -35,16 +34,16 @@ from kvwire.errors import (
     TransportError,
 )
 from kvwire.transport.base import (
-    Agent,
     Desc,
     DescListHandle,
     MemKind,
+    PeerEntry,
     PeerMode,
+    PeerTableAgent,
     Registration,
     XferHandle,
     XferOp,
     XferStatus,
-    array_desc,
     check_desc_arrays,
     descs_to_array,
 )
@@ -80,10 +79,8 @@ class _Region:
 
 
 @dataclass(slots=True)
-class _Peer:
-    mode: PeerMode
+class _Peer(PeerEntry):
     regions: list[_Region]
-    epoch: int
 
 
 @dataclass(eq=False, slots=True)
@@ -162,7 +159,7 @@ def _indices(idx: Sequence[int], size: int, side: str) -> list[int]:
     return out
 
 
-class InprocAgent(Agent):
+class InprocAgent(PeerTableAgent[_Peer]):
     """One in-process agent; create it through ``InprocFabric.create_agent``."""
 
     def __init__(self, fabric: InprocFabric, name: str, faults: InprocFaults | None = None) -> None:
@@ -194,13 +191,7 @@ class InprocAgent(Agent):
 
     # -- memory --------------------------------------------------------------------------------------
     def register(self, array: np.ndarray, kind: MemKind = MemKind.DRAM) -> Registration:
-        self._check_open()
-        try:
-            desc = array_desc(array)
-        except ValueError as exc:
-            raise RegistrationError(str(exc)) from exc
-        if desc.length == 0:
-            raise RegistrationError("cannot register an empty buffer")
+        desc = self._registrable(array)
         reg = Registration(desc.addr, desc.length, kind, desc.device_id, next(self._tokens))
         self._regs[reg.token] = (reg, array)  # the reference keeps the memory alive while registered
         return reg
@@ -252,28 +243,14 @@ class InprocAgent(Agent):
             raise PeerNotFound(f"no agent {name} on this fabric")
         current = self._peers.get(name)
         if current is None:
-            self._peers[name] = _Peer(mode, regions, next(self._epochs))
+            self._peers[name] = _Peer(mode, next(self._epochs), regions)
         elif mode is PeerMode.FULL:
             current.mode = PeerMode.FULL
             current.regions = regions
         return name
 
     def remove_peer(self, peer: str) -> None:
-        self._check_open()
-        if self._peers.pop(peer, None) is None:
-            raise PeerNotFound(f"peer {peer} is not loaded")
-
-    def peer_mode(self, peer: str) -> PeerMode | None:
-        entry = self._peers.get(peer)
-        return None if entry is None else entry.mode
-
-    def _full_peer(self, peer: str) -> _Peer:
-        entry = self._peers.get(peer)
-        if entry is None:
-            raise PeerNotFound(f"peer {peer} is not loaded")
-        if entry.mode is not PeerMode.FULL:
-            raise NotAddressable(f"peer {peer} is loaded notif-only: its memory is not addressable")
-        return entry
+        self._forget_peer(peer)
 
     def _check_remote(self, entry: _Peer, peer: str, rows: np.ndarray, kind: MemKind) -> None:
         i = _first_uncovered(rows, [r for r in entry.regions if r.kind is kind])
@@ -310,14 +287,7 @@ class InprocAgent(Agent):
         remote_idx: Sequence[int],
         notif: bytes | None = None,
     ) -> XferHandle:
-        self._check_open()
-        if local.released or remote.released:
-            raise HandleReleased("descriptor list used after release")
-        if local.peer is not None or remote.peer is None:
-            raise TransferFailed("post_prepped takes a local list and a remote list, in that order")
-        entry = self._full_peer(remote.peer)
-        if remote.epoch != entry.epoch:
-            raise PeerNotFound(f"remote list was prepared for an earlier load of {remote.peer}")
+        peer, _ = self._prepped_peer(local, remote)
         lidx = _indices(local_idx, len(local.descs), "local")
         ridx = _indices(remote_idx, len(remote.descs), "remote")
         ldescs = [local.descs[i] for i in lidx]
@@ -326,7 +296,7 @@ class InprocAgent(Agent):
         # Local memory may have been deregistered since the list was prepared.
         self._check_local(lrows, local.kind)
         _check_pairs(ldescs, rdescs)
-        return self._post(op, lrows, rrows, remote.peer, notif)
+        return self._post(op, lrows, rrows, peer, notif)
 
     def post(
         self,
@@ -422,9 +392,7 @@ class InprocAgent(Agent):
             self._pending.remove(handle)
 
     def status(self, handle: XferHandle) -> XferStatus:
-        if handle.released:
-            raise HandleReleased(f"{handle.op.value} to {handle.peer} was released")
-        self._check_open()
+        self._check_pollable(handle)
         self._advance(handle)
         return handle.state
 
@@ -436,9 +404,7 @@ class InprocAgent(Agent):
 
     # -- notifications -------------------------------------------------------------------------------
     def send_notif(self, peer: str, msg: bytes) -> None:
-        self._check_open()
-        if peer not in self._peers:
-            raise PeerNotFound(f"peer {peer} is not loaded")
+        self._check_notif_peer(peer)
         self._emit(self.fabric.lookup(peer), msg)
 
     def _emit(self, target: InprocAgent, msg: bytes) -> None:
@@ -473,11 +439,6 @@ class InprocAgent(Agent):
         self._check_open()
         for handle in list(self._pending):
             self._advance(handle)
-
-    def drain_notifs(self) -> dict[str, list[bytes]]:
-        self.progress()
-        out, self._inbox = self._inbox, {}
-        return out
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def close(self) -> None:

@@ -19,14 +19,12 @@ import itertools
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvwire.errors import (
     AgentClosed,
-    HandleReleased,
     NotAddressable,
     PeerDisconnected,
     PeerNotFound,
@@ -35,16 +33,16 @@ from kvwire.errors import (
     TransportError,
 )
 from kvwire.transport.base import (
-    Agent,
     Desc,
     DescListHandle,
     MemKind,
+    PeerEntry,
     PeerMode,
+    PeerTableAgent,
     Registration,
     XferHandle,
     XferOp,
     XferStatus,
-    array_desc,
     check_desc_arrays,
 )
 
@@ -85,12 +83,6 @@ def _translate(exc: Exception, what: str, bindings: Any) -> TransportError:
     return TransferFailed(f"{what}: {type(exc).__name__} ({exc})")
 
 
-@dataclass(slots=True)
-class _Peer:
-    mode: PeerMode
-    epoch: int
-
-
 def _desc_array(descs: Sequence[Desc]) -> np.ndarray:
     out = np.empty((len(descs), 3), dtype=np.uint64)
     for i, d in enumerate(descs):
@@ -107,7 +99,7 @@ def _indices(idx: Sequence[int], size: int, side: str) -> np.ndarray:
     return arr
 
 
-class NixlAgent(Agent):
+class NixlAgent(PeerTableAgent[PeerEntry]):
     """One NIXL agent with the UCX backend and the progress thread off."""
 
     def __init__(self, name: str, backends: Sequence[str] = ("UCX",)) -> None:
@@ -122,7 +114,7 @@ class NixlAgent(Agent):
         self._regs: dict[int, tuple[Registration, Any, np.ndarray]] = {}
         self._tokens = itertools.count(1)
         self._epochs = itertools.count(1)
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, PeerEntry] = {}
         self._dlists: list[DescListHandle] = []
         self._xfers: list[XferHandle] = []
         self._inbox: dict[str, list[bytes]] = {}
@@ -149,13 +141,7 @@ class NixlAgent(Agent):
 
     # -- memory --------------------------------------------------------------------------------------
     def register(self, array: np.ndarray, kind: MemKind = MemKind.DRAM) -> Registration:
-        self._check_open()
-        try:
-            desc = array_desc(array)
-        except ValueError as exc:
-            raise RegistrationError(str(exc)) from exc
-        if desc.length == 0:
-            raise RegistrationError("cannot register an empty buffer")
+        desc = self._registrable(array)
         try:
             raw = self._agent.register_memory(_desc_array([desc]), kind.value)
         except Exception as exc:
@@ -197,7 +183,7 @@ class NixlAgent(Agent):
         name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         current = self._peers.get(name)
         if current is None:
-            self._peers[name] = _Peer(mode, next(self._epochs))
+            self._peers[name] = PeerEntry(mode, next(self._epochs))
         elif mode is PeerMode.FULL:
             # NIXL accepts the full metadata over a notif-only entry (checked on 1.5.1): upgrade in place.
             current.mode = PeerMode.FULL
@@ -205,23 +191,9 @@ class NixlAgent(Agent):
         return name
 
     def remove_peer(self, peer: str) -> None:
-        self._check_open()
-        if self._peers.pop(peer, None) is None:
-            raise PeerNotFound(f"peer {peer} is not loaded")
+        self._forget_peer(peer)
         with self._boundary(f"remove {peer}"):
             self._agent.remove_remote_agent(peer)
-
-    def peer_mode(self, peer: str) -> PeerMode | None:
-        entry = self._peers.get(peer)
-        return None if entry is None else entry.mode
-
-    def _full_peer(self, peer: str) -> _Peer:
-        entry = self._peers.get(peer)
-        if entry is None:
-            raise PeerNotFound(f"peer {peer} is not loaded")
-        if entry.mode is not PeerMode.FULL:
-            raise NotAddressable(f"peer {peer} is loaded notif-only: its memory is not addressable")
-        return entry
 
     # -- descriptor lists ----------------------------------------------------------------------------
     def prep_local(self, descs: Sequence[Desc], kind: MemKind = MemKind.DRAM) -> DescListHandle:
@@ -261,22 +233,15 @@ class NixlAgent(Agent):
         remote_idx: Sequence[int],
         notif: bytes | None = None,
     ) -> XferHandle:
-        self._check_open()
-        if local.released or remote.released:
-            raise HandleReleased("descriptor list used after release")
-        if local.peer is not None or remote.peer is None:
-            raise TransferFailed("post_prepped takes a local list and a remote list, in that order")
-        entry = self._full_peer(remote.peer)
-        if remote.epoch != entry.epoch:
-            raise PeerNotFound(f"remote list was prepared for an earlier load of {remote.peer}")
+        peer, _ = self._prepped_peer(local, remote)
         lidx = _indices(local_idx, len(local.descs), "local")
         ridx = _indices(remote_idx, len(remote.descs), "remote")
         if lidx.size != ridx.size or lidx.size == 0:
             raise TransferFailed(f"{lidx.size} local indices and {ridx.size} remote ones")
         nbytes = sum(local.descs[i].length for i in lidx.tolist())
-        with self._boundary(f"{op.value} to {remote.peer}"):
+        with self._boundary(f"{op.value} to {peer}"):
             raw = self._agent.make_prepped_xfer(op.value, local.raw, lidx, remote.raw, ridx, notif or b"")
-        return self._start(XferHandle(op, remote.peer, nbytes, raw))
+        return self._start(XferHandle(op, peer, nbytes, raw))
 
     def post(
         self,
@@ -333,9 +298,7 @@ class NixlAgent(Agent):
         return handle
 
     def status(self, handle: XferHandle) -> XferStatus:
-        if handle.released:
-            raise HandleReleased(f"{handle.op.value} to {handle.peer} was released")
-        self._check_open()
+        self._check_pollable(handle)
         if handle.state is not XferStatus.IN_PROGRESS:
             return handle.state
         try:
@@ -369,9 +332,7 @@ class NixlAgent(Agent):
 
     # -- notifications -------------------------------------------------------------------------------
     def send_notif(self, peer: str, msg: bytes) -> None:
-        self._check_open()
-        if peer not in self._peers:
-            raise PeerNotFound(f"peer {peer} is not loaded")
+        self._check_notif_peer(peer)
         try:
             self._agent.send_notif(peer, msg)
         except Exception as exc:
@@ -390,11 +351,6 @@ class NixlAgent(Agent):
             new: dict[str, list[bytes]] = self._agent.get_new_notifs()
         for sender, msgs in new.items():
             self._inbox.setdefault(str(sender), []).extend(bytes(m) for m in msgs)
-
-    def drain_notifs(self) -> dict[str, list[bytes]]:
-        self.progress()
-        out, self._inbox = self._inbox, {}
-        return out
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def close(self) -> None:
