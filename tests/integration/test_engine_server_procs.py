@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,16 +13,11 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from kvwire.demo.procs import free_port
 from kvwire.engine.config import EngineConfig, preset
 from kvwire.engine.engine import Engine
 
 pytestmark = pytest.mark.nixl
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start(role: str, port: int, *extra: str) -> subprocess.Popen[bytes]:

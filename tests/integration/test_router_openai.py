@@ -17,12 +17,12 @@ import openai
 import pytest
 
 from kvwire.config import DemoConfig, RouterConfig
-from kvwire.demo.procs import ServerGroup
+from kvwire.demo.procs import ServerGroup, free_port
 from kvwire.demo.runner import start_cluster
 from kvwire.protocol.messages import TransferMode
 from kvwire.router.app import create_app
 from kvwire.router.openai_api import render_chat
-from kvwire.router.testing import FakeCluster, Fault, ServerThread, fake_engine_app, fake_tokens, free_port
+from kvwire.router.testing import FakeCluster, Fault, ServerThread, fake_engine_app, fake_tokens
 
 P_SIDE_PORT = 45_001
 

@@ -22,7 +22,6 @@ length) exceed ``--max-wave-tokens`` are skipped and listed under ``skipped`` in
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import shutil
 import statistics
@@ -38,7 +37,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvwire.bench.common import envelope, print_table, write_json
-from kvwire.demo.procs import Server, ServerGroup, free_port
+from kvwire.demo.procs import Server, ServerGroup, free_port, server_env
 from kvwire.demo.report import percentile
 from kvwire.demo.workload import Result, make_prompt, stream_completion
 from kvwire.protocol.messages import TransferMode
@@ -256,7 +255,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     cases, skipped = plan(sizes, conc, args.reps, 0 if quick else args.max_wave_tokens)
     num_blocks = None if quick else args.num_blocks
     log_dir = Path(tempfile.mkdtemp(prefix="kvwire-bench-e2e-"))
-    env = {"UCX_MODULES": os.environ.get("UCX_MODULES", "^ib*"), "PYTHONUNBUFFERED": "1"}
+    env = server_env()
     rows: list[dict[str, Any]] = []
     ok = False
     started = time.monotonic()

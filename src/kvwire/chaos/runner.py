@@ -8,7 +8,6 @@ spending all its requests on them. Every wait is bounded by the run's deadline.
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 import tempfile
@@ -24,7 +23,7 @@ from rich.console import Console
 from kvwire.chaos import report
 from kvwire.chaos.outcome import Final, RequestRecord, judge, send
 from kvwire.chaos.plan import ChaosConfig, PlannedKill, Victim, plan_kills
-from kvwire.demo.procs import Server, ServerGroup, free_port
+from kvwire.demo.procs import Server, ServerGroup, free_port, server_env
 from kvwire.demo.workload import make_prompts
 from kvwire.engine.config import EngineConfig, preset
 from kvwire.engine.engine import Engine
@@ -249,7 +248,7 @@ def leaked_blocks(accounts: dict[str, dict[str, Any] | None]) -> dict[str, int |
 
 def run_chaos(cfg: ChaosConfig, console: Console) -> int:
     log_dir = cfg.log_dir or Path(tempfile.mkdtemp(prefix="kvwire-chaos-"))
-    env = {"UCX_MODULES": os.environ.get("UCX_MODULES", "^ib*"), "PYTHONUNBUFFERED": "1"}
+    env = server_env()
     status = 1
     with ServerGroup(log_dir, env) as group:
         try:

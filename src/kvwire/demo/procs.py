@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -31,12 +32,29 @@ class ServerFailed(KvwireError):
     """A demo server exited or never became healthy."""
 
 
+# Ports are picked below Linux's default ephemeral range (32768-60999): a port picked there can be taken
+# as the source port of any outgoing connection between the check and the server's bind, or its rebind
+# after a restart on the same port (seen: `kvwire chaos` restarting a killed engine).
+_PORTS = range(20000, 32000)
+
+
 def free_port() -> int:
     """A port that is free now on 127.0.0.1 (the server binds it a moment later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    for _ in range(200):
+        port = random.choice(_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise ServerFailed(f"no free port on 127.0.0.1 in {_PORTS.start}-{_PORTS.stop - 1} after 200 tries")
+
+
+def server_env() -> dict[str, str]:
+    """What every server process of a local topology gets on top of this process's environment."""
+    # UCX_MODULES: avoid UCX's crash at exit where ibverbs-providers is installed (no InfiniBand here).
+    return {"UCX_MODULES": os.environ.get("UCX_MODULES", "^ib*"), "PYTHONUNBUFFERED": "1"}
 
 
 def kvwire_command(*args: str) -> list[str]:

@@ -7,7 +7,6 @@ the plot, and every process is stopped whatever happened.
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import tempfile
@@ -24,7 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kvwire.config import DemoConfig
 from kvwire.demo import report
-from kvwire.demo.procs import Server, ServerGroup, free_port
+from kvwire.demo.procs import Server, ServerGroup, free_port, server_env
 from kvwire.demo.workload import Result, make_prompts, stream_completion
 from kvwire.errors import KvwireError
 
@@ -111,7 +110,7 @@ def _first_difference(a: Result, b: Result) -> str:
 
 def run_demo(cfg: DemoConfig, console: Console) -> int:
     log_dir = cfg.log_dir or Path(tempfile.mkdtemp(prefix="kvwire-demo-"))
-    env = {"UCX_MODULES": os.environ.get("UCX_MODULES", "^ib*"), "PYTHONUNBUFFERED": "1"}
+    env = server_env()
     status = 1
     with _terminate_as_interrupt(), ServerGroup(log_dir, env) as group:
         try:

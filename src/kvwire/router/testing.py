@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import json
-import socket
 import threading
 import time
 import uuid
@@ -220,13 +219,6 @@ async def _sse(tokens: list[int], fault: Fault) -> AsyncIterator[bytes]:
         yield f"data: {json.dumps(chunk)}\n\n".encode()
         await asyncio.sleep(0)
     yield b"data: [DONE]\n\n"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class ServerThread:
