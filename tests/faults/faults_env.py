@@ -11,6 +11,7 @@ import numpy as np
 
 from kvwire.connector import ConnectorConfig, Consumer, ConsumerEvent, Producer, ProducerEvent, RemoteEngine
 from kvwire.connector.testing import EngineSetup, build_engine
+from kvwire.demo.procs import free_port
 from kvwire.handshake.loop import BackgroundLoop
 from kvwire.kv.cache import KVCache
 from kvwire.kv.spec import KVSpec
@@ -60,7 +61,7 @@ class Cluster:
         self.d: EngineSetup = build_engine(f"d{n}", spec, tp=d_tp, num_blocks=num_blocks, fabric=self.fabric)
         self.consumer = Consumer(self.d.engine, self.d.ranks, d_config or config, loop=self.loop)
         self.consumer.start()
-        self.p_port = 0
+        self.p_port = free_port()  # below the ephemeral range: restarts rebind it (see demo.procs)
         self.p: EngineSetup
         self.producer: Producer
         self._old: list[tuple[Producer, EngineSetup]] = []
