@@ -150,9 +150,9 @@ class HandshakeManager:
         for _ in range(_ENSURE_ROUNDS):
             cached = self._peers.get(addr)
             fresh = cached is not None and incarnation in (None, cached.incarnation)
+            # Not on the first round (``_hit`` said no and nothing awaited since): another caller's
+            # handshake may have loaded it meanwhile.
             if cached is not None and fresh and _satisfies(cached.mode, mode):
-                if peer is None:
-                    self.stats.cache_hits += 1
                 return self._checked(cached, engine_id)
             task = self._inflight.get(addr)
             if task is None:
