@@ -8,7 +8,6 @@ byte itself instead of shipping the buffer back.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
@@ -17,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvwire.errors import KvwireError, TransportError
+from kvwire.testing.child import spawn_child, stop_child
 
 READY_TIMEOUT_S = 60.0
 
@@ -84,12 +84,8 @@ class PeerProcess:
     """The parent's handle on a ``serve`` child (spawned). Use as a context manager: it always reaps."""
 
     def __init__(self, name: str, nbytes: int) -> None:
-        ctx = mp.get_context("spawn")
         self.name = name
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=serve, args=(child, name, nbytes), daemon=True)
-        self._proc.start()
-        child.close()
+        self._proc, self._conn = spawn_child(serve, name, nbytes)
         try:
             reply = self._reply(READY_TIMEOUT_S)
         except BaseException:
@@ -148,13 +144,4 @@ class PeerProcess:
 
     def close(self) -> None:
         """Ask the child to stop; kill it if it does not within a few seconds. Idempotent."""
-        if self._proc.is_alive():
-            try:
-                self._conn.send(("stop",))
-                self._proc.join(5.0)
-            except (OSError, EOFError):
-                pass
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(5.0)
-        self._conn.close()
+        stop_child(self._proc, self._conn, ("stop",), 5.0)

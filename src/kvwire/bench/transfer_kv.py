@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import multiprocessing as mp
 import statistics
 import time
 from collections.abc import Callable
@@ -68,6 +67,7 @@ from kvwire.connector.testing import (
 from kvwire.errors import TransferFailed
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.messages import PushReg
+from kvwire.testing.child import spawn_child, stop_child
 from kvwire.transport import XferOp, make_agent_name, new_incarnation
 from kvwire.transport.nixl import NixlAgent
 
@@ -270,13 +270,7 @@ class ConnectorPush:
         self.producer = _StampedProducer(self.setup.engine, self.setup.ranks, ConnectorConfig())
         port = self.producer.start()
         self.remote = RemoteEngine(self.setup.engine.engine_id, "127.0.0.1", port)
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(
-            target=_consumer_child, args=(child, req.spec, req.cache_blocks), daemon=True
-        )
-        self._proc.start()
-        child.close()
+        self._proc, self._conn = spawn_child(_consumer_child, req.spec, req.cache_blocks)
         self._ask(None)
         self._ids = itertools.count()
 
@@ -314,15 +308,7 @@ class ConnectorPush:
 
     def close(self) -> None:
         try:
-            if self._proc.is_alive():
-                self._conn.send(("stop",))
-                self._proc.join(10)
-        except (OSError, EOFError):
-            pass
+            stop_child(self._proc, self._conn, ("stop",))
         finally:
-            if self._proc.is_alive():
-                self._proc.kill()
-                self._proc.join(5)
-            self._conn.close()
             self.producer.close()
             self.setup.close()

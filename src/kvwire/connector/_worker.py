@@ -7,7 +7,6 @@ separate processes and talk only through NIXL and the side channel, as in produc
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import multiprocessing.connection
 import os
 import time
@@ -30,6 +29,7 @@ from kvwire.connector.testing import untouched_blocks_zero as _untouched
 from kvwire.errors import KvwireError
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.messages import TransferMode
+from kvwire.testing.child import spawn_child, stop_child
 from kvwire.transport.base import Desc, XferOp
 
 _CALL_TIMEOUT_S = 60.0
@@ -179,11 +179,7 @@ class ConnectorWorker:
 
     def __init__(self) -> None:
         os.environ.setdefault("UCX_MODULES", "^ib*")
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=serve, args=(child,), daemon=True)
-        self._proc.start()
-        child.close()
+        self._proc, self._conn = spawn_child(serve)
 
     def call(self, cmd: str, timeout_s: float = _CALL_TIMEOUT_S, **kwargs: Any) -> Any:
         self._conn.send((cmd, kwargs))
@@ -195,14 +191,4 @@ class ConnectorWorker:
         return value
 
     def close(self) -> None:
-        try:
-            if self._proc.is_alive():
-                self._conn.send(("exit", {}))
-                self._proc.join(10)
-        except (OSError, EOFError):
-            pass
-        finally:
-            if self._proc.is_alive():
-                self._proc.kill()
-                self._proc.join(5)
-            self._conn.close()
+        stop_child(self._proc, self._conn, ("exit", {}))

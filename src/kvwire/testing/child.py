@@ -1,0 +1,37 @@
+"""A spawned child process driven over a pipe: how the benches and tests run a peer in another process.
+
+Spawned, not forked: NIXL and UCX state must not be inherited from the parent.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+
+def spawn_child(target: Callable[..., Any], *args: Any) -> tuple[BaseProcess, Connection]:
+    """Start ``target(conn, *args)`` in a spawned daemon process; returns it and the parent's end."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+    proc.start()
+    child.close()
+    return proc, parent
+
+
+def stop_child(proc: BaseProcess, conn: Connection, stop_msg: object, timeout_s: float = 10.0) -> None:
+    """Ask the child to stop with ``stop_msg``; kill it if it has not within ``timeout_s``. Idempotent."""
+    try:
+        if proc.is_alive():
+            conn.send(stop_msg)
+            proc.join(timeout_s)
+    except (OSError, EOFError):
+        pass  # the child is already gone: its end of the pipe is closed
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5.0)
+        conn.close()
