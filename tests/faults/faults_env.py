@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import itertools
-import time
-from collections.abc import Callable
 from typing import TypeVar
 
 import numpy as np
 
 from kvwire.connector import ConnectorConfig, Consumer, ConsumerEvent, Producer, ProducerEvent, RemoteEngine
-from kvwire.connector.testing import EngineSetup, build_engine
+from kvwire.connector.testing import EngineSetup, build_engine, wait_for
 from kvwire.demo.procs import free_port
 from kvwire.handshake.loop import BackgroundLoop
 from kvwire.kv.cache import KVCache
@@ -20,16 +18,6 @@ from kvwire.transport.inproc import InprocAgent, InprocFabric
 T = TypeVar("T")
 WAIT_S = 10.0
 _ids = itertools.count()
-
-
-def wait_for(fn: Callable[[], T | None], what: str, timeout_s: float = WAIT_S) -> T:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = fn()
-        if got:
-            return got
-        time.sleep(0.001)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def block_bytes(cache: KVCache) -> np.ndarray:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -17,7 +16,14 @@ from kvwire.connector import (
     ProducerEvent,
     RemoteEngine,
 )
-from kvwire.connector.testing import EngineSetup, build_engine, gather_tokens, random_kv, scatter_tokens
+from kvwire.connector.testing import (
+    EngineSetup,
+    build_engine,
+    gather_tokens,
+    random_kv,
+    scatter_tokens,
+    wait_for,
+)
 from kvwire.handshake.loop import BackgroundLoop
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.messages import TransferMode
@@ -26,16 +32,6 @@ from kvwire.transport.inproc import InprocAgent, InprocFabric
 T = TypeVar("T")
 WAIT_S = 10.0
 _ids = itertools.count()
-
-
-def wait_for(fn: Callable[[], T | None], what: str, timeout_s: float = WAIT_S) -> T:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = fn()
-        if got:
-            return got
-        time.sleep(0.001)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Pair:

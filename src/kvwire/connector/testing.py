@@ -9,8 +9,10 @@ comparison that does not reuse the mapping code under test.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -144,3 +146,17 @@ def untouched_blocks_zero(ranks: Sequence[LocalRank], used: Sequence[int]) -> bo
         if np.any(rank.cache.slab[:, :, mask]):
             return False
     return True
+
+
+T = TypeVar("T")
+
+
+def wait_for(fn: Callable[[], T | None], what: str, timeout_s: float = 10.0) -> T:
+    """Poll ``fn`` until it returns something truthy (bounded: the tests' loops stop by themselves)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = fn()
+        if got:
+            return got
+        time.sleep(0.001)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
