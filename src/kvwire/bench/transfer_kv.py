@@ -242,7 +242,7 @@ def _consumer_child(conn: Connection, spec: KVSpec, num_blocks: int) -> None:
                 conn.send(("ok", ok and untouched_blocks_zero(setup.ranks, blocks)))
             elif cmd[0] == "zero":
                 for rank in setup.ranks:
-                    rank.cache.slab[...] = 0
+                    rank.own_cache().slab[...] = 0
                 conn.send(("ok", None))
     finally:
         consumer.close()

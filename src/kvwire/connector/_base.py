@@ -112,7 +112,11 @@ class ConnectorBase(Generic[E]):
         if self._started:
             return self._port
         for rank in self.ranks.values():
-            self._regs.append((rank, rank.agent.register(rank.cache.slab)))
+            for buf in rank.cache.buffers():
+                reg = rank.agent.register_range(
+                    buf.addr, buf.length, buf.kind, buf.device_id, owner=buf.owner
+                )
+                self._regs.append((rank, reg))
         if self._warm_up:
             # NIXL's first agent load costs 10-30 ms: pay it here, not in the first request's handshake.
             warmed_s = warm_up([r.agent for r in self.ranks.values()])

@@ -281,7 +281,11 @@ class Consumer(ConnectorBase[ConsumerEvent]):
         else:
             try:
                 link.handle = self.ranks[part.key].agent.post(
-                    XferOp.READ, plan.dst_descs, plan.src_descs, peer.agent_name
+                    XferOp.READ,
+                    plan.dst_descs,
+                    plan.src_descs,
+                    peer.agent_name,
+                    kind=self.ranks[part.key].cache.mem_kind,
                 )
             except TransportError as exc:
                 log.info("consumer: READ %s from %s not posted: %s", req.transfer_id, peer.agent_name, exc)

@@ -294,7 +294,12 @@ class Producer(ConnectorBase[ProducerEvent]):
         try:
             # The plan's [n, 3] arrays go to the transport as they are: no Desc object per descriptor.
             reg.handle = rank.agent.post_array(
-                XferOp.WRITE, plan.src_array, plan.dst_array, peer.agent_name, notif=encode_notif(done)
+                XferOp.WRITE,
+                plan.src_array,
+                plan.dst_array,
+                peer.agent_name,
+                notif=encode_notif(done),
+                kind=rank.cache.mem_kind,
             )
         except TransportError as exc:
             log.info("producer: posting %s to %s failed: %s", req.transfer_id, peer.agent_name, exc)

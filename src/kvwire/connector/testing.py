@@ -100,7 +100,7 @@ def scatter_tokens(
     """Write logical KV (tokens ``tokens``, default all of ``kv``) into each rank's blocks."""
     tokens = range(kv.shape[3]) if tokens is None else tokens
     for rank in ranks:
-        cache = rank.cache
+        cache = rank.own_cache()
         blocks, slots = _positions(cache.spec, block_ids, tokens)
         heads = slice(cache.first_head, cache.first_head + cache.heads)
         for layer in cache.layers:
@@ -119,7 +119,7 @@ def gather_tokens(ranks: Sequence[LocalRank], block_ids: Sequence[int], tokens: 
     out = np.zeros(logical_shape(spec, len(tokens)), dtype=spec.np_dtype)
     seen = np.zeros((spec.num_layers, spec.kv_heads), dtype=bool)
     for rank in ranks:
-        cache = rank.cache
+        cache = rank.own_cache()
         blocks, slots = _positions(spec, block_ids, tokens)
         heads = slice(cache.first_head, cache.first_head + cache.heads)
         for layer in cache.layers:
@@ -143,7 +143,7 @@ def untouched_blocks_zero(ranks: Sequence[LocalRank], used: Sequence[int]) -> bo
     for rank in ranks:
         mask = np.ones(rank.cache.num_blocks, dtype=bool)
         mask[list(used)] = False
-        if np.any(rank.cache.slab[:, :, mask]):
+        if np.any(rank.own_cache().slab[:, :, mask]):
             return False
     return True
 

@@ -58,7 +58,7 @@ async def _serve(args: argparse.Namespace) -> None:
         args.engine_id, _spec(args), args.blocks, make_agent, tp_size=args.tp, pp_size=args.pp
     )
     for i, rank in enumerate(ranks):
-        fill_pattern(rank.cache, args.seed + i)
+        fill_pattern(rank.own_cache(), args.seed + i)
     secret = bytes.fromhex(args.secret) if args.secret else None
     server = SideChannelServer(info, ranks, port=args.port, secret=secret)
     port = await server.start()

@@ -6,8 +6,10 @@ import enum
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from kvwire.errors import ConfigError
 from kvwire.kv.cache import KVCache
 from kvwire.kv.mapping import RankLayout
+from kvwire.kv.regions import CacheMemory
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.messages import TransferMode
 from kvwire.transport.base import Agent, PeerMode
@@ -20,7 +22,13 @@ class LocalRank:
     pp_rank: int
     tp_rank: int
     agent: Agent
-    cache: KVCache
+    cache: CacheMemory  # kvwire's own KVCache or an engine's memory (ExternalKV)
+
+    def own_cache(self) -> KVCache:
+        """The cache as kvwire's own ``KVCache`` (test harnesses and the reference engine read its slab)."""
+        if not isinstance(self.cache, KVCache):
+            raise ConfigError(f"rank pp{self.pp_rank}/tp{self.tp_rank} holds engine memory, not a KVCache")
+        return self.cache
 
 
 @dataclass(frozen=True)

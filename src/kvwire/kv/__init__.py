@@ -1,7 +1,7 @@
 """KV layouts, the paged cache, block allocation, and TP/PP/block-size mapping to descriptors."""
 
 from kvwire.kv.allocator import BlockAllocator, BlockState
-from kvwire.kv.cache import KVCache, RegionInfo
+from kvwire.kv.cache import KVCache, MemoryBuffer, RegionInfo
 from kvwire.kv.descriptors import TransferPlan, plan_transfer
 from kvwire.kv.mapping import (
     HeadSlice,
@@ -13,15 +13,19 @@ from kvwire.kv.mapping import (
     tp_peers,
     tp_sources,
 )
+from kvwire.kv.regions import CacheMemory, ExternalKV
 from kvwire.kv.spec import KVSpec, Layout, RegionKind
 
 __all__ = [
     "BlockAllocator",
     "BlockState",
+    "CacheMemory",
+    "ExternalKV",
     "HeadSlice",
     "KVCache",
     "KVSpec",
     "Layout",
+    "MemoryBuffer",
     "RankLayout",
     "RegionInfo",
     "RegionKind",

@@ -7,12 +7,13 @@ of a region starts at ``region.base_addr + b * block_len``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvwire.errors import LayoutError
 from kvwire.kv.spec import KVSpec, RegionKind
+from kvwire.transport.base import MemKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +26,17 @@ class RegionInfo:
     block_len: int
     num_blocks: int
     device_id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryBuffer:
+    """One contiguous byte range to register with the transport. ``owner`` keeps it alive."""
+
+    addr: int
+    length: int
+    kind: MemKind = MemKind.DRAM
+    device_id: int = 0
+    owner: object = field(default=None, compare=False, repr=False)
 
 
 class KVCache:
@@ -82,6 +94,14 @@ class KVCache:
             for layer in self.layers
             for kind in self.spec.kinds
         ]
+
+    @property
+    def mem_kind(self) -> MemKind:
+        return MemKind.DRAM
+
+    def buffers(self) -> list[MemoryBuffer]:
+        """What to register: the one slab."""
+        return [MemoryBuffer(int(self.slab.ctypes.data), int(self.slab.nbytes), MemKind.DRAM, 0, self.slab)]
 
     def block_bytes_view(self, layer: int, kind: RegionKind, block: int) -> np.ndarray:
         """The raw bytes of one block (for comparing caches byte for byte)."""

@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from kvwire.errors import LayoutError
-from kvwire.kv.cache import KVCache, RegionInfo
+from kvwire.kv.cache import RegionInfo
+from kvwire.kv.regions import CacheMemory
 from kvwire.kv.spec import KVSpec, RegionKind
 
 
@@ -162,7 +163,7 @@ class RankLayout:
         object.__setattr__(self, "_memos", {})
 
     @classmethod
-    def from_cache(cls, cache: KVCache, pp_size: int = 1, pp_rank: int = 0) -> RankLayout:
+    def from_cache(cls, cache: CacheMemory, pp_size: int = 1, pp_rank: int = 0) -> RankLayout:
         return cls(
             tp_size=cache.tp_size,
             tp_rank=cache.tp_rank,

@@ -89,7 +89,7 @@ class _Engine:
         if op == "nonzero":  # bytes of these blocks that anything wrote (they start as zeros)
             return {
                 "nonzero": int(
-                    sum(np.count_nonzero(r.cache.slab[:, :, cmd["blocks"]]) for r in self.setup.ranks)
+                    sum(np.count_nonzero(r.own_cache().slab[:, :, cmd["blocks"]]) for r in self.setup.ranks)
                 )
             }
         if op == "stats":

@@ -117,7 +117,7 @@ class _Side:
         return due
 
     def slab_bytes(self) -> list[np.ndarray]:
-        return [rank.cache.slab.view(np.uint8) for rank in self.setup.ranks]
+        return [rank.own_cache().slab.view(np.uint8) for rank in self.setup.ranks]
 
     def result(self) -> dict[str, Any]:
         return {

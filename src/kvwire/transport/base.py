@@ -172,8 +172,26 @@ class Agent(abc.ABC):
     name: str
 
     # -- memory --------------------------------------------------------------------------------------
+    def register(self, array: np.ndarray, kind: MemKind = MemKind.DRAM) -> Registration:
+        """Register a C-contiguous numpy array (kept alive while registered)."""
+        try:
+            desc = array_desc(array)
+        except ValueError as exc:
+            raise RegistrationError(str(exc)) from exc
+        return self.register_range(desc.addr, desc.length, kind, desc.device_id, owner=array)
+
     @abc.abstractmethod
-    def register(self, array: np.ndarray, kind: MemKind = MemKind.DRAM) -> Registration: ...
+    def register_range(
+        self,
+        addr: int,
+        length: int,
+        kind: MemKind = MemKind.DRAM,
+        device_id: int = 0,
+        *,
+        owner: object = None,
+    ) -> Registration:
+        """Register memory this process owns but kvwire did not allocate (an engine's KV tensors);
+        ``owner`` is kept referenced while registered."""
 
     @abc.abstractmethod
     def deregister(self, reg: Registration) -> None: ...
@@ -310,17 +328,6 @@ class PeerTableAgent(Agent, Generic[PeerT]):
     @abc.abstractmethod
     def _check_open(self) -> None:
         """Raise ``AgentClosed`` once the agent may no longer be used."""
-
-    def _registrable(self, array: np.ndarray) -> Desc:
-        """The byte range ``register`` would register; ``RegistrationError`` when it cannot be."""
-        self._check_open()
-        try:
-            desc = array_desc(array)
-        except ValueError as exc:
-            raise RegistrationError(str(exc)) from exc
-        if desc.length == 0:
-            raise RegistrationError("cannot register an empty buffer")
-        return desc
 
     def _forget_peer(self, peer: str) -> None:
         self._check_open()

@@ -166,7 +166,7 @@ class InprocAgent(PeerTableAgent[_Peer]):
         self.name = name
         self.fabric = fabric
         self.faults = faults or InprocFaults()
-        self._regs: dict[int, tuple[Registration, np.ndarray]] = {}
+        self._regs: dict[int, tuple[Registration, object]] = {}
         self._tokens = itertools.count(1)
         self._epochs = itertools.count(1)
         self._peers: dict[str, _Peer] = {}
@@ -190,10 +190,20 @@ class InprocAgent(PeerTableAgent[_Peer]):
         self._inbox.clear()
 
     # -- memory --------------------------------------------------------------------------------------
-    def register(self, array: np.ndarray, kind: MemKind = MemKind.DRAM) -> Registration:
-        desc = self._registrable(array)
-        reg = Registration(desc.addr, desc.length, kind, desc.device_id, next(self._tokens))
-        self._regs[reg.token] = (reg, array)  # the reference keeps the memory alive while registered
+    def register_range(
+        self,
+        addr: int,
+        length: int,
+        kind: MemKind = MemKind.DRAM,
+        device_id: int = 0,
+        *,
+        owner: object = None,
+    ) -> Registration:
+        self._check_open()
+        if addr <= 0 or length <= 0:
+            raise RegistrationError(f"cannot register [{addr:#x}, +{length})")
+        reg = Registration(addr, length, kind, device_id, next(self._tokens))
+        self._regs[reg.token] = (reg, owner)  # the reference keeps the memory alive while registered
         return reg
 
     def deregister(self, reg: Registration) -> None:

@@ -111,7 +111,7 @@ class NixlAgent(PeerTableAgent[PeerEntry]):
             self._agent: Any = nixl_agent(name, config)
         except Exception as exc:
             raise TransportError(f"cannot create NIXL agent {name}: {exc}") from exc
-        self._regs: dict[int, tuple[Registration, Any, np.ndarray]] = {}
+        self._regs: dict[int, tuple[Registration, Any, object]] = {}
         self._tokens = itertools.count(1)
         self._epochs = itertools.count(1)
         self._peers: dict[str, PeerEntry] = {}
@@ -140,14 +140,25 @@ class NixlAgent(PeerTableAgent[PeerEntry]):
             raise _translate(exc, what, self._b) from exc
 
     # -- memory --------------------------------------------------------------------------------------
-    def register(self, array: np.ndarray, kind: MemKind = MemKind.DRAM) -> Registration:
-        desc = self._registrable(array)
+    def register_range(
+        self,
+        addr: int,
+        length: int,
+        kind: MemKind = MemKind.DRAM,
+        device_id: int = 0,
+        *,
+        owner: object = None,
+    ) -> Registration:
+        self._check_open()
+        if addr <= 0 or length <= 0:
+            raise RegistrationError(f"cannot register [{addr:#x}, +{length})")
+        desc = Desc(addr, length, device_id)
         try:
             raw = self._agent.register_memory(_desc_array([desc]), kind.value)
         except Exception as exc:
-            raise RegistrationError(f"register {desc.length} B failed: {exc}") from exc
-        reg = Registration(desc.addr, desc.length, kind, desc.device_id, next(self._tokens))
-        self._regs[reg.token] = (reg, raw, array)
+            raise RegistrationError(f"register {length} B of {kind.value} failed: {exc}") from exc
+        reg = Registration(addr, length, kind, device_id, next(self._tokens))
+        self._regs[reg.token] = (reg, raw, owner)
         return reg
 
     def deregister(self, reg: Registration) -> None:
