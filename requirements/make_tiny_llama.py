@@ -86,11 +86,10 @@ def build_model(out_dir: str, dtype_name: str, seed: int) -> None:
         hidden_act="silu",
         initializer_range=0.02,
     )
-    cfg.torch_dtype = dtype_name  # older transformers key
     try:
         cfg.dtype = dtype_name  # transformers >= 4.56 key
     except Exception:
-        pass
+        cfg.torch_dtype = dtype_name  # older transformers key
     with torch.no_grad():
         model = LlamaForCausalLM(cfg)
         # Re-draw every parameter from the seeded generator so the result is

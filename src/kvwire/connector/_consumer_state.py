@@ -23,6 +23,13 @@ class RemoteEngine:
     tp_size: int = 1
     pp_size: int = 1
     block_ids: tuple[int, ...] = ()  # pull only: P's blocks for the request, in token order
+    # One side channel per P rank (one process per rank, as vLLM runs): rank (pp, tp) listens at
+    # ``port + pp * tp_size + tp``. False: one listener serves every rank (kvwire's own engine).
+    rank_ports: bool = False
+
+    def port_of(self, rank: tuple[int, int]) -> int:
+        """The side-channel port that serves P rank (pp, tp)."""
+        return self.port + rank[0] * self.tp_size + rank[1] if self.rank_ports else self.port
 
 
 @dataclass(eq=False)

@@ -134,7 +134,7 @@ class Consumer(ConnectorBase[ConsumerEvent]):
                 self._handshake(
                     part.key,
                     remote.host,
-                    remote.port,
+                    remote.port_of(link.src),
                     link.src,
                     mode,
                     functools.partial(self._on_p_handshake, req, part, link),
@@ -247,7 +247,7 @@ class Consumer(ConnectorBase[ConsumerEvent]):
                 self._handshake(
                     part.key,
                     req.remote.host,
-                    req.remote.port,
+                    req.remote.port_of(link.src),
                     link.src,
                     PeerMode.NOTIF_ONLY,
                     functools.partial(self._on_p_handshake, req, part, link),

@@ -1,0 +1,1 @@
+"""kvwire inside other engines. Each integration imports its engine only in its own modules."""

@@ -1,0 +1,156 @@
+"""vLLM's per-layer KV tensors as kvwire regions (no vLLM import: tensors are read by duck typing).
+
+vLLM allocates one tensor per attention layer. Its logical shape depends on the attention backend
+(FlashAttention: ``[2, num_blocks, block_size, kv_heads, head_dim]``; the CPU backend puts heads before
+tokens), and the physical order may differ from the logical one (vLLM's ``kv_cache_stride_order``), so
+the layout is read from the strides, not the shape. kvwire needs K and V each as one dense run of blocks
+(K/V outermost): that holds for FlashAttention and the CPU backend. Backends that interleave K and V
+inside each block (FlashInfer's ``[num_blocks, 2, ...]``) are refused with a ``LayoutError`` naming the
+fix. MLA caches (``[num_blocks, block_size, latent_dim]``) are one region per layer.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvwire.errors import LayoutError
+from kvwire.kv.cache import MemoryBuffer
+from kvwire.kv.regions import BufferView, ExternalKV, view_of
+from kvwire.kv.spec import KVSpec, Layout, RegionKind
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+_DTYPES = {
+    "float16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "float32": "float32",
+    "float": "float32",
+    "float8_e4m3fn": "float8",
+    "float8_e5m2": "float8",
+    "uint8": "float8",
+}
+
+
+def layer_index(name: str) -> int:
+    """The model's layer index in a vLLM attention layer name (``model.layers.7.self_attn.attn``)."""
+    m = _LAYER_INDEX.search(name)
+    if m is None:
+        raise LayoutError(f"no layer index in KV cache name {name!r}")
+    return int(m.group(1))
+
+
+def dtype_name(tensor: Any) -> str:
+    """kvwire's dtype name of a tensor's or array's dtype (``torch.bfloat16`` -> ``bfloat16``)."""
+    raw = str(tensor.dtype).removeprefix("torch.")
+    try:
+        return _DTYPES[raw]
+    except KeyError:
+        raise LayoutError(f"KV dtype {raw} is not supported; one of {sorted(set(_DTYPES))}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class LayerLayout:
+    """Where a layer's regions start (byte offsets from the tensor's first byte) and its block layout."""
+
+    offsets: tuple[int, ...]  # one per region kind: (K, V), or (KV,) for MLA
+    block_len: int
+    num_blocks: int
+    layout: Layout
+
+
+def _physical(v: BufferView) -> list[int]:
+    """Logical dims ordered outermost first in memory; raises when the tensor has gaps or overlaps."""
+    order = sorted(range(len(v.shape)), key=lambda d: -v.strides[d])
+    expected = v.itemsize
+    for d in reversed(order):
+        if v.shape[d] != 1 and v.strides[d] != expected:
+            raise LayoutError(f"KV tensor {v.shape} with strides {v.strides} is not dense")
+        expected *= v.shape[d]
+    return order
+
+
+def layer_layout(
+    v: BufferView, block_size: int, heads: int, head_dim: int, *, mla: bool = False
+) -> LayerLayout:
+    """Read one layer tensor's layout from its shape and strides (see the module doc)."""
+    order = _physical(v)
+    if mla:
+        if len(v.shape) != 3 or v.shape[1:] != (block_size, head_dim):
+            raise LayoutError(f"MLA KV tensor {v.shape}: expected [num_blocks, {block_size}, {head_dim}]")
+        return LayerLayout((0,), v.strides[0], v.shape[0], Layout.NHD)
+    if len(v.shape) != 5 or 2 not in v.shape[:2]:
+        raise LayoutError(
+            f"KV tensor {v.shape}: expected [2, num_blocks, ...] with block, head and head_dim dims"
+        )
+    kv_dim = 0 if v.shape[0] == 2 else 1
+    blocks_dim = 1 - kv_dim
+    if order[:2] != [kv_dim, blocks_dim]:
+        raise LayoutError(
+            f"KV tensor {v.shape}: K and V are interleaved inside each block (FlashInfer's layout); kvwire "
+            "needs K and V as separate runs of blocks: use the FLASH_ATTN attention backend"
+        )
+    inner = [d - 2 for d in order[2:]]  # within a block: 0 tokens, 1 heads, 2 head_dim (logical)
+    sizes = v.shape[2:]
+    if sizes[2] != head_dim or sorted(sizes[:2]) != sorted((block_size, heads)):
+        raise LayoutError(f"KV tensor {v.shape}: block {sizes} is not ({block_size}, {heads}, {head_dim})")
+    if inner[2] != 2:
+        raise LayoutError(f"KV tensor {v.shape}: head_dim is not innermost in memory")
+    # Logical order is [tokens, heads] (FlashAttention) unless the sizes say heads come first.
+    tokens_first = sizes[0] == block_size if block_size != heads else True
+    tok_dim = 0 if tokens_first else 1
+    layout = Layout.NHD if inner[0] == tok_dim else Layout.HND
+    return LayerLayout((0, v.strides[kv_dim]), v.strides[blocks_dim], v.shape[blocks_dim], layout)
+
+
+def kv_from_vllm(
+    kv_caches: Mapping[str, Any],
+    *,
+    num_layers: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    mla: bool = False,
+    layout: Layout | None = None,
+) -> ExternalKV:
+    """One vLLM worker's ``kv_caches`` (layer name -> tensor, as ``register_kv_caches`` gets them) as an
+    ``ExternalKV``: each layer tensor registered once, K and V as regions, zero copy. ``num_layers`` and
+    ``kv_heads`` are the model's totals; ``layout`` forces a layout when the tensor cannot tell (heads ==
+    block_size)."""
+    if not kv_caches:
+        raise LayoutError("vLLM gave no KV cache tensors")
+    spec0: KVSpec | None = None
+    regions: list[tuple[int, RegionKind, int]] = []
+    buffers: list[MemoryBuffer] = []
+    num_blocks: set[int] = set()
+    for name, tensor in sorted(kv_caches.items(), key=lambda kv: layer_index(kv[0])):
+        v = view_of(tensor)
+        heads = 1 if mla else KVSpec(1, kv_heads, head_dim).heads_per_rank(tp_size)
+        ll = layer_layout(v, block_size, heads, head_dim, mla=mla)
+        spec = KVSpec(
+            num_layers=num_layers,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            dtype=dtype_name(tensor),
+            block_size=block_size,
+            layout=layout or ll.layout,
+            mla=mla,
+        )
+        if spec0 is not None and spec != spec0:
+            raise LayoutError(f"layer {name}: {spec} differs from the first layer's {spec0}")
+        spec0 = spec
+        if ll.block_len != spec.block_bytes(heads):
+            raise LayoutError(
+                f"layer {name}: block stride {ll.block_len} B != block length {spec.block_bytes(heads)} B"
+            )
+        num_blocks.add(ll.num_blocks)
+        idx = layer_index(name)
+        regions.extend((idx, kind, v.addr + off) for kind, off in zip(spec.kinds, ll.offsets, strict=True))
+        buffers.append(MemoryBuffer(v.addr, v.nbytes, v.kind, v.device_id, tensor))
+    if len(num_blocks) != 1 or spec0 is None:
+        raise LayoutError(f"layers hold different block counts: {sorted(num_blocks)}")
+    return ExternalKV(spec0, num_blocks.pop(), regions, buffers, tp_size=tp_size, tp_rank=tp_rank)

@@ -1,0 +1,149 @@
+"""Typed messages of the vLLM integration: the connector's settings (``kv_connector_extra_config``), a
+request's ``kv_transfer_params`` (vLLM's names), and the per-step operations the scheduler side hands the
+workers. No vLLM import: the scheduler and worker logic is testable without vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from kvwire.config import env_config
+from kvwire.connector.config import ConnectorConfig, LoadFailurePolicy
+from kvwire.connector.consumer import RemoteEngine
+from kvwire.errors import ConfigError, InvalidRequest
+from kvwire.protocol.messages import TransferMode
+
+DEFAULT_SIDE_CHANNEL_PORT = 5700  # vLLM's NIXL connector uses 5600: both can run on one host
+
+
+class KvRole(enum.Enum):
+    """vLLM's ``kv_role``."""
+
+    PRODUCER = "kv_producer"
+    CONSUMER = "kv_consumer"
+    BOTH = "kv_both"
+
+    @property
+    def produces(self) -> bool:
+        return self is not KvRole.CONSUMER
+
+    @property
+    def consumes(self) -> bool:
+        return self is not KvRole.PRODUCER
+
+
+class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``kv_connector_extra_config`` keys; timeouts and knobs keep ``ConnectorConfig``'s names."""
+
+    mode: TransferMode = TransferMode.PUSH
+    backend: str = "nixl"
+    # Where this engine's side channel listens: rank (pp, tp) of a tp_size engine at
+    # side_channel_port + pp * tp_size + tp. The host is also what D is told to connect to.
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT
+    model_id: str | None = None  # default: vLLM's served model name
+    incarnation: str | None = None  # default: derived from this vLLM config's instance id
+    kv_lease_duration_s: float = 30.0
+    fence_ms: int = 30_000
+    heartbeat_interval_s: float = 1.0
+    liveness_timeout_s: float = 5.0
+    dead_peer_grace_s: float = 1.0
+    transfer_timeout_s: float = 30.0
+    engine_ttl_s: float = 3600.0
+    handshake_timeout_s: float = 5.0
+    handshake_retries: int = 3
+    kv_load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.FAIL
+
+    def connector_config(self) -> ConnectorConfig:
+        names = {f.name for f in dataclasses.fields(ConnectorConfig)}
+        values = {k: getattr(self, k) for k in self.__struct_fields__ if k in names}
+        return ConnectorConfig(**values)
+
+    def rank_port(self, pp_rank: int, tp_rank: int, tp_size: int) -> int:
+        return self.side_channel_port + pp_rank * tp_size + tp_rank
+
+
+def settings_from_extra(extra: Mapping[str, Any] | None) -> Settings:
+    """Parse ``kv_connector_extra_config``; a wrong key or value names itself."""
+    try:
+        s = msgspec.convert(dict(extra or {}), Settings, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"kv_connector_extra_config: {exc}") from exc
+    s.connector_config()  # validate the knobs now, in the engine's start-up, not at the first request
+    if not 0 < s.side_channel_port < 65536:
+        raise ConfigError(f"kv_connector_extra_config: side_channel_port {s.side_channel_port} out of range")
+    return s
+
+
+def secret() -> bytes | None:
+    return env_config().secret
+
+
+def incarnation_of(engine_id: str, instance_id: str) -> str:
+    """One id per engine start, the same in the scheduler and every worker process (they share the
+    config's instance id), different after a restart."""
+    return hashlib.sha256(f"{engine_id}/{instance_id}".encode()).hexdigest()[:16]
+
+
+class KvTransferParams(msgspec.Struct, frozen=True):
+    """A request's ``kv_transfer_params`` (vLLM's names; unknown keys are ignored, as vLLM does)."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    transfer_id: str | None = None
+    remote_request_id: str | None = None
+    remote_engine_id: str | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_tp_size: int = 1
+    remote_pp_size: int = 1
+    remote_block_ids: list[int] = msgspec.field(default_factory=list)
+
+    def remote(self) -> RemoteEngine:
+        if self.remote_engine_id is None or self.remote_host is None or self.remote_port is None:
+            raise InvalidRequest(
+                "kv_transfer_params with do_remote_prefill need remote_engine_id, remote_host and remote_port"
+            )
+        return RemoteEngine(
+            engine_id=self.remote_engine_id,
+            host=self.remote_host,
+            port=self.remote_port,
+            tp_size=self.remote_tp_size,
+            pp_size=self.remote_pp_size,
+            block_ids=tuple(self.remote_block_ids),
+            rank_ports=True,
+        )
+
+
+def parse_params(raw: Mapping[str, Any] | None) -> KvTransferParams | None:
+    """None when the request has no ``kv_transfer_params``; ``InvalidRequest`` when they are malformed."""
+    if not raw:
+        return None
+    try:
+        return msgspec.convert(dict(raw), KvTransferParams, strict=False)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"kv_transfer_params: {exc}") from exc
+
+
+class OpKind(enum.Enum):
+    SEND = "send"  # P: the request finished prefill; hold its blocks for D (push: write; pull: D reads)
+    LOAD = "load"  # D: blocks allocated for the remote prefix; register with P (push) or read (pull)
+    ABORT = "abort"  # either side: the engine dropped the request
+
+
+class Op(msgspec.Struct, frozen=True, array_like=True):
+    """One step's instruction from the scheduler side to every worker (in ``KvwireMetadata``)."""
+
+    kind: OpKind
+    req_id: str
+    transfer_id: str
+    block_ids: list[int] = msgspec.field(default_factory=list)
+    num_tokens: int = 0
+    num_cached_tokens: int = 0
+    remote: KvTransferParams | None = None

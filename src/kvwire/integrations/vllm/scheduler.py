@@ -1,0 +1,156 @@
+"""The scheduler side of the vLLM connector, without vLLM: which requests load or send KV, and the
+operations each step hands the workers.
+
+vLLM calls (through ``KvwireConnector``) ``matched_tokens`` when it looks at a waiting request,
+``allocated`` once blocks exist, ``finished`` exactly once when a request ends (before its blocks are
+freed), ``take_ops`` once per step, and ``transfers_ended`` with what the workers reported.
+
+Block ownership follows vLLM's contract, with kvwire's fence on top:
+* P (``SEND``): ``finished`` answers "delay the free"; the blocks go back to vLLM only when every worker
+  reports the request in ``finished_sending``, which a worker does only on kvwire's ``ProducerEvent``
+  (written, failed, lease expired: P's writes are then done or released).
+* D (``LOAD``): the request waits in vLLM's WAITING_FOR_REMOTE_KVS until every worker reports it in
+  ``finished_recving``: on READY, or, on a failure, only once kvwire RELEASED the blocks (then also in
+  ``failed_recving``, and vLLM applies its ``kv_load_failure_policy``). An abort while waiting makes vLLM
+  itself keep the blocks until ``finished_recving``; the worker aborts in kvwire and reports it only on
+  RELEASED, so no late write from P can land in a block vLLM reuses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from kvwire.errors import InvalidRequest
+from kvwire.integrations.vllm.params import KvRole, KvTransferParams, Op, OpKind, Settings, parse_params
+from kvwire.protocol.messages import TransferMode
+
+# Bounds: vLLM holds at most its running + waiting requests; a leak here would show as a bound hit.
+_MAX_TRACKED = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class LocalEngine:
+    """What D must be told to reach this engine's side channels (returned in P's kv_transfer_params)."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+    pp_size: int
+
+
+@dataclass(slots=True)
+class _Pending:
+    params: KvTransferParams
+    num_cached_tokens: int
+
+
+class SchedulerSide:
+    def __init__(self, role: KvRole, settings: Settings, local: LocalEngine, block_size: int) -> None:
+        self.role = role
+        self.settings = settings
+        self.local = local
+        self.block_size = block_size
+        self._pending: dict[str, _Pending] = {}  # D: matched, blocks not yet allocated
+        self._loading: set[str] = set()  # D: LOAD sent to the workers, not yet reported finished
+        self._sending: set[str] = set()  # P: SEND sent, not yet reported finished
+        self._ops: list[Op] = []
+
+    # -- D ---------------------------------------------------------------------------------------------
+    def matched_tokens(
+        self, req_id: str, raw: dict[str, Any] | None, num_prompt_tokens: int, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Tokens the remote P provides beyond vLLM's local prefix hit, and whether they load async."""
+        if not self.role.consumes:
+            return 0, False
+        params = parse_params(raw)
+        if params is None or not params.do_remote_prefill:
+            return 0, False
+        params.remote()  # malformed remote parameters fail this request now, not in a worker
+        count = num_prompt_tokens - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        if len(self._pending) >= _MAX_TRACKED:
+            raise InvalidRequest(f"more than {_MAX_TRACKED} requests waiting for remote KV")
+        # A local prefix hit is used only in whole blocks (kvwire trims P's writes to D's uncached suffix).
+        cached = num_computed_tokens - num_computed_tokens % self.block_size
+        self._pending[req_id] = _Pending(params, cached)
+        return count, True
+
+    def allocated(self, req_id: str, block_ids: list[int], num_prompt_tokens: int, num_external: int) -> None:
+        """Blocks exist for the request (prefix-hit blocks first, in token order)."""
+        pending = self._pending.pop(req_id, None)
+        if pending is None or num_external == 0:
+            return  # not a remote load, or the second call after the load finished
+        params = pending.params
+        self._loading.add(req_id)
+        self._ops.append(
+            Op(
+                OpKind.LOAD,
+                req_id,
+                params.transfer_id or params.remote_request_id or req_id,
+                list(block_ids),
+                num_prompt_tokens,
+                pending.num_cached_tokens,
+                params,
+            )
+        )
+
+    # -- both ------------------------------------------------------------------------------------------
+    def finished(
+        self,
+        req_id: str,
+        raw: dict[str, Any] | None,
+        block_ids: list[int],
+        num_prompt_tokens: int,
+        aborted: bool,
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's ``request_finished``: (delay freeing the blocks, kv_transfer_params for the client)."""
+        self._pending.pop(req_id, None)
+        if req_id in self._loading:
+            # vLLM keeps the blocks of a request aborted while waiting for KV until finished_recving.
+            self._ops.append(Op(OpKind.ABORT, req_id, req_id))
+            return False, None
+        if not self.role.produces:
+            return False, None
+        params = parse_params(raw)
+        if params is None or not params.do_remote_decode or aborted or not block_ids:
+            return False, None
+        tid = params.transfer_id or req_id
+        self._sending.add(req_id)
+        self._ops.append(Op(OpKind.SEND, req_id, tid, list(block_ids), num_prompt_tokens))
+        return True, self._params_for_d(tid, block_ids)
+
+    def _params_for_d(self, transfer_id: str, block_ids: list[int]) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "transfer_id": transfer_id,
+            "remote_request_id": transfer_id,
+            "remote_engine_id": self.local.engine_id,
+            "remote_host": self.local.host,
+            "remote_port": self.local.port,
+            "remote_tp_size": self.local.tp_size,
+            "remote_pp_size": self.local.pp_size,
+        }
+        if self.settings.mode is TransferMode.PULL:
+            out["remote_block_ids"] = list(block_ids)
+        return out
+
+    def take_ops(self) -> list[Op]:
+        ops, self._ops = self._ops, []
+        return ops
+
+    def transfers_ended(self, sending: Iterable[str], recving: Iterable[str]) -> None:
+        self._sending.difference_update(sending)
+        self._loading.difference_update(recving)
+
+    def has_pending_sends(self) -> bool:
+        """P holds blocks for D: vLLM must keep stepping so the workers report the end."""
+        return bool(self._sending)
+
+    @property
+    def num_loading(self) -> int:
+        return len(self._loading)

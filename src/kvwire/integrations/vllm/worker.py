@@ -1,0 +1,194 @@
+"""The worker side of the vLLM connector, without vLLM: one per worker process (one TP/PP rank).
+
+``register`` wraps vLLM's KV tensors (zero copy), creates this rank's NIXL agent and a kvwire
+``Producer`` (P) and/or ``Consumer`` (D) serving this rank alone on its own side-channel port. ``apply``
+turns the scheduler's operations into connector calls; ``finished`` turns connector events into vLLM's
+``finished_sending`` / ``finished_recving`` / ``failed_recving`` (see ``scheduler.py`` for the rules).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvwire.connector import (
+    Consumer,
+    ConsumerEvent,
+    ConsumerEventKind,
+    Producer,
+    ProducerEvent,
+    ProducerOutcome,
+)
+from kvwire.errors import KvwireError, TransportError
+from kvwire.handshake.types import EngineInfo, LocalRank
+from kvwire.integrations.vllm.memory import kv_from_vllm
+from kvwire.integrations.vllm.params import KvRole, Op, OpKind, Settings, secret
+from kvwire.kv.regions import ExternalKV
+from kvwire.transport.base import Agent, make_agent_name
+from kvwire.transport.factory import create_agent
+
+log = logging.getLogger("kvwire.vllm")
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlace:
+    """This worker's identity and the model's KV geometry (from vLLM's config)."""
+
+    engine_id: str
+    incarnation: str
+    model_id: str
+    tp_size: int
+    tp_rank: int
+    pp_size: int
+    pp_rank: int
+    num_layers: int  # the model's total
+    kv_heads: int  # the model's total
+    head_dim: int
+    block_size: int
+    mla: bool = False
+
+
+@dataclass(slots=True)
+class Finished:
+    """One step's report to vLLM."""
+
+    sending: set[str] = field(default_factory=set)
+    recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+
+
+class WorkerSide:
+    def __init__(self, role: KvRole, settings: Settings, place: RankPlace) -> None:
+        self.role = role
+        self.settings = settings
+        self.place = place
+        self.kv: ExternalKV | None = None
+        self.producer: Producer | None = None
+        self.consumer: Consumer | None = None
+        self._agents: list[Agent] = []
+        self._sends: dict[str, str] = {}  # P: transfer_id -> vLLM request id, until kvwire's event
+        self._loads: dict[str, str] = {}  # D: transfer_id -> vLLM request id, until READY or RELEASED
+        self._failed: set[str] = set()  # D: transfer ids that FAILED and are not RELEASED yet
+        self._done = Finished()
+
+    # -- start-up --------------------------------------------------------------------------------------
+    def register(self, kv_caches: Mapping[str, Any]) -> None:
+        p = self.place
+        self.kv = kv_from_vllm(
+            kv_caches,
+            num_layers=p.num_layers,
+            kv_heads=p.kv_heads,
+            head_dim=p.head_dim,
+            block_size=p.block_size,
+            tp_size=p.tp_size,
+            tp_rank=p.tp_rank,
+            mla=p.mla,
+        )
+        log.info(
+            "kvwire: rank pp%d/tp%d registers %d regions (%s, %d blocks of %d B, %s)",
+            p.pp_rank, p.tp_rank, len(self.kv.regions()), self.kv.spec.layout.value, self.kv.num_blocks,
+            self.kv.block_len, self.kv.mem_kind.value,
+        )  # fmt: skip
+        try:
+            if self.role.produces:
+                info, ranks, port = self._parts("p", 0)
+                self.producer = Producer(info, ranks, self.settings.connector_config(), **self._net(port))
+                self.producer.start()
+            if self.role.consumes:
+                # kv_both: the consumer's side channel sits after every producer rank's.
+                offset = p.tp_size * p.pp_size if self.role.produces else 0
+                info, ranks, port = self._parts("d", offset)
+                self.consumer = Consumer(info, ranks, self.settings.connector_config(), **self._net(port))
+                self.consumer.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _net(self, port: int) -> dict[str, Any]:
+        return {"host": self.settings.side_channel_host, "port": port, "secret": secret()}
+
+    def _parts(self, tag: str, offset: int) -> tuple[EngineInfo, list[LocalRank], int]:
+        p, s, kv = self.place, self.settings, self.kv
+        assert kv is not None
+        # Producer and consumer of one kv_both engine are two engines to their peers: distinct ids.
+        engine_id = p.engine_id if not (self.role is KvRole.BOTH and tag == "d") else f"{p.engine_id}-d"
+        info = EngineInfo(engine_id, p.incarnation, p.model_id, kv.spec, p.tp_size, p.pp_size, s.mode)
+        agent = create_agent(s.backend, make_agent_name(engine_id, p.incarnation, p.pp_rank, p.tp_rank))
+        self._agents.append(agent)
+        rank = LocalRank(pp_rank=p.pp_rank, tp_rank=p.tp_rank, agent=agent, cache=kv)
+        port = s.rank_port(p.pp_rank, p.tp_rank, p.tp_size) + offset
+        return info, [rank], port
+
+    # -- per step --------------------------------------------------------------------------------------
+    def apply(self, ops: Iterable[Op]) -> None:
+        for op in ops:
+            try:
+                self._apply(op)
+            except KvwireError as exc:
+                # Bad local input: nothing was registered with a peer, so the blocks are vLLM's at once.
+                log.warning("kvwire: %s %s refused: %s", op.kind.value, op.req_id, exc)
+                if op.kind is OpKind.SEND:
+                    self._done.sending.add(op.req_id)
+                elif op.kind is OpKind.LOAD:
+                    self._done.recving.add(op.req_id)
+                    self._done.failed_recving.add(op.req_id)
+
+    def _apply(self, op: Op) -> None:
+        if op.kind is OpKind.SEND and self.producer is not None:
+            self._sends[op.transfer_id] = op.req_id
+            self.producer.request_finished(op.transfer_id, op.block_ids, op.num_tokens)
+        elif op.kind is OpKind.LOAD and self.consumer is not None and op.remote is not None:
+            remote = op.remote.remote()
+            self._loads[op.transfer_id] = op.req_id
+            self.consumer.request_allocated(
+                op.transfer_id, op.block_ids, op.num_tokens, op.num_cached_tokens, remote
+            )
+        elif op.kind is OpKind.ABORT and self.consumer is not None:
+            tid = next((t for t, r in self._loads.items() if r == op.req_id), None)
+            if tid is not None:
+                self.consumer.abort(tid)  # reported when kvwire says RELEASED (or READY, if first)
+
+    def finished(self) -> Finished:
+        """What ended since the last call (each request reported once)."""
+        if self.producer is not None:
+            for pe in self.producer.poll():
+                self._on_producer(pe)
+        if self.consumer is not None:
+            for ce in self.consumer.poll():
+                self._on_consumer(ce)
+        out, self._done = self._done, Finished()
+        return out
+
+    def _on_producer(self, e: ProducerEvent) -> None:
+        req = self._sends.pop(e.transfer_id, None)
+        if req is None:
+            return
+        if e.outcome is not ProducerOutcome.SENT:
+            log.info("kvwire: P's hold on %s ended %s", req, e.outcome.value)
+        self._done.sending.add(req)
+
+    def _on_consumer(self, e: ConsumerEvent) -> None:
+        if e.kind is ConsumerEventKind.FAILED:
+            self._failed.add(e.transfer_id)
+            return
+        req = self._loads.pop(e.transfer_id, None)
+        if req is None:
+            return
+        self._done.recving.add(req)
+        failed = e.transfer_id in self._failed
+        self._failed.discard(e.transfer_id)
+        if e.kind is ConsumerEventKind.RELEASED and failed:
+            log.info("kvwire: KV for %s failed (%s); blocks released", req, e.reason)
+            self._done.failed_recving.add(req)
+
+    def close(self) -> None:
+        for conn in (self.producer, self.consumer):
+            if conn is not None:
+                conn.close()
+        for agent in self._agents:
+            with contextlib.suppress(TransportError):
+                agent.close()
+        self._agents.clear()
