@@ -1,0 +1,157 @@
+"""``KvwireConnector``: kvwire as a vLLM KV connector (the only module here that imports vLLM).
+
+Turn it on with one line (see docs/vllm.md)::
+
+    --kv-transfer-config '{"kv_connector": "KvwireConnector",
+                           "kv_connector_module_path": "kvwire.integrations.vllm",
+                           "kv_role": "kv_producer", "kv_connector_extra_config": {"mode": "push"}}'
+
+vLLM builds this class in its scheduler process (role SCHEDULER) and in every worker process (role
+WORKER). The scheduler side decides which requests send or load KV (``scheduler.SchedulerSide``); each
+worker moves its own rank's KV with kvwire (``worker.WorkerSide``). This module only adapts vLLM's types.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from kvwire.errors import ConfigError
+from kvwire.integrations.vllm.params import KvRole, Op, incarnation_of, settings_from_extra
+from kvwire.integrations.vllm.scheduler import LocalEngine, SchedulerSide
+from kvwire.integrations.vllm.worker import RankPlace, WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+log = logging.getLogger("kvwire.vllm")
+
+
+class KvwireMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """One step's operations, from the scheduler process to every worker."""
+
+    def __init__(self, ops: list[Op]) -> None:
+        self.ops = ops
+
+
+def _tp_pp_rank() -> tuple[int, int]:
+    from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group)
+
+
+class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        settings = settings_from_extra(ktc.kv_connector_extra_config)
+        try:
+            kv_role = KvRole(ktc.kv_role)
+        except ValueError:
+            raise ConfigError(f"kv_role {ktc.kv_role!r}: one of kv_producer, kv_consumer, kv_both") from None
+        pc, mc = vllm_config.parallel_config, vllm_config.model_config
+        engine_id = str(ktc.engine_id)
+        incarnation = settings.incarnation or incarnation_of(engine_id, str(vllm_config.instance_id))
+        block_size = int(vllm_config.cache_config.block_size)
+        tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            local = LocalEngine(engine_id, settings.side_channel_host, settings.side_channel_port, tp, pp)
+            self._sched = SchedulerSide(kv_role, settings, local, block_size)
+            return
+        tp_rank, pp_rank = _tp_pp_rank()
+        place = RankPlace(
+            engine_id=engine_id,
+            incarnation=incarnation,
+            model_id=settings.model_id or str(mc.served_model_name or mc.model),
+            tp_size=tp,
+            tp_rank=tp_rank,
+            pp_size=pp,
+            pp_rank=pp_rank,
+            num_layers=int(mc.hf_text_config.num_hidden_layers),
+            kv_heads=int(mc.get_total_num_kv_heads()),
+            head_dim=int(mc.get_head_size()),
+            block_size=block_size,
+            mla=bool(getattr(mc, "use_mla", False)),
+        )
+        self._worker = WorkerSide(kv_role, settings, place)
+
+    # -- scheduler side --------------------------------------------------------------------------------
+    def _s(self) -> SchedulerSide:
+        assert self._sched is not None, "a scheduler-side method was called on a worker"
+        return self._sched
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._s().matched_tokens(
+            request.request_id, request.kv_transfer_params, len(request.prompt_token_ids), num_computed_tokens
+        )
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        ids = list(blocks.get_block_ids()[0]) if num_external_tokens else []
+        self._s().allocated(request.request_id, ids, len(request.prompt_token_ids), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvwireMetadata:
+        return KvwireMetadata(self._s().take_ops())
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._s().transfers_ended(
+            connector_output.finished_sending or (), connector_output.finished_recving or ()
+        )
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        status = str(getattr(request.status, "name", request.status))
+        aborted = "ABORT" in status or "ERROR" in status
+        return self._s().finished(
+            request.request_id,
+            request.kv_transfer_params,
+            list(block_ids),
+            len(request.prompt_token_ids),
+            aborted,
+        )
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched is not None and self._sched.has_pending_sends()
+
+    # -- worker side -----------------------------------------------------------------------------------
+    def _w(self) -> WorkerSide:
+        assert self._worker is not None, "a worker-side method was called on the scheduler"
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._w().register(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if isinstance(meta, KvwireMetadata) and meta.ops:
+            self._w().apply(meta.ops)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """KV arrives before the request is scheduled (async load): nothing to wait for per layer."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        """P sends a finished request's blocks (scheduler's SEND), not layer by layer."""
+
+    def wait_for_save(self) -> None:
+        """Nothing to wait for: P's blocks stay held until kvwire reports the request."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        res = self.get_transfer_results(finished_req_ids)
+        return res.finished_sending or None, res.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        done = self._w().finished()
+        return KVConnectorTransferResults(
+            finished_sending=done.sending, finished_recving=done.recving, failed_recving=done.failed_recving
+        )
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
