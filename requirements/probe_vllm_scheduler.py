@@ -65,9 +65,10 @@ class ProbeConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         p = request.kv_transfer_params or {}
         if p.get("do_remote_prefill"):
+            # like NixlConnector: claim the whole prompt; when the load
+            # finishes the scheduler rewinds num_computed_tokens by one so
+            # the last prompt token is recomputed locally to sample from.
             n = len(request.prompt_token_ids) - num_computed_tokens
-            # vLLM convention: leave the last token to be computed locally
-            n = (len(request.prompt_token_ids) - 1) - num_computed_tokens
             CALLS.append(("get_num_new_matched_tokens", (request.request_id, n, True)))
             return n, True
         CALLS.append(("get_num_new_matched_tokens", (request.request_id, 0, False)))
@@ -334,6 +335,61 @@ def run_consumer(model_dir):
     return [c[0] for c in CALLS]
 
 
+def run_consumer_abort(model_dir, fail_instead=False):
+    """Abort (or failed load) while WAITING_FOR_REMOTE_KVS."""
+    from vllm.v1.request import RequestStatus
+
+    CALLS.clear()
+    _, sched = build(model_dir, "kv_consumer")
+    pool = sched.kv_cache_manager.block_pool
+    free0 = pool.get_num_free_blocks()
+    req = make_request(
+        "d-2", 40, 2, {"do_remote_prefill": True, "remote_engine_id": "p0"}
+    )
+    sched.add_request(req)
+    so = sched.schedule()
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    sched.update_from_output(so, mro_output(so))
+    held = pool.get_num_free_blocks()
+    if not fail_instead:
+        sched.finish_requests("d-2", RequestStatus.FINISHED_ABORTED)
+        after_abort = pool.get_num_free_blocks()
+        names = [c[0] for c in CALLS]
+        print(
+            f"[abort] free before={free0} loading={held} after abort={after_abort} "
+            f"request_finished called={'request_finished' in names} "
+            f"still tracked={'d-2' in sched.requests} "
+            f"args={[c[1] for c in CALLS if c[0] == 'request_finished']}"
+        )
+        # the worker must still report the (cancelled) load as finished
+        so = sched.schedule()
+        out = mro_output(so)
+        out.kv_connector_output.finished_recving = {"d-2"}
+        sched.update_from_output(so, out)
+        print(
+            f"[abort] after finished_recving: free={pool.get_num_free_blocks()} "
+            f"tracked={'d-2' in sched.requests}"
+        )
+        assert pool.get_num_free_blocks() == free0 and "d-2" not in sched.requests
+    else:
+        # load failed: report it in failed_recving AND finished_recving
+        so = sched.schedule()
+        out = mro_output(so)
+        out.kv_connector_output.failed_recving = {"d-2"}
+        out.kv_connector_output.finished_recving = {"d-2"}
+        eco = sched.update_from_output(so, out)
+        reasons = [
+            (o.request_id, str(o.finish_reason))
+            for v in eco.values()
+            for o in v.outputs
+        ]
+        print(
+            f"[fail policy={sched.vllm_config.kv_transfer_config.kv_load_failure_policy}] "
+            f"outputs={reasons} status={req.status} "
+            f"tracked={'d-2' in sched.requests} free={pool.get_num_free_blocks()}"
+        )
+
+
 def main():
     model_dir = make_model_dir()
     prod_calls = run_producer(model_dir)
@@ -352,6 +408,8 @@ def main():
     for line in CALLS:
         if line[0] in ("update_state_after_alloc", "get_num_new_matched_tokens"):
             print("   ", line)
+    run_consumer_abort(model_dir)
+    run_consumer_abort(model_dir, fail_instead=True)
     print("PROBE OK")
 
 

@@ -13,19 +13,22 @@ from kvwire.demo.procs import free_port
 from kvwire.integrations.vllm.params import KvRole, OpKind, settings_from_extra
 from kvwire.integrations.vllm.scheduler import LocalEngine, SchedulerSide
 from kvwire.integrations.vllm.worker import Finished, RankPlace, WorkerSide
-from kvwire.kv.spec import Layout
 
 pytestmark = pytest.mark.nixl
 
 LAYERS, HEADS, HEAD_DIM, BS, NUM_BLOCKS = 3, 4, 16, 16, 40
 
 
-def vllm_tensors(layout: Layout, seed: int | None) -> dict[str, np.ndarray]:
-    """Per-layer caches shaped as vLLM allocates them: FlashAttention's [2, N, bs, H, D] (NHD) or the
-    CPU backend's [2, N, H, bs, D] (HND); random bytes when seeded, zeros otherwise."""
-    shape = (
-        (2, NUM_BLOCKS, BS, HEADS, HEAD_DIM) if layout is Layout.NHD else (2, NUM_BLOCKS, HEADS, BS, HEAD_DIM)
-    )
+SHAPES = {
+    "flash": (2, NUM_BLOCKS, BS, HEADS, HEAD_DIM),  # FlashAttention: [2, N, bs, H, D], NHD
+    "flash-hnd": (2, NUM_BLOCKS, HEADS, BS, HEAD_DIM),  # K/V outermost, HND blocks
+    "cpu": (NUM_BLOCKS, HEADS, BS, 2 * HEAD_DIM),  # vLLM's CPU backend: per head a K tile then a V tile
+}
+
+
+def vllm_tensors(layout: str, seed: int | None) -> dict[str, np.ndarray]:
+    """Per-layer caches shaped as vLLM allocates them; random bytes when seeded, zeros otherwise."""
+    shape = SHAPES[layout]
     rng = np.random.default_rng(seed)
     out = {}
     for i in range(LAYERS):
@@ -36,8 +39,16 @@ def vllm_tensors(layout: Layout, seed: int | None) -> dict[str, np.ndarray]:
     return out
 
 
+def blockwise(t: np.ndarray) -> np.ndarray:
+    """[kinds, blocks, bytes of a block] as uint16 words, whatever the layout."""
+    words = t.view(np.uint16)
+    if words.shape[0] == 2:  # K/V outermost
+        return words.reshape(2, NUM_BLOCKS, -1)
+    return words.reshape(1, NUM_BLOCKS, -1)
+
+
 class Side:
-    def __init__(self, role: KvRole, layout: Layout, mode: str, seed: int | None) -> None:
+    def __init__(self, role: KvRole, layout: str, mode: str, seed: int | None) -> None:
         port = free_port()
         self.settings = settings_from_extra(
             {"mode": mode, "side_channel_port": port, "liveness_timeout_s": 2.0}
@@ -60,7 +71,9 @@ class Side:
         self.reported.failed_recving |= got.failed_recving
 
 
-@pytest.fixture(params=[(Layout.NHD, "push"), (Layout.HND, "push"), (Layout.NHD, "pull")], ids=str)
+@pytest.fixture(
+    params=[("flash", "push"), ("flash-hnd", "push"), ("cpu", "push"), ("flash", "pull")], ids=str
+)
 def pd(request: pytest.FixtureRequest) -> Iterator[tuple[Side, Side]]:
     layout, mode = request.param
     p = Side(KvRole.PRODUCER, layout, mode, seed=7)
@@ -98,12 +111,11 @@ def test_p_to_d_moves_exact_blocks_and_frees_once(pd: tuple[Side, Side]) -> None
     assert d.reported.failed_recving == set()
     assert not p.sched.has_pending_sends() and d.sched.num_loading == 0
     for name, src in p.tensors.items():
-        dst = d.tensors[name]
-        for kv in range(2):
-            for pb, db in zip(p_blocks, d_blocks, strict=True):
-                assert np.array_equal(src[kv, pb].view(np.uint16), dst[kv, db].view(np.uint16))
-            others = [b for b in range(NUM_BLOCKS) if b not in d_blocks]
-            assert not dst[kv, others].view(np.uint16).any(), "bytes landed outside the request's blocks"
+        src_blocks, dst_blocks = blockwise(src), blockwise(d.tensors[name])
+        for pb, db in zip(p_blocks, d_blocks, strict=True):
+            assert np.array_equal(src_blocks[:, pb], dst_blocks[:, db])
+        others = [b for b in range(NUM_BLOCKS) if b not in d_blocks]
+        assert not dst_blocks[:, others].any(), "bytes landed outside the request's blocks"
     # Each request is reported exactly once: more steps add nothing.
     for _ in range(5):
         p.step()
@@ -130,7 +142,7 @@ def test_d_abort_before_p_finishes_releases_blocks_once(pd: tuple[Side, Side]) -
     d.worker.apply(ops)
     run_until(p, d, lambda: "req-d" in d.reported.recving)
     assert d.reported.failed_recving == set()
-    assert not d.tensors["model.layers.0.self_attn.attn"][:, [7, 8]].view(np.uint16).any()
+    assert not blockwise(d.tensors["model.layers.0.self_attn.attn"])[:, [7, 8]].any()
 
 
 def test_bad_params_are_typed_errors() -> None:

@@ -40,10 +40,12 @@ def validate_layout(engine: EngineInfo, local: LocalRank, md: Metadata) -> RankL
 
 def _check_model(engine: EngineInfo, md: Metadata) -> None:
     spec, kv = engine.spec, md.kv
-    theirs = (kv.kv_heads, kv.head_dim, kv.dtype, kv.layout, kv.mla)
-    ours = (spec.kv_heads, spec.head_dim, spec.dtype, spec.layout.value, spec.mla)
+    theirs = (kv.kv_heads, kv.head_dim, kv.dtype, kv.layout, kv.mla, kv.kv_fused)
+    ours = (spec.kv_heads, spec.head_dim, spec.dtype, spec.layout.value, spec.mla, spec.kv_fused)
     if theirs != ours:
-        raise IncompatiblePeer(f"KV geometry (heads, head_dim, dtype, layout, mla) {theirs} != ours {ours}")
+        raise IncompatiblePeer(
+            f"KV geometry (heads, head_dim, dtype, layout, mla, kv_fused) {theirs} != ours {ours}"
+        )
 
 
 def _region(r: RegionMsg) -> RegionInfo:

@@ -60,6 +60,7 @@ def _kv_info(rank: LocalRank) -> KVInfo:
         block_size=spec.block_size,
         layout=spec.layout.value,
         mla=spec.mla,
+        kv_fused=spec.kv_fused,
     )
 
 

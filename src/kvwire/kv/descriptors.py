@@ -189,7 +189,7 @@ def _pair_slices(
 def _geometry_of(spec: KVSpec, src_tp: int, src_bs: int, dst_tp: int, dst_bs: int) -> _Geometry:
     return _Geometry(
         spec.layout,
-        spec.head_dim * spec.itemsize,
+        spec.head_bytes,
         spec.heads_per_rank(src_tp),
         spec.heads_per_rank(dst_tp),
         src_bs,

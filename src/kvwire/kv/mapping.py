@@ -188,7 +188,7 @@ class RankLayout:
 
     def block_len(self, spec: KVSpec) -> int:
         """Bytes of one block of one region on this rank."""
-        return self.heads(spec) * self.block_size * spec.head_dim * spec.itemsize
+        return self.heads(spec) * self.block_size * spec.head_bytes
 
     def region_pairs(
         self, other: RankLayout, layers: range, kinds: tuple[RegionKind, ...]

@@ -43,6 +43,9 @@ class KVSpec:
     block_size: int = 16
     layout: Layout = Layout.HND
     mla: bool = False
+    # K and V of one head stored together in each block (vLLM's CPU backend: a block is, per head, a
+    # [block_size, head_dim] K tile then a V tile): one region per layer whose head unit is twice as wide.
+    kv_fused: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -50,6 +53,8 @@ class KVSpec:
         for name in ("num_layers", "kv_heads", "head_dim", "block_size"):
             if getattr(self, name) <= 0:
                 raise LayoutError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.kv_fused and (self.mla or self.layout is not Layout.HND):
+            raise LayoutError("a fused K/V cache is HND and not MLA")
         if self.mla and self.kv_heads != 1:
             raise LayoutError("an MLA cache has one latent head (kv_heads=1)")
 
@@ -63,7 +68,12 @@ class KVSpec:
 
     @property
     def kinds(self) -> tuple[RegionKind, ...]:
-        return (RegionKind.KV,) if self.mla else (RegionKind.K, RegionKind.V)
+        return (RegionKind.KV,) if self.mla or self.kv_fused else (RegionKind.K, RegionKind.V)
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one (token, head) in one region: K's or V's row, or both when fused."""
+        return self.head_dim * self.itemsize * (2 if self.kv_fused else 1)
 
     def heads_per_rank(self, tp_size: int) -> int:
         """KV heads one TP rank holds (MLA and fewer heads than ranks: replicated)."""
@@ -96,8 +106,8 @@ class KVSpec:
         return (self.block_size, heads, self.head_dim)
 
     def block_bytes(self, heads: int) -> int:
-        return heads * self.block_size * self.head_dim * self.itemsize
+        return heads * self.block_size * self.head_bytes
 
     def bytes_per_token(self) -> int:
         """Bytes of KV one token takes across the whole model (all layers, heads, K and V)."""
-        return self.num_layers * len(self.kinds) * self.kv_heads * self.head_dim * self.itemsize
+        return self.num_layers * len(self.kinds) * self.kv_heads * self.head_bytes

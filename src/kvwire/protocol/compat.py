@@ -36,6 +36,8 @@ def compat_inputs(*, model_id: str, spec: KVSpec, transfer_mode: TransferMode) -
         spec.layout.value,
         spec.mla,
         transfer_mode.value,
+        # Appended only when set, so the hashes of unfused caches stay what wire contract v1 says.
+        *(["kv_fused"] if spec.kv_fused else []),
     ]
 
 

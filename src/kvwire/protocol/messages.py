@@ -80,6 +80,7 @@ class KVInfo(msgspec.Struct, kw_only=True):
     block_size: Positive
     layout: str  # "HND" | "NHD"
     mla: bool
+    kv_fused: bool = False  # K and V of a head together in each block: one "kv" region per layer
 
 
 class RegionMsg(msgspec.Struct, kw_only=True):

@@ -4,9 +4,11 @@ vLLM allocates one tensor per attention layer. Its logical shape depends on the 
 (FlashAttention: ``[2, num_blocks, block_size, kv_heads, head_dim]``; the CPU backend puts heads before
 tokens), and the physical order may differ from the logical one (vLLM's ``kv_cache_stride_order``), so
 the layout is read from the strides, not the shape. kvwire needs K and V each as one dense run of blocks
-(K/V outermost): that holds for FlashAttention and the CPU backend. Backends that interleave K and V
-inside each block (FlashInfer's ``[num_blocks, 2, ...]``) are refused with a ``LayoutError`` naming the
-fix. MLA caches (``[num_blocks, block_size, latent_dim]``) are one region per layer.
+(K/V outermost): that holds for FlashAttention. vLLM's CPU backend (``[num_blocks, kv_heads, block_size,
+2 * head_dim]``, per head a K tile then a V tile) is one fused region per layer (``KVSpec.kv_fused``).
+Backends that interleave K and V per block outside the heads (FlashInfer's ``[num_blocks, 2, ...]``) are
+refused with a ``LayoutError`` naming the fix. MLA caches (``[num_blocks, block_size, latent_dim]``) are
+one region per layer.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class LayerLayout:
     block_len: int
     num_blocks: int
     layout: Layout
+    kv_fused: bool = False
 
 
 def _physical(v: BufferView) -> list[int]:
@@ -81,6 +84,8 @@ def layer_layout(
         if len(v.shape) != 3 or v.shape[1:] != (block_size, head_dim):
             raise LayoutError(f"MLA KV tensor {v.shape}: expected [num_blocks, {block_size}, {head_dim}]")
         return LayerLayout((0,), v.strides[0], v.shape[0], Layout.NHD)
+    if len(v.shape) == 4 and v.shape[1:] == (heads, block_size, 2 * head_dim) and order == [0, 1, 2, 3]:
+        return LayerLayout((0,), v.strides[0], v.shape[0], Layout.HND, kv_fused=True)
     if len(v.shape) != 5 or 2 not in v.shape[:2]:
         raise LayoutError(
             f"KV tensor {v.shape}: expected [2, num_blocks, ...] with block, head and head_dim dims"
@@ -139,6 +144,7 @@ def kv_from_vllm(
             block_size=block_size,
             layout=layout or ll.layout,
             mla=mla,
+            kv_fused=ll.kv_fused,
         )
         if spec0 is not None and spec != spec0:
             raise LayoutError(f"layer {name}: {spec} differs from the first layer's {spec0}")
