@@ -23,6 +23,7 @@ SHAPES = {
     "flash": (2, NUM_BLOCKS, BS, HEADS, HEAD_DIM),  # FlashAttention: [2, N, bs, H, D], NHD
     "flash-hnd": (2, NUM_BLOCKS, HEADS, BS, HEAD_DIM),  # K/V outermost, HND blocks
     "cpu": (NUM_BLOCKS, HEADS, BS, 2 * HEAD_DIM),  # vLLM's CPU backend: per head a K tile then a V tile
+    "v034": (NUM_BLOCKS, HEADS, BS, 2 * HEAD_DIM),  # vLLM 0.34 LBHNC: the same, every layer in one buffer
 }
 
 
@@ -31,8 +32,9 @@ def vllm_tensors(layout: str, seed: int | None) -> dict[str, np.ndarray]:
     shape = SHAPES[layout]
     rng = np.random.default_rng(seed)
     out = {}
+    backing = np.zeros((LAYERS, *shape), dtype=np.float16)
     for i in range(LAYERS):
-        t = np.zeros(shape, dtype=np.float16)
+        t = backing[i] if layout == "v034" else np.zeros(shape, dtype=np.float16)
         if seed is not None:
             t.view(np.uint16)[...] = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)
         out[f"model.layers.{i}.self_attn.attn"] = t
@@ -72,7 +74,8 @@ class Side:
 
 
 @pytest.fixture(
-    params=[("flash", "push"), ("flash-hnd", "push"), ("cpu", "push"), ("flash", "pull")], ids=str
+    params=[("flash", "push"), ("flash-hnd", "push"), ("cpu", "push"), ("v034", "push"), ("v034", "pull")],
+    ids=str,
 )
 def pd(request: pytest.FixtureRequest) -> Iterator[tuple[Side, Side]]:
     layout, mode = request.param

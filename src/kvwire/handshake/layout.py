@@ -72,6 +72,12 @@ def _check_geometry(engine: EngineInfo, local: LocalRank, md: Metadata, layout: 
             raise LayoutError(f"region kind {r.kind.value} in a {'MLA' if spec.mla else 'K/V'} cache")
         if r.block_len != block_len:
             raise LayoutError(f"region {r.layer}/{r.kind.value}: block_len {r.block_len} != {block_len}")
+    if spec.kv_fused and layout.block_size != local.cache.spec.block_size:
+        # A fused head unit holds K then V rows of the whole block: it cannot be split by tokens.
+        raise LayoutError(
+            f"fused K/V caches need equal block sizes, got {layout.block_size} and "
+            f"{local.cache.spec.block_size}"
+        )
     small, large = sorted((layout.block_size, local.cache.spec.block_size))
     if large % small:
         raise LayoutError(f"block sizes {layout.block_size} and {local.cache.spec.block_size} do not divide")

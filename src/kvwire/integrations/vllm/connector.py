@@ -84,6 +84,12 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
         self._worker = WorkerSide(kv_role, settings, place)
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """Heads outermost inside each layer's block (LBHNC): a TP head slice is one contiguous run."""
+        mc = vllm_config.model_config
+        return None if mc is None or getattr(mc, "use_mla", False) else "LBHNC"
+
     # -- scheduler side --------------------------------------------------------------------------------
     def _s(self) -> SchedulerSide:
         assert self._sched is not None, "a scheduler-side method was called on a worker"

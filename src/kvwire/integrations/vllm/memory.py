@@ -1,14 +1,14 @@
 """vLLM's per-layer KV tensors as kvwire regions (no vLLM import: tensors are read by duck typing).
 
-vLLM allocates one tensor per attention layer. Its logical shape depends on the attention backend
-(FlashAttention: ``[2, num_blocks, block_size, kv_heads, head_dim]``; the CPU backend puts heads before
-tokens), and the physical order may differ from the logical one (vLLM's ``kv_cache_stride_order``), so
-the layout is read from the strides, not the shape. kvwire needs K and V each as one dense run of blocks
-(K/V outermost): that holds for FlashAttention. vLLM's CPU backend (``[num_blocks, kv_heads, block_size,
-2 * head_dim]``, per head a K tile then a V tile) is one fused region per layer (``KVSpec.kv_fused``).
-Backends that interleave K and V per block outside the heads (FlashInfer's ``[num_blocks, 2, ...]``) are
-refused with a ``LayoutError`` naming the fix. MLA caches (``[num_blocks, block_size, latent_dim]``) are
-one region per layer.
+vLLM gives one tensor per attention layer, and the layout is read from its strides, not its shape:
+* vLLM 0.34, every backend, and the 0.32 CPU backend: ``[num_blocks, kv_heads, block_size, 2 * head_dim]``
+  (K and V share the last dimension; the layers may be views into one buffer). In the LBHNC order, which
+  KvwireConnector asks vLLM for, each head's block is one contiguous run holding K and V (FlashAttention:
+  ``[K|V]`` per token row; CPU: a K tile then a V tile): one fused region per layer (``KVSpec.kv_fused``).
+* Older FlashAttention: ``[2, num_blocks, block_size, kv_heads, head_dim]``: K and V as two regions,
+  NHD or HND by the strides (``kv_cache_stride_order``).
+* FlashInfer's ``[num_blocks, 2, ...]`` (K and V interleaved per block outside the heads) is refused
+  with a ``LayoutError`` naming the fix. MLA (``[num_blocks, block_size, latent_dim]``): one region.
 """
 
 from __future__ import annotations
@@ -84,7 +84,13 @@ def layer_layout(
         if len(v.shape) != 3 or v.shape[1:] != (block_size, head_dim):
             raise LayoutError(f"MLA KV tensor {v.shape}: expected [num_blocks, {block_size}, {head_dim}]")
         return LayerLayout((0,), v.strides[0], v.shape[0], Layout.NHD)
-    if len(v.shape) == 4 and v.shape[1:] == (heads, block_size, 2 * head_dim) and order == [0, 1, 2, 3]:
+    if len(v.shape) == 4 and v.shape[1:] == (heads, block_size, 2 * head_dim):
+        # vLLM >= 0.34 (every backend) and the 0.32 CPU backend: [blocks, heads, tokens, K and V].
+        if order != [0, 1, 2, 3]:
+            raise LayoutError(
+                f"KV tensor {v.shape} with strides {v.strides}: kvwire needs vLLM's LBHNC (HND) layout, "
+                "which KvwireConnector requests; another connector or VLLM_KV_CACHE_LAYOUT overrode it"
+            )
         return LayerLayout((0,), v.strides[0], v.shape[0], Layout.HND, kv_fused=True)
     if len(v.shape) != 5 or 2 not in v.shape[:2]:
         raise LayoutError(
