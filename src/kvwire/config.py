@@ -52,15 +52,16 @@ def env_config(environ: Mapping[str, str] | None = None) -> EnvConfig:
 
 
 def normalize_url(url: str) -> str:
-    """``host:port`` or ``http://host:port/`` -> ``http://host:port``."""
-    url = url.strip().rstrip("/")
+    """``host:port`` or ``http://host:port/`` -> ``http://host:port`` (a ``#fragment`` is kept)."""
+    url, sep, fragment = url.strip().partition("#")
+    url = url.rstrip("/")
     if not url:
         raise ConfigError("empty engine URL")
     if "://" not in url:
         url = "http://" + url
     if not url.startswith(("http://", "https://")):
         raise ConfigError(f"engine URL {url!r}: only http and https are supported")
-    return url
+    return url + sep + fragment
 
 
 def split_urls(values: Sequence[str]) -> tuple[str, ...]:
@@ -69,6 +70,15 @@ def split_urls(values: Sequence[str]) -> tuple[str, ...]:
     if len(set(urls)) != len(urls):
         raise ConfigError(f"an engine URL is listed twice: {urls}")
     return tuple(urls)
+
+
+class EngineKind(enum.Enum):
+    """What the router's engines are: kvwire's own (their ``/health`` names P's side channel), or vLLM
+    servers running KvwireConnector (P's side channel is given in its URL's fragment:
+    ``http://host:8100#engine_id=prefill-0&side_channel=10.0.0.1:5700&tp=1&pp=1``)."""
+
+    KVWIRE = "kvwire"
+    VLLM = "vllm"
 
 
 @dataclass(frozen=True)
@@ -86,6 +96,7 @@ class RouterConfig:
     connect_timeout_s: float = 5.0
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
+    engines: EngineKind = EngineKind.KVWIRE
 
     def __post_init__(self) -> None:
         if not self.prefill_urls or not self.decode_urls:

@@ -69,6 +69,7 @@ class Server:
     port: int
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
+    env: dict[str, str] = field(default_factory=dict)
     _log: IO[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -101,7 +102,10 @@ class ServerGroup:
         """Start ``kvwire ARGS`` as server ``name`` listening on ``port``."""
         return self.start_argv(name, kvwire_command(*args), port)
 
-    def start_argv(self, name: str, argv: Sequence[str], port: int) -> Server:
+    def start_argv(
+        self, name: str, argv: Sequence[str], port: int, env: dict[str, str] | None = None
+    ) -> Server:
+        """Start ``argv`` as server ``name``; ``env`` adds to the group's environment for this one."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         server = Server(name, list(argv), port, self.log_dir / f"{name}.log")
         server._log = server.log_path.open("wb")
@@ -110,9 +114,10 @@ class ServerGroup:
             stdin=subprocess.DEVNULL,
             stdout=server._log,
             stderr=subprocess.STDOUT,
-            env=self._env,
+            env={**self._env, **(env or {})},
             start_new_session=True,
         )
+        server.env = env or {}
         self.servers.append(server)
         self._write_index()
         return server
@@ -139,7 +144,7 @@ class ServerGroup:
             stdin=subprocess.DEVNULL,
             stdout=server._log,
             stderr=subprocess.STDOUT,
-            env=self._env,
+            env={**self._env, **server.env},
             start_new_session=True,
         )
         self._write_index()
@@ -213,7 +218,8 @@ class ServerGroup:
 def _healthy(client: httpx.Client, url: str) -> bool:
     try:
         resp = client.get(url + "/health")
-        return resp.status_code == 200 and resp.json().get("status") == "ok"
+        # kvwire's servers answer {"status": "ok", ...}; vLLM's answer 200 with an empty body.
+        return resp.status_code == 200 and (not resp.content or resp.json().get("status") == "ok")
     except (httpx.HTTPError, ValueError, AttributeError):
         return False
 

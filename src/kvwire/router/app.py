@@ -66,7 +66,7 @@ class Router:
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
         self.registry = EngineRegistry(
-            self.client, config.prefill_urls, config.decode_urls, config.health_timeout_s
+            self.client, config.prefill_urls, config.decode_urls, config.health_timeout_s, config.engines
         )
         self.picker = Picker(config.policy)
         self.metrics = KvMetrics()

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from kvwire.config import RouterConfig, env_config, split_urls
+from kvwire.config import EngineKind, RouterConfig, env_config, split_urls
 from kvwire.errors import ConfigError
 from kvwire.protocol.messages import TransferMode
 from kvwire.router.policy import Policy
@@ -46,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--request-timeout", type=float, default=300.0, help="seconds per request (both legs)"
     )
     parser.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
+    parser.add_argument(
+        "--engines", choices=[k.value for k in EngineKind], default=EngineKind.KVWIRE.value,
+        help="kvwire engines, or vLLM servers running KvwireConnector (then each --prefill URL ends with "
+        "#engine_id=ID&side_channel=HOST:PORT[&tp=N&pp=N], its kv_connector_extra_config's values)",
+    )  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -59,6 +64,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         model=args.model,
         request_timeout_s=args.request_timeout,
         health_interval_s=args.health_interval,
+        engines=EngineKind(args.engines),
     )
 
 

