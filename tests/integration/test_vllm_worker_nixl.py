@@ -19,6 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+# torch is not a kvwire dependency but `make venv` installs the CPU build: without it this fails, by design.
+import torch  # noqa: F401
+
 from kvwire.integrations.vllm.params import KvRole
 from kvwire.integrations.vllm.worker import Finished
 from kvwire.testing.vllm_worker import (
@@ -31,7 +34,6 @@ from kvwire.testing.vllm_worker import (
 )
 
 pytestmark = pytest.mark.nixl
-pytest.importorskip("torch")  # not a kvwire dependency: the worker processes allocate torch tensors
 
 MODEL = Model(num_layers=3, kv_heads=4, head_dim=64, block_size=16, num_blocks=64)
 N = 5 * MODEL.block_size - 3  # the last block is partial

@@ -137,6 +137,8 @@ class WorkerSide:
                     self._done.failed_recving.add(op.req_id)
 
     def _apply(self, op: Op) -> None:
+        log.debug("kvwire: %s %s transfer_id=%s blocks=%d tokens=%d cached=%d", op.kind.value, op.req_id,
+                  op.transfer_id, len(op.block_ids), op.num_tokens, op.num_cached_tokens)  # fmt: skip
         if op.kind is OpKind.SEND and self.producer is not None:
             self._sends[op.transfer_id] = op.req_id
             self.producer.request_finished(op.transfer_id, op.block_ids, op.num_tokens)
@@ -163,14 +165,18 @@ class WorkerSide:
         return out
 
     def _on_producer(self, e: ProducerEvent) -> None:
+        log.debug("kvwire: transfer_id=%s P %s", e.transfer_id, e.outcome.value)
         req = self._sends.pop(e.transfer_id, None)
         if req is None:
             return
-        if e.outcome is not ProducerOutcome.SENT:
+        if e.outcome not in (ProducerOutcome.SENT, ProducerOutcome.PULLED):
             log.info("kvwire: P's hold on %s ended %s", req, e.outcome.value)
         self._done.sending.add(req)
 
     def _on_consumer(self, e: ConsumerEvent) -> None:
+        log.debug(
+            "kvwire: transfer_id=%s D %s %s", e.transfer_id, e.kind.value, e.reason.value if e.reason else ""
+        )
         if e.kind is ConsumerEventKind.FAILED:
             self._failed.add(e.transfer_id)
             return
