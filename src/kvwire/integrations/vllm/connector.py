@@ -38,8 +38,9 @@ log = logging.getLogger("kvwire.vllm")
 class KvwireMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """One step's operations, from the scheduler process to every worker."""
 
-    def __init__(self, ops: list[Op]) -> None:
+    def __init__(self, ops: list[Op], idle: bool = False) -> None:
         self.ops = ops
+        self.idle = idle  # nothing scheduled this step: the worker may wait for kvwire's next event
 
 
 def _configure_logging() -> None:
@@ -120,7 +121,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._s().allocated(request.request_id, ids, len(request.prompt_token_ids), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvwireMetadata:
-        return KvwireMetadata(self._s().take_ops())
+        idle = int(getattr(scheduler_output, "total_num_scheduled_tokens", 1)) == 0
+        return KvwireMetadata(self._s().take_ops(), idle=idle)
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._s().transfers_ended(
@@ -168,7 +170,10 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return res.finished_sending or None, res.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        done = self._w().finished()
+        meta = self._connector_metadata
+        worker = self._w()
+        idle = isinstance(meta, KvwireMetadata) and meta.idle
+        done = worker.finished(worker.settings.idle_step_wait_ms / 1e3 if idle else 0.0)
         return KVConnectorTransferResults(
             finished_sending=done.sending, finished_recving=done.recving, failed_recving=done.failed_recving
         )

@@ -59,6 +59,10 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     handshake_timeout_s: float = 5.0
     handshake_retries: int = 3
     kv_load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.FAIL
+    # A step with nothing scheduled while transfers are live (vLLM steps back to back while a request
+    # waits for KV or P holds blocks): the worker sleeps up to this long, woken at once by any kvwire
+    # event, instead of spinning engine and worker processes through empty steps. 0 turns it off.
+    idle_step_wait_ms: float = 5.0
 
     def connector_config(self) -> ConnectorConfig:
         names = {f.name for f in dataclasses.fields(ConnectorConfig)}

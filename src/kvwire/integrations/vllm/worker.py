@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +74,7 @@ class WorkerSide:
         self._loads: dict[str, str] = {}  # D: transfer_id -> vLLM request id, until READY or RELEASED
         self._failed: set[str] = set()  # D: transfer ids that FAILED and are not RELEASED yet
         self._done = Finished()
+        self._news = threading.Event()  # set by kvwire's loop thread on every event
 
     # -- start-up --------------------------------------------------------------------------------------
     def register(self, kv_caches: Mapping[str, Any]) -> None:
@@ -96,12 +98,14 @@ class WorkerSide:
             if self.role.produces:
                 info, ranks, port = self._parts("p", 0)
                 self.producer = Producer(info, ranks, self.settings.connector_config(), **self._net(port))
+                self.producer.on_event(self._news.set)
                 self.producer.start()
             if self.role.consumes:
                 # kv_both: the consumer's side channel sits after every producer rank's.
                 offset = p.tp_size * p.pp_size if self.role.produces else 0
                 info, ranks, port = self._parts("d", offset)
                 self.consumer = Consumer(info, ranks, self.settings.connector_config(), **self._net(port))
+                self.consumer.on_event(self._news.set)
                 self.consumer.start()
         except BaseException:
             self.close()
@@ -153,8 +157,12 @@ class WorkerSide:
             if tid is not None:
                 self.consumer.abort(tid)  # reported when kvwire says RELEASED (or READY, if first)
 
-    def finished(self) -> Finished:
-        """What ended since the last call (each request reported once)."""
+    def finished(self, wait_s: float = 0.0) -> Finished:
+        """What ended since the last call (each request reported once). With ``wait_s`` and transfers
+        live but nothing new, first wait that long for kvwire's next event (an idle engine step)."""
+        if wait_s > 0 and (self._sends or self._loads) and not self._done.sending and not self._done.recving:
+            self._news.wait(wait_s)
+        self._news.clear()
         if self.producer is not None:
             for pe in self.producer.poll():
                 self._on_producer(pe)
