@@ -56,6 +56,9 @@ class SchedulerSide:
         self._pending: dict[str, _Pending] = {}  # D: matched, blocks not yet allocated
         self._loading: set[str] = set()  # D: LOAD sent to the workers, not yet reported finished
         self._sending: set[str] = set()  # P: SEND sent, not yet reported finished
+        # D: requests whose LOAD went out, until they end. vLLM asks again after a preemption (or a failed
+        # load under kv_load_failure_policy=recompute): P has let go by then, so D recomputes locally.
+        self._loaded: set[str] = set()
         self._ops: list[Op] = []
 
     # -- D ---------------------------------------------------------------------------------------------
@@ -66,7 +69,7 @@ class SchedulerSide:
         if not self.role.consumes:
             return 0, False
         params = parse_params(raw)
-        if params is None or not params.do_remote_prefill:
+        if params is None or not params.do_remote_prefill or req_id in self._loaded:
             return 0, False
         params.remote()  # malformed remote parameters fail this request now, not in a worker
         count = num_prompt_tokens - num_computed_tokens
@@ -86,6 +89,7 @@ class SchedulerSide:
             return  # not a remote load, or the second call after the load finished
         params = pending.params
         self._loading.add(req_id)
+        self._loaded.add(req_id)
         self._ops.append(
             Op(
                 OpKind.LOAD,
@@ -109,6 +113,7 @@ class SchedulerSide:
     ) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's ``request_finished``: (delay freeing the blocks, kv_transfer_params for the client)."""
         self._pending.pop(req_id, None)
+        self._loaded.discard(req_id)
         if req_id in self._loading:
             # vLLM keeps the blocks of a request aborted while waiting for KV until finished_recving.
             self._ops.append(Op(OpKind.ABORT, req_id, req_id))
