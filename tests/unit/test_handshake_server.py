@@ -220,20 +220,25 @@ def test_idle_connection_is_closed() -> None:
 def test_auth_good_missing_wrong_and_replayed() -> None:
     async def body() -> None:
         async with make_server(secret=SECRET) as server:
-            good = sign(GetMetadata(pp_rank=0, tp_rank=0), SECRET)
+            me = f"127.0.0.1:{server.port}"
+            good = sign(GetMetadata(pp_rank=0, tp_rank=0), SECRET, target=me)
             replies, _ = await exchange(server.port, encode_frame(good))
             assert isinstance(replies[0], Metadata)
             for bad in (
                 GetMetadata(pp_rank=0, tp_rank=0),  # missing
-                sign(GetMetadata(pp_rank=0, tp_rank=0), b"other"),  # wrong secret
+                sign(GetMetadata(pp_rank=0, tp_rank=0), b"other", target=me),  # wrong secret
                 msgspec.structs.replace(good, tp_rank=1),  # tampered after signing
                 good,  # replayed
+                # signed by a real peer for another side channel (an outsider's), relayed here
+                sign(GetMetadata(pp_rank=0, tp_rank=0), SECRET, target="127.0.0.1:1"),
+                # made long ago (a captured request, the guard of that time gone with a restart)
+                sign(GetMetadata(pp_rank=0, tp_rank=0), SECRET, target=me, now_ms=1_000),
             ):
                 replies, closed = await exchange(server.port, encode_frame(bad))
                 assert isinstance(replies[0], ErrorReply), bad
                 assert replies[0].code is ErrorCode.UNAUTHORIZED
                 assert not closed  # a refusal of a well-formed request keeps the connection
-            assert server.stats.replies[ErrorCode.UNAUTHORIZED.value] == 4
+            assert server.stats.replies[ErrorCode.UNAUTHORIZED.value] == 6
 
     run(body)
 

@@ -20,10 +20,11 @@ from kvwire.protocol.messages import GetMetadata, TransferMode
 
 SECRET = b"cluster-secret"
 NONCE = bytes(range(16))
+T = "10.0.0.1:5600"
 
 
 def test_sign_then_verify_round_trips_over_the_wire() -> None:
-    req = sign(GetMetadata(pp_rank=1, tp_rank=2, notif_only=True), SECRET)
+    req = sign(GetMetadata(pp_rank=1, tp_rank=2, notif_only=True), SECRET, target=T)
     assert req.nonce is not None and len(req.nonce) == 16 and req.auth is not None
     (back,) = FrameDecoder().feed(encode_frame(req))
     assert isinstance(back, GetMetadata)
@@ -31,27 +32,28 @@ def test_sign_then_verify_round_trips_over_the_wire() -> None:
 
 
 def test_signature_is_hmac_sha256_over_canonical_fields() -> None:
-    req = sign(GetMetadata(pp_rank=1, tp_rank=2), SECRET, nonce=NONCE)
-    canonical = msgspec.msgpack.encode([b"kvwire/get_metadata", 1, 1, 2, False, NONCE])
+    req = sign(GetMetadata(pp_rank=1, tp_rank=2), SECRET, target=T, nonce=NONCE, now_ms=1234)
+    canonical = msgspec.msgpack.encode([b"kvwire/get_metadata/2", 1, 1, 2, False, NONCE, T, 1234])
     assert signed_bytes(req) == canonical
     assert req.auth == hmac.new(SECRET, canonical, hashlib.sha256).digest()
 
 
 def test_fresh_nonce_each_time() -> None:
     base = GetMetadata(pp_rank=0, tp_rank=0)
-    assert sign(base, SECRET).nonce != sign(base, SECRET).nonce
+    assert sign(base, SECRET, target=T).nonce != sign(base, SECRET, target=T).nonce
 
 
-@pytest.mark.parametrize("field", ["pp_rank", "tp_rank", "notif_only", "version", "nonce"])
+@pytest.mark.parametrize("field", ["pp_rank", "tp_rank", "notif_only", "version", "nonce", "target", "ts_ms"])
 def test_any_tampered_field_fails(field: str) -> None:
-    req = sign(GetMetadata(pp_rank=0, tp_rank=0), SECRET, nonce=NONCE)
-    changed = {"pp_rank": 1, "tp_rank": 3, "notif_only": True, "version": 2, "nonce": b"x" * 16}[field]
+    req = sign(GetMetadata(pp_rank=0, tp_rank=0), SECRET, target=T, nonce=NONCE)
+    changed = {"pp_rank": 1, "tp_rank": 3, "notif_only": True, "version": 2, "nonce": b"x" * 16,
+               "target": "10.0.0.9:5600", "ts_ms": 1}[field]  # fmt: skip
     with pytest.raises(AuthError, match="signature"):
         verify(msgspec.structs.replace(req, **{field: changed}), SECRET)
 
 
 def test_wrong_secret_missing_or_bad_auth_fail() -> None:
-    req = sign(GetMetadata(pp_rank=0, tp_rank=0), SECRET)
+    req = sign(GetMetadata(pp_rank=0, tp_rank=0), SECRET, target=T)
     with pytest.raises(AuthError):
         verify(req, b"other")
     with pytest.raises(AuthError, match="not authenticated"):
@@ -63,9 +65,25 @@ def test_wrong_secret_missing_or_bad_auth_fail() -> None:
     with pytest.raises(AuthError):
         verify(msgspec.structs.replace(req, auth=b""), SECRET)
     with pytest.raises(AuthError):
-        sign(req, b"")
+        sign(req, b"", target=T)
     with pytest.raises(AuthError):
-        sign(req, SECRET, nonce=b"short")
+        sign(req, SECRET, target=T, nonce=b"short")
+
+
+def test_request_relayed_to_another_side_channel_or_stale_is_refused() -> None:
+    """The relay: an engine signs a request to an address an outsider named; the outsider forwards it to
+    another engine. That engine sees the request was signed for someone else."""
+    req = sign(GetMetadata(pp_rank=0, tp_rank=0), SECRET, target="127.0.0.1:40001")
+    verify(req, SECRET, is_mine=lambda t: t == "127.0.0.1:40001")
+    with pytest.raises(AuthError, match=r"signed for 127\.0\.0\.1:40001"):
+        verify(req, SECRET, is_mine=lambda t: t == "127.0.0.1:5600")
+    assert req.ts_ms is not None
+    with pytest.raises(AuthError, match="stale"):
+        verify(req, SECRET, now_ms=req.ts_ms + 31_000)
+    verify(req, SECRET, now_ms=req.ts_ms + 29_000)
+    unbound = msgspec.structs.replace(req, target=None)
+    with pytest.raises(AuthError, match="not bound"):
+        verify(unbound, SECRET)
 
 
 def test_no_secret_accepts_anything() -> None:
@@ -75,7 +93,7 @@ def test_no_secret_accepts_anything() -> None:
 
 def test_replay_guard_refuses_repeats_and_is_bounded() -> None:
     guard = ReplayGuard(capacity=2)
-    reqs = [sign(GetMetadata(pp_rank=0, tp_rank=0), SECRET) for _ in range(3)]
+    reqs = [sign(GetMetadata(pp_rank=0, tp_rank=0), SECRET, target=T) for _ in range(3)]
     guard.check(reqs[0])
     with pytest.raises(AuthError, match="replayed"):
         guard.check(reqs[0])

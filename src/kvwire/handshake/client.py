@@ -112,7 +112,7 @@ async def _request(
 ) -> tuple[Metadata, float, float]:
     req = GetMetadata(pp_rank=addr.pp_rank, tp_rank=addr.tp_rank, notif_only=notif_only)
     if secret:
-        req = sign(req, secret)
+        req = sign(req, secret, target=f"{addr.host}:{addr.port}")
     sent_wall, sent = time.time(), time.perf_counter()
     writer.write(encode_frame(req))
     await writer.drain()

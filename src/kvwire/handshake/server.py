@@ -248,10 +248,18 @@ class SideChannelServer:
             return self._refuse(ErrorCode.INCOMPATIBLE, str(exc))
         return self._refuse(ErrorCode.BAD_REQUEST, str(exc))
 
+    def _is_mine(self, target: str) -> bool:
+        """Whether a request signed for ``target`` (host:port as the requester dialled it) is for us."""
+        host, _, port = target.rpartition(":")
+        if port != str(self._port):
+            return False
+        # Bound to every interface: the requester may have dialled any of our addresses.
+        return self._host in ("0.0.0.0", "::", "") or host.strip("[]") == self._host
+
     def answer(self, req: GetMetadata) -> Metadata | ErrorReply:
         """The reply to one decoded request."""
         try:
-            verify(req, self._secret)
+            verify(req, self._secret, is_mine=self._is_mine)
             if self._replays is not None:
                 self._replays.check(req)
         except AuthError as exc:

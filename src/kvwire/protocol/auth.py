@@ -1,12 +1,16 @@
 """Shared-secret authentication of side-channel ``get_metadata`` requests (wire contract v1).
 
 ``auth`` is HMAC-SHA256, keyed with the cluster's shared secret, over a canonical encoding of the request's
-other fields: the msgpack array ``[b"kvwire/get_metadata", version, pp_rank, tp_rank, notif_only, nonce]``.
-An explicit array, not the encoded Struct, so that a field added later (with a default) does not change what
-an older peer computes; such a field is authenticated only once it is appended here under a new version.
+other fields: the msgpack array ``[b"kvwire/get_metadata/2", version, pp_rank, tp_rank, notif_only, nonce,
+target, ts_ms]``. An explicit array, not the encoded Struct, so that a field added later (with a default)
+does not change what an older peer computes.
 
-The nonce (16 random bytes) makes every signature distinct. It does not by itself stop a replay; a server
-that cares keeps a ``ReplayGuard`` of the nonces it has accepted.
+Why ``target`` and ``ts_ms``: engines send signed requests to addresses taken from requests (a decode
+leg's ``remote_host``, a ``push_reg``'s ``host``). Without them, an outsider who made an engine sign a
+request to its own listener could relay it to any other engine and collect that engine's metadata (the
+relay that let an outsider write into D's cache). A request now names the side channel it was meant for
+(``host:port`` as dialled) and when it was made; a server refuses one meant for another address, older or
+newer than ``MAX_SKEW_MS``, or whose nonce it accepted before (``ReplayGuard``, sized for that window).
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 import msgspec
 
@@ -22,40 +28,63 @@ from kvwire.errors import AuthError, ConfigError
 from kvwire.protocol.messages import GetMetadata
 
 NONCE_BYTES = 16
-_DOMAIN = b"kvwire/get_metadata"
+_DOMAIN = b"kvwire/get_metadata/2"
+MAX_SKEW_MS = 30_000  # clocks of a cluster agree far better (NTP); a longer window only helps a replay
 _ENCODER = msgspec.msgpack.Encoder()
 
 
 def signed_bytes(req: GetMetadata) -> bytes:
     """The canonical bytes that ``auth`` covers."""
-    return _ENCODER.encode([_DOMAIN, req.version, req.pp_rank, req.tp_rank, req.notif_only, req.nonce])
+    return _ENCODER.encode(
+        [_DOMAIN, req.version, req.pp_rank, req.tp_rank, req.notif_only, req.nonce, req.target, req.ts_ms]
+    )
 
 
 def _mac(req: GetMetadata, secret: bytes) -> bytes:
     return hmac.new(secret, signed_bytes(req), hashlib.sha256).digest()
 
 
-def sign(req: GetMetadata, secret: bytes, *, nonce: bytes | None = None) -> GetMetadata:
-    """A copy of ``req`` with a fresh nonce (or the given one, for tests) and its ``auth``."""
+def sign(
+    req: GetMetadata, secret: bytes, *, target: str, now_ms: int | None = None, nonce: bytes | None = None
+) -> GetMetadata:
+    """A copy of ``req`` bound to ``target`` (``host:port`` being dialled) and now, with a fresh nonce (or
+    the given one, for tests) and its ``auth``."""
     if not secret:
         raise AuthError("an empty secret cannot sign")
+    ts = int(time.time() * 1000) if now_ms is None else now_ms
     fresh = nonce if nonce is not None else os.urandom(NONCE_BYTES)
     if len(fresh) != NONCE_BYTES:
         raise AuthError(f"nonce must be {NONCE_BYTES} bytes, got {len(fresh)}")
-    unsigned = msgspec.structs.replace(req, nonce=fresh, auth=None)
+    unsigned = msgspec.structs.replace(req, nonce=fresh, auth=None, target=target, ts_ms=ts)
     return msgspec.structs.replace(unsigned, auth=_mac(unsigned, secret))
 
 
-def verify(req: GetMetadata, secret: bytes | None) -> None:
-    """Accept ``req`` or raise ``AuthError``. Without a secret (``None`` or empty) every request passes."""
+def verify(
+    req: GetMetadata,
+    secret: bytes | None,
+    *,
+    is_mine: Callable[[str], bool] | None = None,
+    now_ms: int | None = None,
+) -> None:
+    """Accept ``req`` or raise ``AuthError``. Without a secret (``None`` or empty) every request passes.
+    ``is_mine(target)``: whether the request was meant for this server (None: not checked)."""
     if not secret:
         return
-    if req.auth is None or req.nonce is None:
-        raise AuthError("request is not authenticated, but this side requires a shared secret")
+    if req.auth is None or req.nonce is None or req.target is None or req.ts_ms is None:
+        raise AuthError(
+            "request is not authenticated (or not bound to a target), but this side requires a shared secret"
+        )
     if len(req.nonce) != NONCE_BYTES:
         raise AuthError(f"nonce must be {NONCE_BYTES} bytes, got {len(req.nonce)}")
     if not hmac.compare_digest(req.auth, _mac(req, secret)):
         raise AuthError("bad request signature")
+    if is_mine is not None and not is_mine(req.target):
+        raise AuthError(f"request was signed for {req.target}, not for this side channel (relayed?)")
+    now = int(time.time() * 1000) if now_ms is None else now_ms
+    if abs(now - req.ts_ms) > MAX_SKEW_MS:
+        raise AuthError(
+            f"request made {(now - req.ts_ms) / 1e3:.0f} s from now: stale or replayed, or clocks differ"
+        )
 
 
 class ReplayGuard:

@@ -69,6 +69,10 @@ class GetMetadata(msgspec.Struct, tag="get_metadata", tag_field="type", kw_only=
     notif_only: bool = False
     nonce: bytes | None = None
     auth: bytes | None = None
+    # Added fields (v1-compatible), required with a shared secret: the side channel the request was meant
+    # for, as dialled ("host:port"), and the requester's wall clock in ms (see protocol/auth.py).
+    target: str | None = None
+    ts_ms: int | None = None
 
 
 class KVInfo(msgspec.Struct, kw_only=True):
