@@ -8,9 +8,9 @@ full handshake, kvwire's handshake is O(regions)), then every (prompt tokens, co
 are compared with the colocated server's (``matched``); handshake times are read from the servers' logs.
 
 P is pinned to core 0 and D to core 1 (``VLLM_CPU_OMP_THREADS_BIND``). vLLM's NIXL worker moves its own
-process to the last core at start, and its NIXL agent runs a UCX progress thread that spins: after start
-every thread is re-pinned to its engine's core and the threads that burn CPU while the engine is idle
-are reniced (as the figures in the reference notes were taken), so neither engine starves the other.
+process to the last core at start: after start every thread of each engine is re-pinned to its core, so
+neither engine runs on the other's. Nothing is reniced: each connector runs as it would in production
+(vLLM's NIXL agent keeps its UCX progress thread, which competes with its own engine).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import os
 import re
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -51,26 +50,19 @@ _HANDSHAKE_LINES = (
 )
 
 
-def _repin(server: Server, core: int, spin_check_s: float = 1.0) -> int:
-    """Pin every thread of ``server``'s processes to ``core``; renice the ones busy while idle."""
+def _repin(server: Server, core: int) -> int:
+    """Pin every thread of ``server``'s processes to ``core`` (vLLM's NIXL worker moves itself to the last
+    core at start); returns how many threads were pinned."""
     assert server.proc is not None
-    pids = _tree(server.proc.pid)
-    tids = [int(t) for pid in pids for t in _listdir(f"/proc/{pid}/task")]
-    before = {tid: _cpu_ticks(tid) for tid in tids}
+    tids = [int(t) for pid in _tree(server.proc.pid) for t in _listdir(f"/proc/{pid}/task")]
+    pinned = 0
     for tid in tids:
         try:
             os.sched_setaffinity(tid, {core})
+            pinned += 1
         except OSError:
             continue
-    time.sleep(spin_check_s)
-    ticks = os.sysconf("SC_CLK_TCK")
-    spinning = [t for t in tids if _cpu_ticks(t) - before[t] > 0.3 * ticks * spin_check_s]
-    for tid in spinning:
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, 19)
-        except OSError:
-            continue
-    return len(spinning)
+    return pinned
 
 
 def _listdir(path: str) -> list[str]:
@@ -91,14 +83,6 @@ def _tree(root: int) -> list[int]:
             except OSError:
                 continue
     return out
-
-
-def _cpu_ticks(tid: int) -> int:
-    try:
-        fields = Path(f"/proc/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0
-    return int(fields[11]) + int(fields[12])
 
 
 def handshakes(connector: ConnectorKind, logs: Sequence[Path]) -> list[dict[str, Any]]:
@@ -202,13 +186,13 @@ class Bench:
         name = f"{kind.value}-{mode}"
         with ServerGroup(self.out / name) as group:
             p, d = start_engines(group, self.python, Path(self.model), engines)
-            spinning = _repin(p, 0) + _repin(d, 1)
+            _repin(p, 0)
+            _repin(d, 1)
             target = PDTarget(kind, mode, p.url, d.url, "prefill", p_sc, self.model)
             async with httpx.AsyncClient(timeout=self.args.request_timeout) as client:
                 run = lambda q: disaggregated(client, target, q, MAX_TOKENS)  # noqa: E731
                 first = await _wave(run, [self.first_prompt], 1)
-                label = {"connector": kind.value, "mode": mode, "kv_blocks": int(gib * 2**30) // BLOCK_BYTES,
-                         "spinning_threads_reniced": spinning}  # fmt: skip
+                label = {"connector": kind.value, "mode": mode, "kv_blocks": int(gib * 2**30) // BLOCK_BYTES}
                 first_row = _case_row(label, first, [self.expected[self.first_prompt]])
                 first_row["ttft_ms"] = first_row.pop("ttft_p50_ms")
                 first_row.pop("ttft_p99_ms")
