@@ -100,6 +100,13 @@ class KvMetrics:
             registry=r,
         )
         self.failures = Counter("kvwire_failures", "Transfer failures, by reason", ["reason"], registry=r)
+        self.dropped = Counter(
+            "kvwire_dropped_notifications",
+            "Peer notifications dropped before touching any state, by reason (malformed, wrong_sender, "
+            "stale_incarnation, unknown_transfer, duplicate, overload, ...)",
+            ["reason"],
+            registry=r,
+        )
         self.blocks_in_use = Gauge("kvwire_blocks_in_use", "KV blocks allocated", registry=r)
         self.blocks_quarantined = Gauge(
             "kvwire_blocks_quarantined", "KV blocks held back after a failed or unknown transfer", registry=r
@@ -150,6 +157,9 @@ class KvMetrics:
     def record_failure(self, reason: FailReason) -> None:
         """A failure that is not tied to one posted transfer (handshake failed, fence expired, ...)."""
         self.failures.labels(reason=reason.value).inc()
+
+    def record_dropped(self, reason: str, count: int = 1) -> None:
+        self.dropped.labels(reason=reason).inc(count)
 
     def record_handshake(self, stats: HandshakeStats) -> None:
         self.handshakes.labels(mode=stats.mode.value).inc()

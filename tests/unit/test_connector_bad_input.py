@@ -10,7 +10,7 @@ import random
 import pytest
 from connector_env import Pair, wait_for
 
-from kvwire.connector import ConsumerEventKind, ProducerOutcome
+from kvwire.connector import ConnectorConfig, ConsumerEventKind, ProducerOutcome
 from kvwire.connector.testing import build_engine, same_bytes, untouched_blocks_zero
 from kvwire.handshake.server import SideChannelServer
 from kvwire.kv.spec import KVSpec
@@ -248,4 +248,24 @@ def test_mutated_notifications_never_crash_or_write() -> None:
         assert same_bytes(pair.d_tokens([0, 1], range(8)), kv)
         assert untouched_blocks_zero(pair.d.ranks, [0, 1])
     finally:
+        pair.close()
+
+
+def test_a_flood_of_early_push_regs_is_bounded_and_counted() -> None:
+    """One peer registering many transfers P never finished: past the bound they are dropped (counted as
+    overload) before any state, handshake or log line; a real request is still served afterwards."""
+    cap = 8
+    pair = Pair(SPEC, config=ConnectorConfig(max_early_registrations=cap))
+    bare = BareD(pair)
+    try:
+        for i in range(3 * cap):
+            bare.push_reg(f"flood{i}", [1], 4)
+        wait_for(lambda: pair.producer.stats.dropped_notifs["overload"] == 2 * cap, "the overload drops")
+        assert pair.on_loop(lambda: len(pair.producer._live)) == cap
+        pair.fill_p([2, 3], 8)
+        pair.producer.request_finished("flood0", [2, 3], 8)  # one of the admitted ones is real
+        wait_for(lambda: [m for m in bare.received() if isinstance(m, Done)], "done for the real request")
+        assert pair.on_loop(lambda: pair.producer._early) == cap - 1
+    finally:
+        bare.close()
         pair.close()

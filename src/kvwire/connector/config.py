@@ -44,6 +44,9 @@ class ConnectorConfig:
     idle_poll_interval_s: float = 0.002
     # How long P remembers an ended registration, to answer a late cancel or push_reg correctly.
     tombstone_s: float = 60.0
+    # P: registrations for requests it has not finished yet (D registers while P prefills) at most; more
+    # are dropped (counted as "overload"): one peer's flood of push_regs cannot grow P without bound.
+    max_early_registrations: int = 4096
 
     def __post_init__(self) -> None:
         positive = {
@@ -61,6 +64,8 @@ class ConnectorConfig:
         for name, value in positive.items():
             if not value > 0:
                 raise ConfigError(f"{name} must be positive, got {value!r}")
+        if self.max_early_registrations <= 0:
+            raise ConfigError(f"max_early_registrations must be positive, got {self.max_early_registrations}")
         if self.dead_peer_grace_s < 0 or self.handshake_retries < 0:
             raise ConfigError("dead_peer_grace_s and handshake_retries must not be negative")
         if self.liveness_timeout_s <= self.heartbeat_interval_s:

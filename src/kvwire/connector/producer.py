@@ -85,6 +85,7 @@ class Producer(ConnectorBase[ProducerEvent]):
         # The timers walk only the live requests; tombstones wait in a queue ordered by forget_at (the
         # tombstone period is fixed), so a busy engine's thousands of ended requests cost nothing per tick.
         self._live: dict[str, Request] = {}
+        self._early = 0  # live requests still PREFILLING (registered by D, not finished here yet)
         self._tombs: collections.deque[Request] = collections.deque()
         self._inflight: set[Reg] = set()
         self._layouts = {
@@ -115,6 +116,7 @@ class Producer(ConnectorBase[ProducerEvent]):
         req = self._requests.get(transfer_id)
         if req is None:
             req = self._requests[transfer_id] = self._live[transfer_id] = Request(transfer_id)
+            self._early += 1
         return req
 
     def _finished(self, transfer_id: str, block_ids: list[int], num_tokens: int) -> None:
@@ -126,6 +128,7 @@ class Producer(ConnectorBase[ProducerEvent]):
         if req.phase is Phase.HELD:
             log.warning("producer: %s finished twice; ignored", transfer_id)
             return
+        self._early -= 1  # PREFILLING -> HELD
         req.phase, req.block_ids, req.num_tokens = Phase.HELD, block_ids, num_tokens
         req.lease_until = now + self.config.kv_lease_duration_s
         for reg in list(req.regs.values()):
@@ -146,6 +149,8 @@ class Producer(ConnectorBase[ProducerEvent]):
         self._settle(req, now)
 
     def _end(self, req: Request, how: ProducerOutcome, now: float, *, emit: bool) -> None:
+        if req.phase is Phase.PREFILLING:
+            self._early -= 1
         req.phase, req.outcome = Phase.ENDED, how
         req.forget_at = now + self.config.tombstone_s
         if self._live.pop(req.transfer_id, None) is req:
@@ -185,6 +190,11 @@ class Producer(ConnectorBase[ProducerEvent]):
     def _on_push_reg(self, key: RankKey, sender: str, msg: PushReg, now: float) -> None:
         if self.config.mode is not TransferMode.PUSH:
             self._drop("unexpected", f"push_reg in {self.config.mode.value} mode")
+            return
+        if msg.transfer_id not in self._requests and self._early >= self.config.max_early_registrations:
+            self._drop(
+                "overload", f"push_reg {msg.transfer_id}: {self._early} registrations wait for prefill"
+            )
             return
         req = self._request(msg.transfer_id)
         if (key, sender) in req.regs:

@@ -149,6 +149,7 @@ class ConnectorMetrics:
         self._transfers = 0
         self._bytes = 0
         self._failures: dict[Any, int] = {}
+        self._dropped: dict[str, int] = {}
         self._handshakes: dict[tuple[Any, PeerMode], int] = {}
 
     def sync(self) -> None:
@@ -163,6 +164,10 @@ class ConnectorMetrics:
                 secs = durations[i] if i < len(durations) else durations[-1]
                 self.metrics.record_transfer(TransferStats(self.connector.config.mode, per, secs))
         self._transfers, self._bytes = st.transfers_done, st.bytes_moved
+        for why, count in list(st.dropped_notifs.items()):
+            if count > self._dropped.get(why, 0):
+                self.metrics.record_dropped(why, count - self._dropped.get(why, 0))
+                self._dropped[why] = count
         for reason, count in st.failures.items():
             for _ in range(count - self._failures.get(reason, 0)):
                 self.metrics.record_failure(reason)
