@@ -7,10 +7,11 @@ order: its first request (TTFT with a large KV cache: vLLM prepares a descriptor
 full handshake, kvwire's handshake is O(regions)), then every (prompt tokens, concurrency) case. Answers
 are compared with the colocated server's (``matched``); handshake times are read from the servers' logs.
 
-P is pinned to core 0 and D to core 1 (``VLLM_CPU_OMP_THREADS_BIND``). vLLM's NIXL worker moves its own
-process to the last core at start: after start every thread of each engine is re-pinned to its core, so
-neither engine runs on the other's. Nothing is reniced: each connector runs as it would in production
-(vLLM's NIXL agent keeps its UCX progress thread, which competes with its own engine).
+P is pinned to core 0 and D to core 1 (``VLLM_CPU_OMP_THREADS_BIND``), the colocated engine to core 0.
+vLLM's NIXL worker moves its own process to the last core at start: after start every thread of each
+engine (API server, engine core, worker) is re-pinned to its core, so neither engine runs on the other's.
+Nothing is reniced: each connector runs as it would in production (vLLM's NIXL agent keeps its UCX
+progress thread; vLLM's engine core spin-waits for its worker, on the same core here).
 """
 
 from __future__ import annotations
@@ -150,6 +151,7 @@ class Bench:
     async def colocated(self) -> list[dict[str, Any]]:
         with ServerGroup(self.out / "colocated") as group:
             (server,) = start_engines(group, self.python, Path(self.model), [VllmEngine("colocated", core=0)])
+            _repin(server, 0)  # one core per engine, as P and D get
             async with httpx.AsyncClient(timeout=self.args.request_timeout) as client:
                 for p in self._prompt_list():  # the reference answers, one at a time
                     self.expected[p] = (await colocated(client, server.url, self.model, p, MAX_TOKENS)).text
