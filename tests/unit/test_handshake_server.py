@@ -271,3 +271,27 @@ def test_rank_whose_agent_is_closed_is_refused_not_crashed() -> None:
             assert isinstance(replies[1], Metadata) and not closed
 
     run(body)
+
+
+def test_connections_beyond_the_per_host_cap_are_closed_and_counted() -> None:
+    """A peer holding connections open cannot take the listener: past the cap its new ones are closed at
+    once; when it lets one go, a new connection is served again."""
+
+    async def body() -> None:
+        fabric = InprocFabric()
+        info, ranks = build_engine("P", SPEC, 16, fabric.create_agent)
+        async with SideChannelServer(info, ranks, max_connections_per_host=3) as server:
+            held = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(3)]
+            await asyncio.sleep(0.05)  # let the server accept them
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # refused: closed at once
+            writer.close()
+            assert server.stats.refused_connections == 1
+            held[0][1].close()
+            await asyncio.sleep(0.05)
+            replies, _ = await exchange(server.port, encode_frame(GetMetadata(pp_rank=0, tp_rank=0)))
+            assert isinstance(replies[0], Metadata)
+            for _, w in held[1:]:
+                w.close()
+
+    run(body)

@@ -380,10 +380,15 @@ class Producer(ConnectorBase[ProducerEvent]):
 
     def _on_heartbeat(self, msg: Heartbeat, now: float) -> None:
         self._touch_peer(msg.engine_id)
+        unknown = 0
         for tid in msg.transfer_ids:
             req = self._requests.get(tid)
-            if req is not None and req.phase is Phase.HELD:
+            if req is None:
+                unknown += 1
+            elif req.phase is Phase.HELD:
                 req.lease_until = max(req.lease_until, now + self.config.kv_lease_duration_s)
+        if unknown:  # a peer naming transfers P does not hold: counted, never stored
+            self.stats.dropped_notifs["heartbeat_unknown_ids"] += unknown
 
     def _on_pull_end(self, msg: Done | Failed, now: float) -> None:
         req = self._requests.get(msg.transfer_id)

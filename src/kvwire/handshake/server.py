@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import Counter
@@ -34,6 +35,10 @@ log = logging.getLogger("kvwire.handshake")
 
 DEFAULT_IDLE_TIMEOUT_S = 10.0
 DEFAULT_MAX_REQUESTS = 64
+# Open connections at most, in all and from one peer address: a peer holding connections open (refused
+# requests keep one alive) cannot exhaust the listener's sockets or starve other peers.
+DEFAULT_MAX_CONNECTIONS = 256
+DEFAULT_MAX_CONNECTIONS_PER_HOST = 32
 _ACCEPT_STEPS = 3  # loop steps from an accepted socket to connection_made (see _stop_accepting)
 
 
@@ -42,6 +47,7 @@ class ServerStats:
     """Counters of one side-channel server."""
 
     connections: int = 0
+    refused_connections: int = 0  # over max_connections (in all or from one host): closed at once
     replies: Counter[str] = field(default_factory=Counter)  # "metadata" | "notif_only" | ErrorCode value
 
 
@@ -91,6 +97,8 @@ class SideChannelServer:
         *,
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
         max_requests_per_conn: int = DEFAULT_MAX_REQUESTS,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_connections_per_host: int = DEFAULT_MAX_CONNECTIONS_PER_HOST,
     ) -> None:
         self._ranks = {(r.pp_rank, r.tp_rank): r for r in ranks}
         if len(self._ranks) != len(ranks):
@@ -103,6 +111,9 @@ class SideChannelServer:
         self._replays = ReplayGuard() if self._secret else None
         self._idle_timeout_s = idle_timeout_s
         self._max_requests = max_requests_per_conn
+        self._max_conns = max_connections
+        self._max_per_host = max_connections_per_host
+        self._per_host: Counter[str] = Counter()
         self._server: asyncio.Server | None = None
         # Handler tasks and their writers are tracked from the moment a connection is accepted: a
         # handler cancelled before its first step never runs its ``finally``, so close() must close the
@@ -183,12 +194,22 @@ class SideChannelServer:
             writer.close()
             self._late.append(writer)  # close() waits for it
             return
+        peer = writer.get_extra_info("peername")
+        host = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        if len(self._conns) >= self._max_conns or self._per_host[host] >= self._max_per_host:
+            self.stats.refused_connections += 1
+            writer.close()
+            return
+        self._per_host[host] += 1
         task = asyncio.get_running_loop().create_task(self._on_connect(reader, writer))
         self._conns[task] = writer
-        task.add_done_callback(self._forget_conn)
+        task.add_done_callback(functools.partial(self._forget_conn, host))
 
-    def _forget_conn(self, task: asyncio.Task[None]) -> None:
+    def _forget_conn(self, host: str, task: asyncio.Task[None]) -> None:
         self._conns.pop(task, None)
+        self._per_host[host] -= 1
+        if self._per_host[host] <= 0:
+            del self._per_host[host]
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.stats.connections += 1
