@@ -289,3 +289,49 @@ async def test_decode_leg_fails_with_503_when_the_prefiller_is_unreachable() -> 
             assert (await dc.get("/health")).json()["load"]["free_blocks"] == 64
     finally:
         srv.stop()
+
+
+async def test_orphaned_decode_leg_releases_its_blocks_when_the_client_goes_away() -> None:
+    """A decode leg whose P never comes (or whose client hung up) must not pin D's blocks until the fence:
+    the server notices the disconnect while waiting and aborts the request."""
+    hub = LoopbackHub()
+    d = make_server(Role.DECODE, num_blocks=64)
+    d.engine.set_hooks(hub.consumer(d.engine.kv))
+    d.start()
+    params = {"do_remote_prefill": True, "transfer_id": "orphan", "remote_engine_id": "prefill-test",
+              "remote_host": "127.0.0.1", "remote_port": 5600}  # fmt: skip
+    body = json.dumps({"prompt": "x" * 200, "max_tokens": 4, "kv_transfer_params": params}).encode()
+    sent: list[dict[str, object]] = []
+    gone = asyncio.Event()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, object]:
+        if messages:
+            return messages.pop(0)
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 80)}  # fmt: skip
+    try:
+        leg = asyncio.create_task(d.app(scope, receive, send))
+        for _ in range(100):
+            if d.health()["load"]["free_blocks"] < 64:
+                break
+            await asyncio.sleep(0.02)
+        assert d.health()["load"]["free_blocks"] < 64, "the decode leg never allocated its blocks"
+        gone.set()  # the client hangs up
+        await asyncio.wait_for(leg, 5)
+        assert sent and sent[0]["status"] == 499
+        for _ in range(100):
+            if d.health()["load"]["free_blocks"] == 64:
+                break
+            await asyncio.sleep(0.02)
+        assert d.health()["load"]["free_blocks"] == 64
+    finally:
+        d.stop()

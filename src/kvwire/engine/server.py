@@ -38,6 +38,13 @@ from kvwire.errors import EngineOverloaded, InvalidRequest, KvwireError
 from kvwire.metrics import CONTENT_TYPE, BlockStats, KvMetrics, Outcome
 
 log = logging.getLogger(__name__)
+_DISCONNECT_CHECK_S = 0.25  # how often a waiting request checks that its client is still there
+_CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but logs and metrics do
+
+
+class ClientGone(Exception):
+    """The HTTP client of a request disconnected while it waited."""
+
 
 # Attempts at reading the block accounting while the engine thread changes it.
 _ACCOUNTING_TRIES = 5
@@ -210,9 +217,13 @@ class EngineServer:
         except (InvalidRequest, EngineOverloaded) as exc:
             return self._error(exc, started)
         try:
-            first = await queue.get()
-        except asyncio.CancelledError:
+            first = await self._next(http, queue)
+        except (asyncio.CancelledError, ClientGone) as exc:
+            # The client hung up (or the router cancelled this leg): a decode leg waiting for KV must not
+            # keep its blocks until the fence expires.
             self.engine.abort(req.request_id)
+            if isinstance(exc, ClientGone):
+                return Response(status_code=_CLIENT_CLOSED)
             raise
         if first.error is not None:
             return self._error(first.error, started)
@@ -223,9 +234,11 @@ class EngineServer:
         outs = [first]
         try:
             while not outs[-1].finished:
-                outs.append(await queue.get())
-        except asyncio.CancelledError:
+                outs.append(await self._next(http, queue))
+        except (asyncio.CancelledError, ClientGone) as exc:
             self.engine.abort(req.request_id)
+            if isinstance(exc, ClientGone):
+                return Response(status_code=_CLIENT_CLOSED)
             raise
         last = outs[-1]
         if last.error is not None:
@@ -289,6 +302,17 @@ class EngineServer:
         finally:
             if not out.finished:  # the client went away (or the server is stopping)
                 self.engine.abort(req.request_id)
+
+    @staticmethod
+    async def _next(http: Request, queue: asyncio.Queue[Any]) -> Any:
+        """The request's next output; ``ClientGone`` once its client disconnected (checked while waiting:
+        uvicorn does not cancel a plain HTTP handler when the client goes away)."""
+        while True:
+            try:
+                return await asyncio.wait_for(queue.get(), _DISCONNECT_CHECK_S)
+            except TimeoutError:
+                if await http.is_disconnected():
+                    raise ClientGone from None
 
     def _error(self, exc: BaseException, started: float) -> JSONResponse:
         status, body = error_body(exc)
