@@ -48,8 +48,18 @@ def _chosen(argv: Sequence[str]) -> str | None:
     return None
 
 
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("kvwire")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvwire", description="Move KV caches from prefill to decode.")
+    parser.add_argument("--version", action="version", version=f"kvwire {_version()}")
     top = parser.add_subparsers(dest="command", metavar="COMMAND")
     groups: dict[str, argparse._SubParsersAction[argparse.ArgumentParser]] = {}
     chosen = _chosen(argv)

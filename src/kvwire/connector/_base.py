@@ -42,6 +42,7 @@ E = TypeVar("E")
 _TIMER_PERIOD_S = 0.005
 _HOT_TICKS = 4  # ticks at the busy rate after any activity (see ConnectorBase._interval)
 _START_TIMEOUT_S = 10.0
+_WILDCARDS = ("0.0.0.0", "::", "")
 
 
 def sender_matches(sender: str, engine_id: str, incarnation: str) -> bool:
@@ -66,6 +67,7 @@ class ConnectorBase(Generic[E]):
         loop: BackgroundLoop | None = None,
         clock: Callable[[], float] = time.monotonic,
         warm_up: bool = True,
+        advertise_host: str | None = None,
     ) -> None:
         self.engine = engine
         self.config = config or ConnectorConfig()
@@ -76,7 +78,15 @@ class ConnectorBase(Generic[E]):
         self.ranks: dict[RankKey, LocalRank] = {(r.pp_rank, r.tp_rank): r for r in ranks}
         if not ranks or len(self.ranks) != len(ranks):
             raise ConfigError("a connector needs at least one local rank, each (pp, tp) once")
-        self.host = host
+        # Where the side channel binds, and the address peers are told to dial (a push_reg's host): they
+        # differ when binding every interface (0.0.0.0), which no peer can dial.
+        self._bind_host = host
+        self.host = advertise_host or host
+        if self.host in _WILDCARDS:
+            raise ConfigError(
+                f"side channel bound to {host!r} (every interface) but no address to advertise: set "
+                "KVWIRE_SIDE_CHANNEL_HOST (or advertise_host) to the address peers should dial"
+            )
         self._port = port
         self._secret = secret
         self._clock = clock
@@ -125,7 +135,7 @@ class ConnectorBase(Generic[E]):
         if self._bg is None:
             self._bg = BackgroundLoop(name=f"kvwire-{self.role}")
         self._server = SideChannelServer(
-            self.engine, list(self.ranks.values()), self.host, self._port, self._secret
+            self.engine, list(self.ranks.values()), self._bind_host, self._port, self._secret
         )
         self._port = self._bg.run(self._server.start(), _START_TIMEOUT_S)
         cfg = self.config

@@ -104,6 +104,7 @@ class ConnectorSettings:
     backend: str = "nixl"
     host: str = "127.0.0.1"
     port: int = 0
+    advertise_host: str | None = None  # KVWIRE_SIDE_CHANNEL_HOST: what peers dial, when host is 0.0.0.0
     secret: bytes | None = None
     config: ConnectorConfig = field(default_factory=ConnectorConfig)
 
@@ -124,7 +125,9 @@ def attach_connector(engine: Engine, s: ConnectorSettings) -> ProducerHooks | Co
             ranks.append(LocalRank(pp_rank=pp, tp_rank=tp, agent=agents[-1], cache=cache))
         config = dataclasses.replace(s.config, mode=s.mode)
         cls = Producer if role is Role.PREFILL else Consumer
-        connector = cls(info, ranks, config, host=s.host, port=s.port, secret=s.secret)
+        connector = cls(
+            info, ranks, config, host=s.host, port=s.port, secret=s.secret, advertise_host=s.advertise_host
+        )
         connector.start()
     except BaseException:
         for agent in agents:

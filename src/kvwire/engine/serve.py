@@ -73,10 +73,13 @@ def build_server(args: argparse.Namespace, role: Role) -> EngineServer:
         settings = ConnectorSettings(
             engine_id=engine_id,
             incarnation=incarnation,
-            model_id=model_id,
+            # The weights' seed is part of the model's identity: P and D with different weights would
+            # answer 200 with wrong tokens; with it in the compat hash the handshake refuses them.
+            model_id=f"{model_id}/seed{args.seed}",
             mode=TransferMode(args.mode),
             backend=args.backend,
             host=args.host,
+            advertise_host=env.side_channel_host,
             port=args.side_channel_port,
             secret=env.secret,
             config=ConnectorConfig(

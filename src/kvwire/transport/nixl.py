@@ -25,6 +25,7 @@ import numpy as np
 
 from kvwire.errors import (
     AgentClosed,
+    ConfigError,
     NotAddressable,
     PeerDisconnected,
     PeerNotFound,
@@ -65,12 +66,27 @@ def unwrap_metadata(metadata: bytes) -> tuple[bytes, PeerMode]:
     return metadata, PeerMode.FULL
 
 
+def _has_infiniband() -> bool:
+    try:
+        return bool(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return False
+
+
 def _nixl() -> tuple[Any, Any, Any]:
     # UCX's ib modules make every process that created an agent segfault at exit on hosts with Debian's
     # ibverbs-providers (nixl-on-cpu.md); UCX reads this when the first agent is created.
-    os.environ.setdefault("UCX_MODULES", "^ib*")
-    import nixl._api as api
-    import nixl._bindings as bindings
+    # Only where no InfiniBand device exists: on RDMA clusters those modules are the fast path.
+    if not _has_infiniband():
+        os.environ.setdefault("UCX_MODULES", "^ib*")
+    try:
+        import nixl._api as api
+        import nixl._bindings as bindings
+    except ImportError as exc:
+        raise ConfigError(
+            f"NIXL is not installed ({exc}): pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1 "
+            "(--no-deps: NIXL declares torch, which DRAM transfers do not need; `make venv` does this)"
+        ) from exc
 
     return api.nixl_agent, api.nixl_agent_config, bindings
 
