@@ -17,3 +17,5 @@ os.environ.setdefault("UCX_MODULES", "^ib*")
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     import vllm.v1.core.sched.scheduler  # noqa: F401
+
+from harness import make_engine, model_dir  # noqa: F401  (fixtures, shared by the test modules)

@@ -160,3 +160,40 @@ def test_bad_params_are_typed_errors() -> None:
         sched.matched_tokens("r", {"do_remote_prefill": True}, 10, 0)
     with pytest.raises(InvalidRequest, match="remote_port"):
         sched.matched_tokens("r", {"do_remote_prefill": True, "remote_port": "x"}, 10, 0)
+
+
+@pytest.mark.parametrize("registered_first", [True, False])
+def test_p_aborted_before_finishing_fails_d_at_once(registered_first: bool) -> None:
+    """Both legs at once (push); P's request is aborted (its client went away) before it finished: D
+    hears it from P at once (failed_recving, then vLLM's kv_load_failure_policy), not after the fence."""
+    p = Side(KvRole.PRODUCER, "v034", "push", seed=7)
+    d = Side(KvRole.CONSUMER, "v034", "push", seed=None)
+    try:
+        _p_aborted(p, d, registered_first)
+    finally:
+        p.worker.close()
+        d.worker.close()
+
+
+def _p_aborted(p: Side, d: Side, registered_first: bool) -> None:
+    n = 2 * BS
+    params = {
+        "do_remote_prefill": True, "transfer_id": "t-drop", "remote_engine_id": p.place.engine_id,
+        "remote_host": "127.0.0.1", "remote_port": p.settings.side_channel_port,
+    }  # fmt: skip
+    p_params = {"do_remote_decode": True, "transfer_id": "t-drop"}
+    started = time.monotonic()
+    if not registered_first:  # P's abort lands first: the registration meets a tombstone
+        assert p.sched.finished("req-p", p_params, [1, 2], n, True) == (False, None)
+        p.step()
+    assert d.sched.matched_tokens("req-d", params, n, 0) == (n, True)
+    d.sched.allocated("req-d", [7, 8], n, n)
+    if registered_first:
+        producer = p.worker.producer
+        assert producer is not None
+        run_until(p, d, lambda: producer.stats.handshakes_started > 0)  # D's push_reg reached P
+        assert p.sched.finished("req-p", p_params, [1, 2], n, True) == (False, None)
+    run_until(p, d, lambda: "req-d" in d.reported.recving)
+    assert d.reported.failed_recving == {"req-d"}
+    assert time.monotonic() - started < 5.0  # the fence is 30 s
+    assert not blockwise(d.tensors["model.layers.0.self_attn.attn"])[:, [7, 8]].any()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import multiprocessing.connection
 import os
 import time
-import traceback
 from typing import Any
 
 import numpy as np
@@ -29,7 +28,7 @@ from kvwire.connector.testing import untouched_blocks_zero as _untouched
 from kvwire.errors import KvwireError
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.messages import TransferMode
-from kvwire.testing.child import spawn_child, stop_child
+from kvwire.testing.child import serve_commands, spawn_child, stop_child
 from kvwire.transport.base import Desc, XferOp
 
 _CALL_TIMEOUT_S = 60.0
@@ -160,18 +159,7 @@ def _describe(e: ProducerEvent | ConsumerEvent) -> str:
 
 def serve(conn: multiprocessing.connection.Connection) -> None:
     host = _Host()
-    try:
-        while True:
-            cmd, kwargs = conn.recv()
-            if cmd == "exit":
-                break
-            try:
-                conn.send(("ok", getattr(host, cmd)(**kwargs)))
-            except Exception as exc:
-                conn.send(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-    finally:
-        host.close_engine()
-        conn.close()
+    serve_commands(conn, host, host.close_engine)
 
 
 class ConnectorWorker:

@@ -6,6 +6,7 @@ Spawned, not forked: NIXL and UCX state must not be inherited from the parent.
 from __future__ import annotations
 
 import multiprocessing as mp
+import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -34,4 +35,21 @@ def stop_child(proc: BaseProcess, conn: Connection, stop_msg: object, timeout_s:
         if proc.is_alive():
             proc.kill()
             proc.join(5.0)
+        conn.close()
+
+
+def serve_commands(conn: Connection, host: Any, close: Callable[[], None]) -> None:
+    """The child's loop: ``(cmd, kwargs)`` in, ``("ok", host.cmd(**kwargs))`` or ``("err", text)`` out,
+    until ``("exit", ...)``; ``close`` runs whatever happened."""
+    try:
+        while True:
+            cmd, kwargs = conn.recv()
+            if cmd == "exit":
+                break
+            try:
+                conn.send(("ok", getattr(host, cmd)(**kwargs)))
+            except Exception as exc:
+                conn.send(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        close()
         conn.close()

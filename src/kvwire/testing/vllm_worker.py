@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib
 import multiprocessing.connection
 import os
-import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +29,7 @@ from kvwire.connector.testing import wait_for
 from kvwire.integrations.vllm.params import KvRole, Op, settings_from_extra
 from kvwire.integrations.vllm.scheduler import LocalEngine, SchedulerSide
 from kvwire.integrations.vllm.worker import Finished, RankPlace, WorkerSide
-from kvwire.testing.child import spawn_child, stop_child
+from kvwire.testing.child import serve_commands, spawn_child, stop_child
 
 _CALL_TIMEOUT_S = 60.0
 _OPS = msgspec.msgpack.Decoder(list[Op])
@@ -195,18 +194,7 @@ def serve(conn: multiprocessing.connection.Connection) -> None:
     # Import the heavy modules now, while the parent spawns the other ranks: their start-ups overlap.
     _torch()
     importlib.import_module("kvwire.transport.nixl")
-    try:
-        while True:
-            cmd, kwargs = conn.recv()
-            if cmd == "exit":
-                break
-            try:
-                conn.send(("ok", getattr(rank, cmd)(**kwargs)))
-            except Exception as exc:
-                conn.send(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-    finally:
-        rank.close_engine()
-        conn.close()
+    serve_commands(conn, rank, rank.close_engine)
 
 
 class VllmWorker:

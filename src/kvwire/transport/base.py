@@ -329,6 +329,12 @@ class PeerTableAgent(Agent, Generic[PeerT]):
     def _check_open(self) -> None:
         """Raise ``AgentClosed`` once the agent may no longer be used."""
 
+    def _check_range(self, addr: int, length: int) -> None:
+        """Refuse, on a closed agent or for an empty or null range, what ``register_range`` would register."""
+        self._check_open()
+        if addr <= 0 or length <= 0:
+            raise RegistrationError(f"cannot register [{addr:#x}, +{length})")
+
     def _forget_peer(self, peer: str) -> None:
         self._check_open()
         if self._peers.pop(peer, None) is None:

@@ -199,9 +199,7 @@ class InprocAgent(PeerTableAgent[_Peer]):
         *,
         owner: object = None,
     ) -> Registration:
-        self._check_open()
-        if addr <= 0 or length <= 0:
-            raise RegistrationError(f"cannot register [{addr:#x}, +{length})")
+        self._check_range(addr, length)
         reg = Registration(addr, length, kind, device_id, next(self._tokens))
         self._regs[reg.token] = (reg, owner)  # the reference keeps the memory alive while registered
         return reg

@@ -165,9 +165,7 @@ class NixlAgent(PeerTableAgent[PeerEntry]):
         *,
         owner: object = None,
     ) -> Registration:
-        self._check_open()
-        if addr <= 0 or length <= 0:
-            raise RegistrationError(f"cannot register [{addr:#x}, +{length})")
+        self._check_range(addr, length)
         desc = Desc(addr, length, device_id)
         try:
             raw = self._agent.register_memory(_desc_array([desc]), kind.value)

@@ -20,6 +20,7 @@ from kvwire.errors import ConfigError, InvalidRequest
 from kvwire.protocol.messages import TransferMode
 
 DEFAULT_SIDE_CHANNEL_PORT = 5700  # vLLM's NIXL connector uses 5600: both can run on one host
+_DEFAULTS = ConnectorConfig()  # the knobs below default to the connector's own defaults
 
 
 class KvRole(enum.Enum):
@@ -49,16 +50,18 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT
     model_id: str | None = None  # default: vLLM's served model name
     incarnation: str | None = None  # default: derived from this vLLM config's instance id
-    kv_lease_duration_s: float = 30.0
-    fence_ms: int = 30_000
-    heartbeat_interval_s: float = 1.0
-    liveness_timeout_s: float = 5.0
-    dead_peer_grace_s: float = 1.0
-    transfer_timeout_s: float = 30.0
-    engine_ttl_s: float = 3600.0
-    handshake_timeout_s: float = 5.0
-    handshake_retries: int = 3
-    kv_load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.FAIL
+    kv_lease_duration_s: float = _DEFAULTS.kv_lease_duration_s
+    fence_ms: int = _DEFAULTS.fence_ms
+    heartbeat_interval_s: float = _DEFAULTS.heartbeat_interval_s
+    liveness_timeout_s: float = _DEFAULTS.liveness_timeout_s
+    dead_peer_grace_s: float = _DEFAULTS.dead_peer_grace_s
+    transfer_timeout_s: float = _DEFAULTS.transfer_timeout_s
+    engine_ttl_s: float = _DEFAULTS.engine_ttl_s
+    handshake_timeout_s: float = _DEFAULTS.handshake_timeout_s
+    handshake_retries: int = _DEFAULTS.handshake_retries
+    kv_load_failure_policy: LoadFailurePolicy = _DEFAULTS.kv_load_failure_policy
+    poll_interval_s: float = _DEFAULTS.poll_interval_s
+    idle_poll_interval_s: float = _DEFAULTS.idle_poll_interval_s
     # A step with nothing scheduled while transfers are live (vLLM steps back to back while a request
     # waits for KV or P holds blocks): the worker sleeps up to this long, woken at once by any kvwire
     # event, instead of spinning engine and worker processes through empty steps. 0 turns it off.
@@ -138,7 +141,8 @@ def parse_params(raw: Mapping[str, Any] | None) -> KvTransferParams | None:
 class OpKind(enum.Enum):
     SEND = "send"  # P: the request finished prefill; hold its blocks for D (push: write; pull: D reads)
     LOAD = "load"  # D: blocks allocated for the remote prefix; register with P (push) or read (pull)
-    ABORT = "abort"  # either side: the engine dropped the request
+    ABORT = "abort"  # D: the engine dropped a request waiting for KV
+    DROP = "drop"  # P: the engine dropped a request D may register for: D's registration fails at once
 
 
 class Op(msgspec.Struct, frozen=True, array_like=True):

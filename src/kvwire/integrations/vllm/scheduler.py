@@ -121,9 +121,14 @@ class SchedulerSide:
         if not self.role.produces:
             return False, None
         params = parse_params(raw)
-        if params is None or not params.do_remote_decode or aborted or not block_ids:
+        if params is None or not params.do_remote_decode:
             return False, None
         tid = params.transfer_id or req_id
+        if aborted or not block_ids:
+            # D may already have registered (both legs go at once): tell kvwire, so D hears at once
+            # instead of waiting for P's fence.
+            self._ops.append(Op(OpKind.DROP, req_id, tid))
+            return False, None
         self._sending.add(req_id)
         self._ops.append(Op(OpKind.SEND, req_id, tid, list(block_ids), num_prompt_tokens))
         return True, self._params_for_d(tid, block_ids)

@@ -152,6 +152,8 @@ class WorkerSide:
             self.consumer.request_allocated(
                 op.transfer_id, op.block_ids, op.num_tokens, op.num_cached_tokens, remote
             )
+        elif op.kind is OpKind.DROP and self.producer is not None:
+            self.producer.abort(op.transfer_id)  # no event follows: the engine already owns the blocks
         elif op.kind is OpKind.ABORT and self.consumer is not None:
             tid = next((t for t, r in self._loads.items() if r == op.req_id), None)
             if tid is not None:
