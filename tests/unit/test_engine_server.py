@@ -116,6 +116,16 @@ async def test_stream(client: tuple[httpx.AsyncClient, EngineServer]) -> None:
         {"prompt": "x", "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": "t"}},
         {"prompt": "x", "kv_transfer_params": "nope"},
         [1, 2],
+        # sampling: out of range, or something a greedy engine cannot honour (never silently ignored)
+        {"prompt": "x", "temperature": -1},
+        {"prompt": "x", "temperature": 0.7},
+        {"prompt": "x", "top_p": 1.5},
+        {"prompt": "x", "top_k": 0},
+        {"prompt": "x", "logprobs": 3},
+        {"prompt": "x", "echo": True},
+        {"prompt": "x", "stop": ["\n"]},
+        {"prompt": "x", "presence_penalty": 0.5},
+        {"prompt": "x", "logit_bias": {"5": 10}},
     ],
 )
 async def test_bad_input_is_400(client: tuple[httpx.AsyncClient, EngineServer], body: object) -> None:
@@ -124,6 +134,14 @@ async def test_bad_input_is_400(client: tuple[httpx.AsyncClient, EngineServer], 
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["code"] == 400 and err["message"]
+
+
+async def test_neutral_sampling_values_are_accepted(client: tuple[httpx.AsyncClient, EngineServer]) -> None:
+    c, _ = client
+    body = {"prompt": "x", "max_tokens": 2, "temperature": 0, "top_p": 1, "top_k": -1, "seed": 3,
+            "logprobs": None, "echo": False, "stop": [], "presence_penalty": 0, "best_of": 1}  # fmt: skip
+    r = await c.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
 
 
 async def test_invalid_json_is_400(client: tuple[httpx.AsyncClient, EngineServer]) -> None:

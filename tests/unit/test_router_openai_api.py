@@ -31,6 +31,21 @@ def test_parse_completion_defaults_and_forwarded_fields() -> None:
     assert body == {"model": "tiny", "prompt": "hi", "max_tokens": 16, "stream": False, "temperature": 0}
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("temperature", -1), ("temperature", 2.5), ("top_p", 0), ("top_p", 1.5), ("top_p", "x")],
+)
+def test_out_of_range_sampling_is_refused_by_the_router(field: str, value: object) -> None:
+    with pytest.raises(ApiError) as exc:
+        parse({"model": "tiny", "prompt": "hi", field: value})
+    assert exc.value.kind is ErrorType.INVALID_REQUEST and exc.value.param == field
+
+
+def test_sampling_parameters_reach_the_engines() -> None:
+    body = parse({"model": "tiny", "prompt": "hi", "top_k": 5, "logprobs": 2, "stop": ["."]}).engine_body()
+    assert (body["top_k"], body["logprobs"], body["stop"]) == (5, 2, ["."])
+
+
 def test_parse_accepts_single_prompt_batches_and_token_ids() -> None:
     assert parse({"model": "kvwire", "prompt": ["one"]}).prompt == "one"
     assert parse({"model": "kvwire", "prompt": [[1, 2, 3]]}).prompt == [1, 2, 3]

@@ -68,7 +68,7 @@ def parse_completion(body: Any, tokenizer: ByteTokenizer) -> CompletionRequest:
     n = _field(body, "n", int, 1)
     if n != 1:
         raise InvalidRequest("only n=1 is supported")
-    _field(body, "temperature", (int, float), 0.0)
+    check_sampling(body)
     params = _field(body, "kv_transfer_params", dict, {})
     role, transfer_id = _transfer(params)
     return CompletionRequest(
@@ -81,6 +81,38 @@ def parse_completion(body: Any, tokenizer: ByteTokenizer) -> CompletionRequest:
         transfer_id=transfer_id,
         kv_transfer_params=params,
     )
+
+
+# Parameters that would change the answer and that the reference engine (greedy decoding) cannot honour:
+# refused with a 400 naming them, never silently ignored. Their "no effect" values are accepted.
+_UNSUPPORTED: dict[str, Any] = {
+    "logprobs": None, "echo": False, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0,
+    "repetition_penalty": 1, "logit_bias": None, "stop": None, "min_tokens": 0,
+}  # fmt: skip
+
+
+def check_sampling(body: Mapping[str, Any]) -> None:
+    """OpenAI's ranges for every sampling parameter, and greedy decoding only: a temperature above 0, or a
+    parameter of ``_UNSUPPORTED`` set to something that matters, is an ``InvalidRequest`` naming it."""
+    temperature = _field(body, "temperature", (int, float), 0.0)
+    if not 0 <= temperature <= 2:
+        raise InvalidRequest(f"'temperature' must be between 0 and 2, got {temperature}")
+    top_p = _field(body, "top_p", (int, float), 1.0)
+    if not 0 < top_p <= 1:
+        raise InvalidRequest(f"'top_p' must be in (0, 1], got {top_p}")
+    top_k = _field(body, "top_k", int, -1)
+    if top_k == 0 or top_k < -1:
+        raise InvalidRequest(f"'top_k' must be -1 (off) or positive, got {top_k}")
+    _field(body, "seed", int, 0)
+    if temperature > 0:
+        raise InvalidRequest(
+            f"the reference engine decodes greedily: 'temperature' must be 0 (got {temperature}); "
+            "its weights are random, so sampling would add nothing"
+        )
+    for name, neutral in _UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and value != neutral and value not in ([], {}, ""):
+            raise InvalidRequest(f"'{name}' is not supported by the reference engine (greedy, no logprobs)")
 
 
 def _transfer(params: Mapping[str, Any]) -> tuple[TransferRole, str | None]:

@@ -17,7 +17,24 @@ from kvwire.errors import KvwireError
 
 DEFAULT_MAX_TOKENS = 16
 # Fields of a client's body that the router passes on to the engines (anything else stays at the router).
-_FORWARDED = ("temperature", "top_p", "seed", "stop", "ignore_eos")
+# Sampling and output parameters passed to the engines as given: each engine honours them or refuses them
+# with a 400 (kvwire's reference engine decodes greedily; vLLM engines honour them all).
+_FORWARDED = (
+    "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "logprobs", "echo", "best_of",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+)  # fmt: skip
+
+
+def _check_ranges(body: Mapping[str, Any]) -> None:
+    """OpenAI's ranges, checked here so a bad value is a 400 from the router whatever the engines are."""
+    for name, low, high, low_open in (("temperature", 0, 2, False), ("top_p", 0, 1, True)):
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise _bad(f"{name} must be a number", name)
+        if value > high or value < low or (low_open and value == low):
+            raise _bad(f"{name} must be in {'(' if low_open else '['}{low}, {high}], got {value}", name)
 
 
 class ApiKind(enum.Enum):
@@ -183,6 +200,7 @@ def parse_request(body: Mapping[str, Any], kind: ApiKind, served_models: frozens
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise _bad("stream_options must be an object", "stream_options")
+    _check_ranges(body)
     prompt = render_chat(body.get("messages")) if kind is ApiKind.CHAT else _prompt(body)
     return ParsedRequest(
         kind=kind,
