@@ -148,18 +148,31 @@ def test_d_abort_before_p_finishes_releases_blocks_once(pd: tuple[Side, Side]) -
     assert not blockwise(d.tensors["model.layers.0.self_attn.attn"])[:, [7, 8]].any()
 
 
-def test_bad_params_are_typed_errors() -> None:
+def test_bad_settings_stop_the_engine_and_bad_params_are_served_locally(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A wrong kv_connector_extra_config is the operator's: the engine refuses to start, naming it. Wrong
+    kv_transfer_params are a client's: inside vLLM's scheduler an exception would kill the engine, so the
+    request is prefilled locally, logged and counted."""
     from kvwire.errors import ConfigError, InvalidRequest
+    from kvwire.integrations.vllm.params import parse_params
 
     with pytest.raises(ConfigError, match="unknown_knob"):
         settings_from_extra({"unknown_knob": 1})
     with pytest.raises(ConfigError, match="mode"):
         settings_from_extra({"mode": "teleport"})
-    sched = SchedulerSide(KvRole.CONSUMER, settings_from_extra({}), LocalEngine("d", "h", 1, 1, 1), BS)
-    with pytest.raises(InvalidRequest, match="remote_engine_id"):
-        sched.matched_tokens("r", {"do_remote_prefill": True}, 10, 0)
     with pytest.raises(InvalidRequest, match="remote_port"):
-        sched.matched_tokens("r", {"do_remote_prefill": True, "remote_port": "x"}, 10, 0)
+        parse_params({"do_remote_prefill": True, "remote_port": "x"})
+    both = SchedulerSide(KvRole.BOTH, settings_from_extra({}), LocalEngine("e", "h", 1, 1, 1), BS)
+    for bad in (
+        {"do_remote_prefill": True},
+        {"do_remote_prefill": True, "remote_port": "x"},
+        {"transfer_id": 7},
+    ):
+        assert both.matched_tokens("r", bad, 10, 0) == (0, False)
+    assert both.finished("r", {"do_remote_decode": "maybe"}, [1], 10, False) == (False, None)
+    assert both.rejected == 4 and both.take_ops() == []
+    assert "prefilled locally" in caplog.text
 
 
 @pytest.mark.parametrize("registered_first", [True, False])

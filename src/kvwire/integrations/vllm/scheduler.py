@@ -18,6 +18,7 @@ Block ownership follows vLLM's contract, with kvwire's fence on top:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,8 @@ from typing import Any
 from kvwire.errors import InvalidRequest
 from kvwire.integrations.vllm.params import KvRole, KvTransferParams, Op, OpKind, Settings, parse_params
 from kvwire.protocol.messages import TransferMode
+
+log = logging.getLogger("kvwire.vllm")
 
 # Bounds: vLLM holds at most its running + waiting requests; a leak here would show as a bound hit.
 _MAX_TRACKED = 1 << 16
@@ -60,23 +63,33 @@ class SchedulerSide:
         # load under kv_load_failure_policy=recompute): P has let go by then, so D recomputes locally.
         self._loaded: set[str] = set()
         self._ops: list[Op] = []
+        self.rejected = 0  # requests whose kv_transfer_params were malformed (served locally instead)
 
     # -- D ---------------------------------------------------------------------------------------------
     def matched_tokens(
         self, req_id: str, raw: dict[str, Any] | None, num_prompt_tokens: int, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        """Tokens the remote P provides beyond vLLM's local prefix hit, and whether they load async."""
+        """Tokens the remote P provides beyond vLLM's local prefix hit, and whether they load async.
+
+        Never raises: this runs inside vLLM's scheduler, where an exception kills the engine. A request
+        with malformed ``kv_transfer_params`` (a client's input) is prefilled locally, logged and counted
+        in ``rejected``."""
         if not self.role.consumes:
             return 0, False
-        params = parse_params(raw)
-        if params is None or not params.do_remote_prefill or req_id in self._loaded:
+        try:
+            params = parse_params(raw)
+            if params is None or not params.do_remote_prefill or req_id in self._loaded:
+                return 0, False
+            params.remote()  # malformed remote parameters are refused here, not in a worker
+            if len(self._pending) >= _MAX_TRACKED:
+                raise InvalidRequest(f"more than {_MAX_TRACKED} requests waiting for remote KV")
+        except InvalidRequest as exc:
+            self.rejected += 1
+            log.warning("kvwire: %s is prefilled locally: %s", req_id, exc)
             return 0, False
-        params.remote()  # malformed remote parameters fail this request now, not in a worker
         count = num_prompt_tokens - num_computed_tokens
         if count <= 0:
             return 0, False
-        if len(self._pending) >= _MAX_TRACKED:
-            raise InvalidRequest(f"more than {_MAX_TRACKED} requests waiting for remote KV")
         # A local prefix hit is used only in whole blocks (kvwire trims P's writes to D's uncached suffix).
         cached = num_computed_tokens - num_computed_tokens % self.block_size
         self._pending[req_id] = _Pending(params, cached)
@@ -120,7 +133,12 @@ class SchedulerSide:
             return False, None
         if not self.role.produces:
             return False, None
-        params = parse_params(raw)
+        try:
+            params = parse_params(raw)
+        except InvalidRequest as exc:  # never raise inside vLLM's scheduler (see matched_tokens)
+            self.rejected += 1
+            log.warning("kvwire: %s is not sent to a D: %s", req_id, exc)
+            return False, None
         if params is None or not params.do_remote_decode:
             return False, None
         tid = params.transfer_id or req_id
