@@ -210,3 +210,21 @@ def _p_aborted(p: Side, d: Side, registered_first: bool) -> None:
     assert d.reported.failed_recving == {"req-d"}
     assert time.monotonic() - started < 5.0  # the fence is 30 s
     assert not blockwise(d.tensors["model.layers.0.self_attn.attn"])[:, [7, 8]].any()
+
+
+def test_refused_operations_hand_the_blocks_back_at_once(pd: tuple[Side, Side]) -> None:
+    """Block ids kvwire refuses (outside the cache): vLLM gets the request back in the same step, and
+    nothing stays tracked (no idle step waits for a transfer that never started)."""
+    p, d = pd
+    assert p.sched.finished(
+        "req-p", {"do_remote_decode": True, "transfer_id": "bad"}, [NUM_BLOCKS + 5], 8, False
+    )[0]
+    p.step()
+    assert p.reported.sending == {"req-p"} and not p.worker._sends
+    params = {"do_remote_prefill": True, "transfer_id": "bad-d", "remote_engine_id": p.place.engine_id,
+              "remote_host": "127.0.0.1", "remote_port": p.settings.side_channel_port,
+              "remote_block_ids": [1]}  # fmt: skip
+    assert d.sched.matched_tokens("req-d", params, 8, 0) == (8, True)
+    d.sched.allocated("req-d", [NUM_BLOCKS + 1], 8, 8)
+    d.step()
+    assert d.reported.recving == {"req-d"} and d.reported.failed_recving == {"req-d"} and not d.worker._loads

@@ -135,8 +135,10 @@ class WorkerSide:
                 # Bad local input: nothing was registered with a peer, so the blocks are vLLM's at once.
                 log.warning("kvwire: %s %s refused: %s", op.kind.value, op.req_id, exc)
                 if op.kind is OpKind.SEND:
+                    self._sends.pop(op.transfer_id, None)
                     self._done.sending.add(op.req_id)
                 elif op.kind is OpKind.LOAD:
+                    self._loads.pop(op.transfer_id, None)
                     self._done.recving.add(op.req_id)
                     self._done.failed_recving.add(op.req_id)
 
