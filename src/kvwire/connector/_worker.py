@@ -8,7 +8,6 @@ separate processes and talk only through NIXL and the side channel, as in produc
 from __future__ import annotations
 
 import multiprocessing.connection
-import os
 import time
 from typing import Any
 
@@ -28,7 +27,7 @@ from kvwire.connector.testing import untouched_blocks_zero as _untouched
 from kvwire.errors import KvwireError
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.messages import TransferMode
-from kvwire.testing.child import serve_commands, spawn_child, stop_child
+from kvwire.testing.child import CommandChild, serve_commands
 from kvwire.transport.base import Desc, XferOp
 
 _CALL_TIMEOUT_S = 60.0
@@ -162,21 +161,8 @@ def serve(conn: multiprocessing.connection.Connection) -> None:
     serve_commands(conn, host, host.close_engine)
 
 
-class ConnectorWorker:
+class ConnectorWorker(CommandChild):
     """The parent's handle on one worker process."""
 
     def __init__(self) -> None:
-        os.environ.setdefault("UCX_MODULES", "^ib*")
-        self._proc, self._conn = spawn_child(serve)
-
-    def call(self, cmd: str, timeout_s: float = _CALL_TIMEOUT_S, **kwargs: Any) -> Any:
-        self._conn.send((cmd, kwargs))
-        if not self._conn.poll(timeout_s):
-            raise TimeoutError(f"worker did not answer {cmd} within {timeout_s} s")
-        status, value = self._conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"worker {cmd} failed: {value}")
-        return value
-
-    def close(self) -> None:
-        stop_child(self._proc, self._conn, ("exit", {}))
+        super().__init__(serve, _CALL_TIMEOUT_S)

@@ -6,6 +6,7 @@ Spawned, not forked: NIXL and UCX state must not be inherited from the parent.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -53,3 +54,33 @@ def serve_commands(conn: Connection, host: Any, close: Callable[[], None]) -> No
     finally:
         close()
         conn.close()
+
+
+class CommandChild:
+    """The parent's handle on a child running ``serve_commands``: ``call`` one command, or ``send`` to
+    several children before ``recv``-ing their answers (their work then overlaps)."""
+
+    def __init__(self, serve: Callable[[Connection], None], call_timeout_s: float = 60.0) -> None:
+        # UCX's ib modules crash processes at exit on hosts without InfiniBand (the children inherit it).
+        os.environ.setdefault("UCX_MODULES", "^ib*")
+        self._timeout_s = call_timeout_s
+        self._proc, self._conn = spawn_child(serve)
+
+    def send(self, cmd: str, **kwargs: Any) -> None:
+        self._conn.send((cmd, kwargs))
+
+    def recv(self, cmd: str, timeout_s: float | None = None) -> Any:
+        wait = self._timeout_s if timeout_s is None else timeout_s
+        if not self._conn.poll(wait):
+            raise TimeoutError(f"worker did not answer {cmd} within {wait} s")
+        status, value = self._conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"worker {cmd} failed: {value}")
+        return value
+
+    def call(self, cmd: str, timeout_s: float | None = None, **kwargs: Any) -> Any:
+        self.send(cmd, **kwargs)
+        return self.recv(cmd, timeout_s)
+
+    def close(self) -> None:
+        stop_child(self._proc, self._conn, ("exit", {}))

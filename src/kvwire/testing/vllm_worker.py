@@ -29,7 +29,7 @@ from kvwire.connector.testing import wait_for
 from kvwire.integrations.vllm.params import KvRole, Op, settings_from_extra
 from kvwire.integrations.vllm.scheduler import LocalEngine, SchedulerSide
 from kvwire.integrations.vllm.worker import Finished, RankPlace, WorkerSide
-from kvwire.testing.child import serve_commands, spawn_child, stop_child
+from kvwire.testing.child import CommandChild, serve_commands
 
 _CALL_TIMEOUT_S = 60.0
 _OPS = msgspec.msgpack.Decoder(list[Op])
@@ -197,31 +197,12 @@ def serve(conn: multiprocessing.connection.Connection) -> None:
     serve_commands(conn, rank, rank.close_engine)
 
 
-class VllmWorker:
-    """The parent's handle on one worker process (one TP rank). ``send`` and ``recv`` are split so one
-    step reaches every rank of an engine before any answer is awaited."""
+class VllmWorker(CommandChild):
+    """The parent's handle on one worker process (one TP rank); a step is ``send`` to every rank of an
+    engine before any answer is ``recv``-ed."""
 
     def __init__(self) -> None:
-        os.environ.setdefault("UCX_MODULES", "^ib*")
-        self._proc, self._conn = spawn_child(serve)
-
-    def send(self, cmd: str, **kwargs: Any) -> None:
-        self._conn.send((cmd, kwargs))
-
-    def recv(self, cmd: str, timeout_s: float = _CALL_TIMEOUT_S) -> Any:
-        if not self._conn.poll(timeout_s):
-            raise TimeoutError(f"worker did not answer {cmd} within {timeout_s} s")
-        status, value = self._conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"worker {cmd} failed: {value}")
-        return value
-
-    def call(self, cmd: str, timeout_s: float = _CALL_TIMEOUT_S, **kwargs: Any) -> Any:
-        self.send(cmd, **kwargs)
-        return self.recv(cmd, timeout_s)
-
-    def close(self) -> None:
-        stop_child(self._proc, self._conn, ("exit", {}))
+        super().__init__(serve, _CALL_TIMEOUT_S)
 
 
 class Aggregator:

@@ -138,9 +138,9 @@ def kv_from_vllm(
     regions: list[tuple[int, RegionKind, int]] = []
     buffers: list[MemoryBuffer] = []
     num_blocks: set[int] = set()
+    heads = 1 if mla else KVSpec(1, kv_heads, head_dim).heads_per_rank(tp_size)  # this rank's share
     for name, tensor in sorted(kv_caches.items(), key=lambda kv: layer_index(kv[0])):
         v = view_of(tensor)
-        heads = 1 if mla else KVSpec(1, kv_heads, head_dim).heads_per_rank(tp_size)
         ll = layer_layout(v, block_size, heads, head_dim, mla=mla)
         spec = KVSpec(
             num_layers=num_layers,
