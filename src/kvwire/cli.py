@@ -28,7 +28,7 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("bench overhead", "kvwire.bench.overhead", "control-plane CPU time per request"),
     ("bench vllm", "kvwire.bench.vllm", "kvwire vs vLLM's NIXL push connector in real vLLM engines"),
     ("chaos", "kvwire.chaos", "kill and restart peers under load; count leaks and corruption"),
-    ("transport-demo", "kvwire.transport.demo", "two processes, one NIXL WRITE with a notification"),
+    ("transport-demo", "kvwire.demo.transport", "two processes, one NIXL WRITE with a notification"),
 )
 
 

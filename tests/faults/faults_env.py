@@ -8,11 +8,11 @@ from typing import TypeVar
 import numpy as np
 
 from kvwire.connector import ConnectorConfig, Consumer, ConsumerEvent, Producer, ProducerEvent, RemoteEngine
-from kvwire.connector.testing import EngineSetup, build_engine, wait_for
 from kvwire.demo.procs import free_port
 from kvwire.handshake.loop import BackgroundLoop
 from kvwire.kv.cache import KVCache
 from kvwire.kv.spec import KVSpec
+from kvwire.testing.engines import EngineSetup, build_engine, wait_for
 from kvwire.transport.inproc import InprocAgent, InprocFabric
 
 T = TypeVar("T")

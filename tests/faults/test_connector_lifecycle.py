@@ -14,15 +14,15 @@ import pytest
 from faults_env import Cluster, wait_for
 
 from kvwire.connector import ConnectorConfig, ConsumerEvent, ConsumerEventKind, ProducerOutcome
-from kvwire.connector.testing import (
+from kvwire.kv.spec import KVSpec
+from kvwire.protocol.messages import FailReason
+from kvwire.testing.engines import (
     gather_tokens,
     random_kv,
     same_bytes,
     scatter_tokens,
     untouched_blocks_zero,
 )
-from kvwire.kv.spec import KVSpec
-from kvwire.protocol.messages import FailReason
 
 SPEC = KVSpec(num_layers=2, kv_heads=2, head_dim=8, block_size=4)
 K = ConsumerEventKind

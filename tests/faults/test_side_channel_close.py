@@ -14,8 +14,8 @@ import socket
 import warnings
 
 from kvwire.handshake.server import SideChannelServer
-from kvwire.handshake.testing import build_engine
 from kvwire.kv.spec import KVSpec
+from kvwire.testing.handshake_env import build_registered_engine
 from kvwire.transport.inproc import InprocFabric
 
 SPEC = KVSpec(num_layers=2, kv_heads=2, head_dim=4, block_size=4)
@@ -41,7 +41,7 @@ async def _round(server_args: tuple[object, ...], clients: int, yields: int) -> 
 
 def test_close_closes_every_accepted_connection() -> None:
     fabric = InprocFabric()
-    info, ranks = build_engine("P", SPEC, 4, fabric.create_agent)
+    info, ranks = build_registered_engine("P", SPEC, 4, fabric.create_agent)
 
     async def main() -> None:
         for i in range(ROUNDS):

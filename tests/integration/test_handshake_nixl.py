@@ -15,10 +15,10 @@ import pytest
 
 from kvwire.errors import NotAddressable, Unauthorized
 from kvwire.handshake.manager import HandshakeManager
-from kvwire.handshake.peerproc import PeerProcess, fill_pattern
-from kvwire.handshake.testing import build_engine
 from kvwire.kv.cache import KVCache
 from kvwire.kv.spec import KVSpec, RegionKind
+from kvwire.testing.handshake_env import build_registered_engine
+from kvwire.testing.side_channel_peer import SideChannelPeer, fill_pattern
 from kvwire.transport.base import Agent, Desc, PeerMode, XferOp, XferStatus
 
 pytestmark = pytest.mark.nixl
@@ -50,8 +50,8 @@ def test_notif_only_then_upgrade_over_real_nixl() -> None:
     os.environ.setdefault("UCX_MODULES", "^ib*")
     from kvwire.transport.nixl import NixlAgent
 
-    with PeerProcess(*_peer_args()) as p:
-        d_info, d_ranks = build_engine("D", SPEC, 16, NixlAgent)
+    with SideChannelPeer(*_peer_args()) as p:
+        d_info, d_ranks = build_registered_engine("D", SPEC, 16, NixlAgent)
         d = d_ranks[0]
 
         async def scenario() -> None:

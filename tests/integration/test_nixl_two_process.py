@@ -7,8 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from kvwire.bench.peer import PeerProcess, pattern
 from kvwire.errors import PeerDisconnected, PeerNotFound
+from kvwire.testing.buffer_peer import BufferPeer, pattern
 from kvwire.transport import Desc, PeerMode, XferHandle, XferOp, XferStatus, make_agent_name, new_incarnation
 from kvwire.transport.nixl import NixlAgent
 
@@ -21,7 +21,7 @@ WAIT_S = 30.0
 
 def test_nixl_two_process_scattered_write() -> None:
     incarnation = new_incarnation()
-    with PeerProcess(make_agent_name("itest-d", incarnation, 0, 0), D_BLOCKS * BLOCK) as d:
+    with BufferPeer(make_agent_name("itest-d", incarnation, 0, 0), D_BLOCKS * BLOCK) as d:
         p = NixlAgent(make_agent_name("itest-p", incarnation, 0, 0))
         try:
             src = pattern(N_BLOCKS * BLOCK, SEED)
@@ -48,7 +48,7 @@ def test_nixl_two_process_scattered_write() -> None:
 def test_nixl_two_process_dead_peer_is_typed() -> None:
     """After D is killed, a WRITE to it fails typed: post raises PeerDisconnected or status says FAILED."""
     incarnation = new_incarnation()
-    with PeerProcess(make_agent_name("itest-dead-d", incarnation, 0, 0), 64 * BLOCK) as d:
+    with BufferPeer(make_agent_name("itest-dead-d", incarnation, 0, 0), 64 * BLOCK) as d:
         p = NixlAgent(make_agent_name("itest-dead-p", incarnation, 0, 0))
         try:
             src = pattern(BLOCK, SEED)

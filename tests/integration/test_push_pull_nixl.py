@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvwire.connector._worker import ConnectorWorker
-from kvwire.connector.testing import random_kv, same_bytes
 from kvwire.kv.spec import KVSpec
+from kvwire.testing.connector_worker import ConnectorWorker
+from kvwire.testing.engines import random_kv, same_bytes
 
 pytestmark = pytest.mark.nixl
 

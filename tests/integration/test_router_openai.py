@@ -1,7 +1,7 @@
 """The router with the official ``openai`` client, against fake P and D engine servers on real ports.
 
-The fakes deadlock unless the router sends both legs at the same time (see ``kvwire.router.testing``), so
-every successful answer here also proves the legs were concurrent.
+The fakes deadlock unless the router sends both legs at the same time (see
+``kvwire.testing.fake_engines``), so every successful answer here also proves the legs were concurrent.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from kvwire.demo.runner import start_cluster
 from kvwire.protocol.messages import TransferMode
 from kvwire.router.app import create_app
 from kvwire.router.openai_api import render_chat
-from kvwire.router.testing import FakeCluster, Fault, ServerThread, fake_engine_app, fake_tokens
+from kvwire.testing.fake_engines import FakeCluster, Fault, ServerThread, fake_engine_app, fake_tokens
 
 P_SIDE_PORT = 45_001
 

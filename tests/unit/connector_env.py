@@ -16,7 +16,10 @@ from kvwire.connector import (
     ProducerEvent,
     RemoteEngine,
 )
-from kvwire.connector.testing import (
+from kvwire.handshake.loop import BackgroundLoop
+from kvwire.kv.spec import KVSpec
+from kvwire.protocol.messages import TransferMode
+from kvwire.testing.engines import (
     EngineSetup,
     build_engine,
     gather_tokens,
@@ -24,9 +27,6 @@ from kvwire.connector.testing import (
     scatter_tokens,
     wait_for,
 )
-from kvwire.handshake.loop import BackgroundLoop
-from kvwire.kv.spec import KVSpec
-from kvwire.protocol.messages import TransferMode
 from kvwire.transport.inproc import InprocAgent, InprocFabric
 
 T = TypeVar("T")

@@ -11,7 +11,6 @@ import pytest
 from connector_env import Pair, wait_for
 
 from kvwire.connector import ConnectorConfig, ConsumerEventKind, ProducerOutcome
-from kvwire.connector.testing import build_engine, same_bytes, untouched_blocks_zero
 from kvwire.handshake.server import SideChannelServer
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.codec import decode_notif, encode_notif
@@ -23,6 +22,7 @@ from kvwire.protocol.messages import (
     Notification,
     PushReg,
 )
+from kvwire.testing.engines import build_engine, same_bytes, untouched_blocks_zero
 from kvwire.transport.base import make_agent_name
 from kvwire.transport.inproc import InprocAgent
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from connector_env import Pair, wait_for
 
 from kvwire.connector import ConnectorConfig, ConsumerEventKind, ProducerOutcome
-from kvwire.connector.testing import same_bytes, untouched_blocks_zero
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.codec import encode_notif
 from kvwire.protocol.messages import FailReason, PushReg
+from kvwire.testing.engines import same_bytes, untouched_blocks_zero
 
 SPEC = KVSpec(num_layers=2, kv_heads=2, head_dim=8, block_size=4)
 K = ConsumerEventKind

@@ -8,9 +8,9 @@ import pytest
 from kvwire.errors import IncompatiblePeer
 from kvwire.handshake.layout import validate_layout
 from kvwire.handshake.server import SideChannelServer
-from kvwire.handshake.testing import build_engine
 from kvwire.kv.spec import KVSpec, Layout
 from kvwire.protocol.messages import GetMetadata, KVInfo, Metadata
+from kvwire.testing.handshake_env import build_registered_engine
 from kvwire.transport.inproc import InprocFabric
 
 SPEC = KVSpec(num_layers=4, kv_heads=4, head_dim=8, block_size=4)
@@ -18,7 +18,9 @@ SPEC = KVSpec(num_layers=4, kv_heads=4, head_dim=8, block_size=4)
 
 def reply(tp_size: int = 2, pp_size: int = 2, pp_rank: int = 1, spec: KVSpec = SPEC) -> Metadata:
     fabric = InprocFabric()
-    info, ranks = build_engine("P", spec, 16, fabric.create_agent, tp_size=tp_size, pp_size=pp_size)
+    info, ranks = build_registered_engine(
+        "P", spec, 16, fabric.create_agent, tp_size=tp_size, pp_size=pp_size
+    )
     md = SideChannelServer(info, ranks).answer(GetMetadata(pp_rank=pp_rank, tp_rank=0))
     assert isinstance(md, Metadata)
     return md
@@ -26,7 +28,7 @@ def reply(tp_size: int = 2, pp_size: int = 2, pp_rank: int = 1, spec: KVSpec = S
 
 def local(tp_size: int = 1, spec: KVSpec = SPEC):  # type: ignore[no-untyped-def]
     fabric = InprocFabric()
-    info, ranks = build_engine("D", spec, 8, fabric.create_agent, tp_size=tp_size)
+    info, ranks = build_registered_engine("D", spec, 8, fabric.create_agent, tp_size=tp_size)
     return info, ranks[0]
 
 

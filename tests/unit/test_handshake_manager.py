@@ -23,9 +23,9 @@ from kvwire.errors import (
 )
 from kvwire.handshake.manager import HandshakeManager
 from kvwire.handshake.server import SideChannelServer
-from kvwire.handshake.testing import SilentListener, build_engine
 from kvwire.handshake.types import EngineInfo, FailureReason, LocalRank
 from kvwire.kv.spec import KVSpec, RegionKind
+from kvwire.testing.handshake_env import SilentListener, build_registered_engine
 from kvwire.transport.base import Desc, PeerMode, XferOp, XferStatus
 from kvwire.transport.inproc import InprocFabric
 
@@ -65,10 +65,10 @@ async def pair(
     **mgr_kwargs: float,
 ) -> AsyncIterator[Pair]:
     fabric = InprocFabric()
-    p_info, p_ranks = build_engine(
+    p_info, p_ranks = build_registered_engine(
         "P", SPEC, 32, fabric.create_agent, tp_size=p_tp, pp_size=p_pp, model_id=p_model
     )
-    d_info, d_ranks = build_engine("D", SPEC, 16, fabric.create_agent)
+    d_info, d_ranks = build_registered_engine("D", SPEC, 16, fabric.create_agent)
     server = SideChannelServer(p_info, p_ranks, port=port, secret=server_secret)
     await server.start()
     mgr = HandshakeManager(d_info, d_ranks[0], secret=client_secret, **mgr_kwargs)  # type: ignore[arg-type]
@@ -219,7 +219,7 @@ def test_full_handshake_with_a_pp_stage_validates_its_layer_window() -> None:
 def test_timeout_against_a_listener_that_never_answers() -> None:
     async def body() -> None:
         fabric = InprocFabric()
-        d_info, d_ranks = build_engine("D", SPEC, 16, fabric.create_agent)
+        d_info, d_ranks = build_registered_engine("D", SPEC, 16, fabric.create_agent)
         mgr = HandshakeManager(d_info, d_ranks[0], timeout_s=0.3, retries=3)
         async with SilentListener() as silent:
             with pytest.raises(HandshakeTimeout):
@@ -240,7 +240,7 @@ def _free_port() -> int:
 def test_refused_connection_is_retried_a_bounded_number_of_times() -> None:
     async def body() -> None:
         fabric = InprocFabric()
-        d_info, d_ranks = build_engine("D", SPEC, 16, fabric.create_agent)
+        d_info, d_ranks = build_registered_engine("D", SPEC, 16, fabric.create_agent)
         mgr = HandshakeManager(d_info, d_ranks[0], timeout_s=5.0, retries=2, backoff_s=0.01)
         with pytest.raises(PeerUnreachable):
             await mgr.ensure(HOST, _free_port(), 0, 0, PeerMode.NOTIF_ONLY)
@@ -253,8 +253,8 @@ def test_refused_connection_is_retried_a_bounded_number_of_times() -> None:
 def test_peer_that_comes_up_during_retries_is_reached() -> None:
     async def body() -> None:
         fabric = InprocFabric()
-        d_info, d_ranks = build_engine("D", SPEC, 16, fabric.create_agent)
-        p_info, p_ranks = build_engine("P", SPEC, 8, fabric.create_agent)
+        d_info, d_ranks = build_registered_engine("D", SPEC, 16, fabric.create_agent)
+        p_info, p_ranks = build_registered_engine("P", SPEC, 8, fabric.create_agent)
         mgr = HandshakeManager(d_info, d_ranks[0], timeout_s=10.0, retries=50, backoff_s=0.01)
         port = _free_port()
         task = asyncio.create_task(mgr.ensure(HOST, port, 0, 0, PeerMode.NOTIF_ONLY))
@@ -323,7 +323,7 @@ def test_restarted_peer_with_new_incarnation_replaces_the_old() -> None:
             port = t.port
             await t.server.close()
             # P restarts on the same port: new incarnation, new agent name, new buffers.
-            p2_info, p2_ranks = build_engine("P", SPEC, 32, t.fabric.create_agent)
+            p2_info, p2_ranks = build_registered_engine("P", SPEC, 32, t.fabric.create_agent)
             async with SideChannelServer(p2_info, p2_ranks, port=port):
                 # The cached entry serves callers that do not know better...
                 assert await t.mgr.ensure(HOST, port, 0, 0, PeerMode.NOTIF_ONLY) is old
@@ -346,7 +346,7 @@ def test_upgrade_that_finds_a_restarted_peer_reloads_it_in_full() -> None:
             old = await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY)
             port = t.port
             await t.server.close()
-            p2_info, p2_ranks = build_engine("P", SPEC, 32, t.fabric.create_agent)
+            p2_info, p2_ranks = build_registered_engine("P", SPEC, 32, t.fabric.create_agent)
             async with SideChannelServer(p2_info, p2_ranks, port=port):
                 new = await t.mgr.ensure(HOST, port, 0, 0, PeerMode.FULL)
             assert new.incarnation == p2_info.incarnation and new.mode is PeerMode.FULL

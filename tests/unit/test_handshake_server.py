@@ -9,7 +9,6 @@ import msgspec
 import pytest
 
 from kvwire.handshake.server import SideChannelServer
-from kvwire.handshake.testing import build_engine
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.auth import sign
 from kvwire.protocol.codec import FrameDecoder, encode_frame
@@ -23,6 +22,7 @@ from kvwire.protocol.messages import (
     SideMessage,
     TransferMode,
 )
+from kvwire.testing.handshake_env import build_registered_engine
 from kvwire.transport.inproc import InprocFabric
 
 SPEC = KVSpec(num_layers=4, kv_heads=4, head_dim=8, block_size=4)
@@ -35,7 +35,9 @@ def run(coro_fn: Callable[[], Awaitable[None]]) -> None:
 
 def make_server(secret: bytes | None = None, tp_size: int = 2, pp_size: int = 2) -> SideChannelServer:
     fabric = InprocFabric()
-    info, ranks = build_engine("P", SPEC, 16, fabric.create_agent, tp_size=tp_size, pp_size=pp_size)
+    info, ranks = build_registered_engine(
+        "P", SPEC, 16, fabric.create_agent, tp_size=tp_size, pp_size=pp_size
+    )
     return SideChannelServer(info, ranks, secret=secret)
 
 
@@ -208,7 +210,7 @@ def test_truncated_frame_then_eof_does_not_crash_the_server() -> None:
 def test_idle_connection_is_closed() -> None:
     async def body() -> None:
         fabric = InprocFabric()
-        info, ranks = build_engine("P", SPEC, 16, fabric.create_agent)
+        info, ranks = build_registered_engine("P", SPEC, 16, fabric.create_agent)
         async with SideChannelServer(info, ranks, idle_timeout_s=0.2) as server:
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
             assert await asyncio.wait_for(reader.read(), 5) == b""
@@ -279,7 +281,7 @@ def test_connections_beyond_the_per_host_cap_are_closed_and_counted() -> None:
 
     async def body() -> None:
         fabric = InprocFabric()
-        info, ranks = build_engine("P", SPEC, 16, fabric.create_agent)
+        info, ranks = build_registered_engine("P", SPEC, 16, fabric.create_agent)
         async with SideChannelServer(info, ranks, max_connections_per_host=3) as server:
             held = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(3)]
             await asyncio.sleep(0.05)  # let the server accept them

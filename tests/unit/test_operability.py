@@ -8,9 +8,9 @@ import pytest
 
 from kvwire.cli import main
 from kvwire.connector import ConnectorConfig, Consumer
-from kvwire.connector.testing import build_engine
 from kvwire.errors import ConfigError
 from kvwire.kv.spec import KVSpec
+from kvwire.testing.engines import build_engine
 from kvwire.transport.inproc import InprocFabric
 
 SPEC = KVSpec(num_layers=2, kv_heads=2, head_dim=8, block_size=4)

@@ -40,8 +40,8 @@ from kvwire.bench.kvrequest import (
     request_for,
     wait_all,
 )
-from kvwire.bench.peer import PeerProcess
 from kvwire.errors import TransferFailed
+from kvwire.testing.buffer_peer import BufferPeer
 from kvwire.transport import XferOp, make_agent_name, new_incarnation
 from kvwire.transport.nixl import NixlAgent
 
@@ -89,7 +89,7 @@ def _raw_phases(
 
 
 def measure(
-    agent: NixlAgent, ep: Endpoints, peer: PeerProcess, assignment: Assignment, reps: int
+    agent: NixlAgent, ep: Endpoints, peer: BufferPeer, assignment: Assignment, reps: int
 ) -> dict[str, Any]:
     blocks = block_assignment(assignment, ep.req.blocks)
     peer.call(("zero",))
@@ -143,7 +143,7 @@ def measure(
 
 def run_cases(req: Request, reps: int) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
-    with PeerProcess(make_agent_name("bench-d", new_incarnation(), 0, 0), req.cache_bytes) as peer:
+    with BufferPeer(make_agent_name("bench-d", new_incarnation(), 0, 0), req.cache_bytes) as peer:
         ep = endpoints(req, peer)
         agent = NixlAgent(make_agent_name("bench-p", new_incarnation(), 0, 0))
         try:

@@ -1,7 +1,8 @@
 """``kvwire bench handshake``: notif-only vs full handshakes over real NIXL, and a dead peer among many.
 
-Per cache shape, P's side-channel server runs in a child process (``kvwire.handshake.peerproc``) with one
-NIXL agent and a registered cache; this process is D. Measured in one run, each a median of ``--reps``:
+Per cache shape, P's side-channel server runs in a child process
+(``kvwire.testing.side_channel_peer``) with one NIXL agent and a registered cache; this process is D.
+Measured in one run, each a median of ``--reps``:
 
 * ``notif_only_ms``: kvwire's notif-only handshake (connect, request + clock samples, load the agent from
   connection-only metadata), from a cold cache entry;
@@ -32,11 +33,11 @@ import numpy as np
 from kvwire.bench.common import bar_plot, envelope, print_table, write_json
 from kvwire.handshake.client import fetch_metadata
 from kvwire.handshake.manager import HandshakeManager
-from kvwire.handshake.peerproc import PeerProcess
 from kvwire.handshake.server import SideChannelServer, engine_compat_hash
-from kvwire.handshake.testing import SilentListener, build_engine
 from kvwire.handshake.types import EngineInfo, LocalRank, PeerAddress
 from kvwire.kv.spec import KVSpec
+from kvwire.testing.handshake_env import SilentListener, build_registered_engine
+from kvwire.testing.side_channel_peer import SideChannelPeer
 from kvwire.transport.base import Agent, PeerMode, make_agent_name, new_incarnation
 
 HOST = "127.0.0.1"
@@ -182,8 +183,8 @@ def _per_block_descs(regions: list[Any]) -> np.ndarray:
 async def measure_shape(shape: Shape, reps: int, prep_reps: int) -> dict[str, Any]:
     spec = shape.spec
     incarnation = new_incarnation()
-    with PeerProcess(*shape.peer_args()) as p:
-        d_info, d_ranks = build_engine("D", spec, 16, _nixl_agent, incarnation=incarnation)
+    with SideChannelPeer(*shape.peer_args()) as p:
+        d_info, d_ranks = build_registered_engine("D", spec, 16, _nixl_agent, incarnation=incarnation)
         base = _nixl_agent(make_agent_name("bench-bare", incarnation, 0, 0))
         mgr = HandshakeManager(d_info, d_ranks[0])
         try:
@@ -234,10 +235,10 @@ async def measure_many_peers(peers: int, reps: int) -> dict[str, Any]:
     spec = SMALL.spec
     healthy = peers - 1
     engines: list[tuple[EngineInfo, list[LocalRank]]] = [
-        build_engine(f"P{i}", spec, 64, _nixl_agent) for i in range(healthy)
+        build_registered_engine(f"P{i}", spec, 64, _nixl_agent) for i in range(healthy)
     ]
     servers = [SideChannelServer(info, ranks) for info, ranks in engines]
-    d_info, d_ranks = build_engine("D", spec, 16, _nixl_agent)
+    d_info, d_ranks = build_registered_engine("D", spec, 16, _nixl_agent)
     mgr = HandshakeManager(d_info, d_ranks[0])
     silent = SilentListener()
     try:

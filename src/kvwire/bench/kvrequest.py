@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvwire.bench.peer import PeerProcess, pattern
 from kvwire.errors import TransferFailed
 from kvwire.kv import KVCache, KVSpec, RankLayout, RegionInfo, plan_transfer
 from kvwire.kv.descriptors import TransferPlan
+from kvwire.testing.buffer_peer import BufferPeer, pattern
 from kvwire.transport import Agent, XferHandle, XferOp, XferStatus
 
 # 32 layers, K and V, 8 KV heads x 128, bf16, 16-token blocks: 32 KiB a block per region, 128 KiB of KV a
@@ -130,13 +130,13 @@ class Endpoints:
         )
 
     def flat_blocks(self, blocks: list[int]) -> list[int]:
-        """Flat block indices (region-major) of ``blocks`` in every region, for ``PeerProcess.verify``."""
+        """Flat block indices (region-major) of ``blocks`` in every region, for ``BufferPeer.verify``."""
         ids = np.asarray(blocks, dtype=np.int64)
         regions = np.arange(self.req.regions, dtype=np.int64)[:, None] * self.req.cache_blocks
         out: list[int] = (regions + ids[None, :]).reshape(-1).tolist()
         return out
 
-    def verify(self, peer: PeerProcess, src_blocks: list[int], dst_blocks: list[int]) -> None:
+    def verify(self, peer: BufferPeer, src_blocks: list[int], dst_blocks: list[int]) -> None:
         check = peer.verify(
             self.req.block_len,
             SEED,
@@ -148,7 +148,7 @@ class Endpoints:
             raise TransferFailed(f"D found wrong bytes: {check}")
 
 
-def endpoints(req: Request, peer: PeerProcess) -> Endpoints:
+def endpoints(req: Request, peer: BufferPeer) -> Endpoints:
     cache = source_cache(req)
     return Endpoints(req, cache, RankLayout.from_cache(cache), peer_layout(req, peer.addr))
 

@@ -48,9 +48,9 @@ from kvwire.connector import (
     ProducerOutcome,
     RemoteEngine,
 )
-from kvwire.connector.testing import EngineSetup, build_engine
 from kvwire.handshake.loop import BackgroundLoop
 from kvwire.kv.spec import KVSpec
+from kvwire.testing.engines import EngineSetup, build_engine
 from kvwire.transport.base import Agent
 from kvwire.transport.inproc import InprocFabric
 

@@ -1,7 +1,7 @@
 """``kvwire bench transfer``: raw NIXL WRITE between two processes against an in-process ``np.copyto``,
 and kvwire's push of a Llama-3-8B-shaped request against both (``kvwire.bench.transfer_kv``).
 
-P (this process) writes into D (a ``kvwire.bench.peer`` child) over real NIXL. The NIXL figure times
+P (this process) writes into D (a ``kvwire.testing.buffer_peer`` child) over real NIXL. The NIXL figure times
 ``transfer()`` plus polling until DONE on a transfer prepared once and reposted (raw NIXL, no kvwire
 bookkeeping); the memcpy figure copies the same bytes (the same scatter for the scattered case) inside
 one process. Each figure is the median of ``--reps`` runs after one warm-up. D verifies every byte of
@@ -20,9 +20,9 @@ import numpy as np
 
 from kvwire.bench.common import bar_plot, envelope, gbps, median_seconds, print_table, write_json
 from kvwire.bench.kvrequest import request_for
-from kvwire.bench.peer import PeerProcess, pattern
 from kvwire.bench.transfer_kv import run_kv_cases
 from kvwire.errors import TransferFailed
+from kvwire.testing.buffer_peer import BufferPeer, pattern
 from kvwire.transport import Desc, XferOp, make_agent_name, new_incarnation
 
 SEED = 3
@@ -78,7 +78,7 @@ def layout(case: Case, dst_bytes: int, rng: np.random.Generator) -> Layout:
 class RawNixlWriter:
     """Raw NIXL WRITEs from P into a peer process: one prepared transfer per case, reposted each run."""
 
-    def __init__(self, peer: PeerProcess, src: np.ndarray) -> None:
+    def __init__(self, peer: BufferPeer, src: np.ndarray) -> None:
         from kvwire.transport.nixl import NixlAgent
 
         self.peer = peer
@@ -141,7 +141,7 @@ def run_cases(cases: Sequence[Case], reps: int) -> list[dict[str, Any]]:
     local_dst = np.zeros(size, dtype=np.uint8)
     rng = np.random.default_rng(SEED)
     results = []
-    with PeerProcess(make_agent_name("bench-d", new_incarnation(), 0, 0), size) as peer:
+    with BufferPeer(make_agent_name("bench-d", new_incarnation(), 0, 0), size) as peer:
         writer = RawNixlWriter(peer, src)
         try:
             for case in cases:

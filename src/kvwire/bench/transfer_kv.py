@@ -46,7 +46,6 @@ from kvwire.bench.kvrequest import (
     post_lanes,
     wait_all,
 )
-from kvwire.bench.peer import PeerProcess
 from kvwire.connector import (
     ConnectorConfig,
     Consumer,
@@ -56,7 +55,12 @@ from kvwire.connector import (
     RemoteEngine,
 )
 from kvwire.connector._base import RankKey
-from kvwire.connector.testing import (
+from kvwire.errors import TransferFailed
+from kvwire.kv.spec import KVSpec
+from kvwire.protocol.messages import PushReg
+from kvwire.testing.buffer_peer import BufferPeer
+from kvwire.testing.child import spawn_child, stop_child
+from kvwire.testing.engines import (
     build_engine,
     gather_tokens,
     random_kv,
@@ -64,10 +68,6 @@ from kvwire.connector.testing import (
     scatter_tokens,
     untouched_blocks_zero,
 )
-from kvwire.errors import TransferFailed
-from kvwire.kv.spec import KVSpec
-from kvwire.protocol.messages import PushReg
-from kvwire.testing.child import spawn_child, stop_child
 from kvwire.transport import XferOp, make_agent_name, new_incarnation
 from kvwire.transport.nixl import NixlAgent
 
@@ -131,7 +131,7 @@ def _case(
     assignment: Assignment,
     agent: NixlAgent,
     ep: Endpoints,
-    peer: PeerProcess,
+    peer: BufferPeer,
     reps: int,
     conn: ConnectorPush | None,
 ) -> dict[str, Any]:
@@ -178,7 +178,7 @@ def _case(
 
 def run_kv_cases(req: Request, reps: int, connector: bool = True) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
-    with PeerProcess(make_agent_name("bench-kv-d", new_incarnation(), 0, 0), req.cache_bytes) as peer:
+    with BufferPeer(make_agent_name("bench-kv-d", new_incarnation(), 0, 0), req.cache_bytes) as peer:
         ep = endpoints(req, peer)
         agent = NixlAgent(make_agent_name("bench-kv-p", new_incarnation(), 0, 0))
         conn = ConnectorPush(req) if connector else None

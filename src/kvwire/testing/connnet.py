@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 
 from kvwire.connector import ConnectorConfig, Consumer, ConsumerEvent, Producer, ProducerEvent, RemoteEngine
-from kvwire.connector.testing import EngineSetup, build_engine, gather_tokens, random_kv, scatter_tokens
 from kvwire.kv.spec import KVSpec
 from kvwire.testing import nixl_races
+from kvwire.testing.engines import EngineSetup, build_engine, gather_tokens, random_kv, scatter_tokens
 from kvwire.testing.faultnet import FaultWorker, _reply
 
 # 256 KiB per block over all regions (4 layers x k/v x 16 tokens x 8 heads x 128 x fp16).

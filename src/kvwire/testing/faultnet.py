@@ -37,7 +37,7 @@ DEFAULT_HEARTBEAT_S = 0.2
 
 
 def pattern(nbytes: int, seed: int) -> np.ndarray:
-    """Deterministic bytes both processes can compute (the same as ``kvwire.bench.peer.pattern``)."""
+    """Deterministic bytes both processes can compute (the same as ``kvwire.testing.buffer_peer.pattern``)."""
     return np.random.default_rng(seed).integers(0, 256, size=nbytes, dtype=np.uint8)
 
 

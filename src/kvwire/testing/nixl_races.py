@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 
 from kvwire.connector import Consumer, ConsumerEventKind, Producer, RemoteEngine
-from kvwire.connector.testing import EngineSetup, gather_tokens, random_kv, scatter_tokens
 from kvwire.kv.spec import KVSpec
+from kvwire.testing.engines import EngineSetup, gather_tokens, random_kv, scatter_tokens
 
 _KV_PATTERNS = 16
 _MAX_BLOCKS = 3

@@ -25,11 +25,11 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvwire.connector.testing import wait_for
 from kvwire.integrations.vllm.params import KvRole, Op, settings_from_extra
 from kvwire.integrations.vllm.scheduler import LocalEngine, SchedulerSide
 from kvwire.integrations.vllm.worker import Finished, RankPlace, WorkerSide
 from kvwire.testing.child import CommandChild, serve_commands
+from kvwire.testing.engines import wait_for
 
 _CALL_TIMEOUT_S = 60.0
 _OPS = msgspec.msgpack.Decoder(list[Op])

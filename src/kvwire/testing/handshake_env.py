@@ -1,7 +1,9 @@
-"""Helpers for tests and benchmarks of the handshake service (product code, so no test copies them).
+"""Helpers for tests and benchmarks of the handshake service (shipped, so no test copies them).
 
-* ``build_engine``: an engine's ``EngineInfo`` and one ``LocalRank`` per (pp, tp) rank, each with its own
-  agent and a registered KV cache (layers of its PP stage, heads of its TP rank).
+* ``build_registered_engine``: an engine's ``EngineInfo`` and one ``LocalRank`` per (pp, tp) rank, each
+  with its own agent and a KV cache already registered with it (layers of its PP stage, heads of its TP
+  rank): what a side-channel server needs. ``kvwire.testing.engines.build_engine`` builds the same
+  topology unregistered, for a connector (which registers the caches itself).
 * ``SilentListener``: a TCP listener that accepts connections and never answers (a hung peer).
 """
 
@@ -21,7 +23,7 @@ from kvwire.transport.base import Agent, make_agent_name, new_incarnation
 AgentFactory = Callable[[str], Agent]
 
 
-def build_engine(
+def build_registered_engine(
     engine_id: str,
     spec: KVSpec,
     num_blocks: int,

@@ -1,4 +1,4 @@
-"""A target process for two-process transfers over real NIXL (bench, integration test, transport demo).
+"""A bare NIXL buffer in another process, the target of two-process transfers (bench, tests, transport demo).
 
 The child owns a NIXL agent and one registered, zeroed buffer; the parent drives it through a pipe with
 small command tuples and reads replies. While idle the child keeps progressing its agent. Contents are
@@ -80,7 +80,7 @@ def serve(conn: Connection, name: str, nbytes: int) -> None:
         agent.close()
 
 
-class PeerProcess:
+class BufferPeer:
     """The parent's handle on a ``serve`` child (spawned). Use as a context manager: it always reaps."""
 
     def __init__(self, name: str, nbytes: int) -> None:
@@ -94,7 +94,7 @@ class PeerProcess:
         self.metadata: bytes = reply[1]
         self.addr: int = reply[2]
 
-    def __enter__(self) -> PeerProcess:
+    def __enter__(self) -> BufferPeer:
         return self
 
     def __exit__(self, *exc: object) -> None:

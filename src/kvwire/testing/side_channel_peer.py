@@ -1,12 +1,14 @@
 """A side-channel server in its own process, for integration tests and benchmarks over real NIXL.
 
-``python -m kvwire.handshake.peerproc --engine-id P ...`` builds an engine (one NIXL agent and a
+``python -m kvwire.testing.side_channel_peer --engine-id P ...`` builds an engine (one NIXL agent and a
 registered KV cache filled with ``pattern_bytes(seed)`` per rank), serves its side channel, and prints:
 
 * ``READY <port> <incarnation>`` once it listens;
 * ``NOTIF <sender> <hex>`` for every notification its agents receive (the loop keeps progressing them).
 
-It exits when its stdin closes, or after ``--lifetime-s``. ``PeerProcess`` drives it from a test.
+It exits when its stdin closes, or after ``--lifetime-s``. ``SideChannelPeer`` drives it from a test or
+a bench.
+(``kvwire.testing.buffer_peer.BufferPeer`` is the other peer process: a bare NIXL buffer, no engine.)
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvwire.handshake.server import SideChannelServer
-from kvwire.handshake.testing import build_engine
 from kvwire.kv.cache import KVCache
 from kvwire.kv.spec import KVSpec
+from kvwire.testing.handshake_env import build_registered_engine
 from kvwire.transport.base import Agent
 
 _POLL_S = 0.002
@@ -54,7 +56,7 @@ async def _serve(args: argparse.Namespace) -> None:
         agents.append(NixlAgent(name))
         return agents[-1]
 
-    info, ranks = build_engine(
+    info, ranks = build_registered_engine(
         args.engine_id, _spec(args), args.blocks, make_agent, tp_size=args.tp, pp_size=args.pp
     )
     for i, rank in enumerate(ranks):
@@ -80,7 +82,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvwire.handshake.peerproc")
+    parser = argparse.ArgumentParser(prog="python -m kvwire.testing.side_channel_peer")
     parser.add_argument("--engine-id", default="P")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--tp", type=int, default=1)
@@ -98,14 +100,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-class PeerProcess:
-    """Runs ``peerproc`` in a child process; always kills it on exit."""
+class SideChannelPeer:
+    """Runs this module (``main``) in a child process; always kills it on exit."""
 
     def __init__(self, *args: str, ready_s: float = 60.0) -> None:
         env = dict(os.environ)
         env.setdefault("UCX_MODULES", "^ib*")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvwire.handshake.peerproc", *args],
+            [sys.executable, "-m", "kvwire.testing.side_channel_peer", *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -157,7 +159,7 @@ class PeerProcess:
         if self.proc.stdout is not None and not self._reader.is_alive():
             self.proc.stdout.close()
 
-    def __enter__(self) -> PeerProcess:
+    def __enter__(self) -> SideChannelPeer:
         return self
 
     def __exit__(self, *exc: object) -> None:

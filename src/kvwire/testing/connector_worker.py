@@ -22,12 +22,12 @@ from kvwire.connector import (
     ProducerEvent,
     RemoteEngine,
 )
-from kvwire.connector.testing import EngineSetup, build_engine, gather_tokens, random_kv, scatter_tokens
-from kvwire.connector.testing import untouched_blocks_zero as _untouched
 from kvwire.errors import KvwireError
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.messages import TransferMode
 from kvwire.testing.child import CommandChild, serve_commands
+from kvwire.testing.engines import EngineSetup, build_engine, gather_tokens, random_kv, scatter_tokens
+from kvwire.testing.engines import untouched_blocks_zero as _untouched
 from kvwire.transport.base import Desc, XferOp
 
 _CALL_TIMEOUT_S = 60.0

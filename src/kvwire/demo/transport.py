@@ -1,7 +1,7 @@
 """``kvwire transport-demo``: two processes, one NIXL WRITE with a notification, every byte verified.
 
 P (this process) writes ``--blocks`` blocks of ``--block-size`` bytes into scattered blocks of D's
-buffer (a spawned ``kvwire.bench.peer`` process) with a notification attached; D waits for the
+buffer (a spawned ``kvwire.testing.buffer_peer`` process) with a notification attached; D waits for the
 notification, then checks every written byte against the pattern and that nothing else was touched.
 """
 
@@ -12,8 +12,8 @@ import time
 
 import numpy as np
 
-from kvwire.bench.peer import PeerProcess, pattern
 from kvwire.errors import KvwireError
+from kvwire.testing.buffer_peer import BufferPeer, pattern
 from kvwire.transport import Desc, XferOp, XferStatus, make_agent_name, new_incarnation
 
 SEED = 7
@@ -30,7 +30,7 @@ def _write_and_verify(blocks: int, block: int) -> tuple[dict[str, int], float, f
 
     incarnation = new_incarnation()
     d_blocks = 2 * blocks
-    with PeerProcess(make_agent_name("demo-d", incarnation, 0, 0), d_blocks * block) as d:
+    with BufferPeer(make_agent_name("demo-d", incarnation, 0, 0), d_blocks * block) as d:
         p = NixlAgent(make_agent_name("demo-p", incarnation, 0, 0))
         try:
             src = pattern(blocks * block, SEED)
