@@ -21,7 +21,6 @@ from pathlib import Path
 
 from kvwire.errors import ConfigError
 from kvwire.protocol.messages import TransferMode
-from kvwire.router.policy import Policy
 
 ENV_SECRET = "KVWIRE_SECRET"
 ENV_SIDE_CHANNEL_HOST = "KVWIRE_SIDE_CHANNEL_HOST"
@@ -70,6 +69,16 @@ def split_urls(values: Sequence[str]) -> tuple[str, ...]:
     if len(set(urls)) != len(urls):
         raise ConfigError(f"an engine URL is listed twice: {urls}")
     return tuple(urls)
+
+
+class Policy(enum.Enum):
+    """How the router picks one P and one D per request (``kvwire.router.policy.Picker`` applies it).
+
+    Defined here, not beside the picker, because ``RouterConfig`` names it and config sits below the
+    router: nothing in this module may import ``kvwire.router``."""
+
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
 
 
 class EngineKind(enum.Enum):

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvwire.router.policy import EngineView, Load, NoHealthyEngine, Picker, Policy, Role, busy, least_loaded
+from kvwire.config import Policy
+from kvwire.router.policy import EngineView, Load, NoHealthyEngine, Picker, Role, busy, least_loaded
 
 
 def view(

@@ -6,10 +6,9 @@ import argparse
 import logging
 import sys
 
-from kvwire.config import EngineKind, RouterConfig, env_config, split_urls
+from kvwire.config import EngineKind, Policy, RouterConfig, env_config, split_urls
 from kvwire.errors import ConfigError
 from kvwire.protocol.messages import TransferMode
-from kvwire.router.policy import Policy
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

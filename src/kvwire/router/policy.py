@@ -13,12 +13,8 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvwire.config import Policy
 from kvwire.errors import KvwireError
-
-
-class Policy(enum.Enum):
-    ROUND_ROBIN = "round_robin"
-    LEAST_LOADED = "least_loaded"
 
 
 class Role(enum.Enum):
