@@ -3,14 +3,21 @@
 from kvwire.handshake.loop import BackgroundLoop
 from kvwire.handshake.manager import HandshakeManager
 from kvwire.handshake.server import SideChannelServer
-from kvwire.handshake.types import EngineInfo, FailureReason, HandshakeStats, LocalRank, PeerAddress, PeerRank
+from kvwire.handshake.types import (
+    EngineInfo,
+    FailureReason,
+    HandshakeManagerStats,
+    LocalRank,
+    PeerAddress,
+    PeerRank,
+)
 
 __all__ = [
     "BackgroundLoop",
     "EngineInfo",
     "FailureReason",
     "HandshakeManager",
-    "HandshakeStats",
+    "HandshakeManagerStats",
     "LocalRank",
     "PeerAddress",
     "PeerRank",

@@ -48,7 +48,7 @@ from kvwire.handshake.server import engine_compat_hash
 from kvwire.handshake.types import (
     EngineInfo,
     FailureReason,
-    HandshakeStats,
+    HandshakeManagerStats,
     LocalRank,
     PeerAddress,
     PeerRank,
@@ -120,7 +120,7 @@ class HandshakeManager:
         self._peers: dict[PeerAddress, PeerRank] = {}
         self._inflight: dict[PeerAddress, asyncio.Task[PeerRank]] = {}
         self._last_used: dict[str, float] = {}  # engine_id -> monotonic time
-        self.stats = HandshakeStats()
+        self.stats = HandshakeManagerStats()
 
     # -- public API ------------------------------------------------------------------------------------
 

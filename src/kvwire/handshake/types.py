@@ -94,8 +94,9 @@ class FailureReason(enum.Enum):
 
 
 @dataclass
-class HandshakeStats:
-    """Counters of one HandshakeManager (a metrics exporter reads these attributes)."""
+class HandshakeManagerStats:
+    """Running counters of one HandshakeManager (a metrics exporter reads these attributes); not
+    ``kvwire.metrics.HandshakeStats``, which records one completed handshake."""
 
     handshakes: Counter[PeerMode] = field(default_factory=Counter)  # completed, by resulting mode
     upgrades: int = 0  # NOTIF_ONLY -> FULL, also counted in handshakes[FULL]
