@@ -1,17 +1,29 @@
-"""The transport conformance suite: every backend of ``kvwire.transport`` must pass it.
+"""The transport conformance suite: the checks every backend of ``kvwire.transport`` must pass.
 
-Pytest-style tests parametrized by backend name; a test module runs them by importing them::
+A backend plugs in the way a stream does in trio's ``testing.check_*_stream``: by a *backend maker*, a
+function with no arguments that returns a fresh ``AgentFactory`` (``name -> Agent``). Every check calls
+the maker once and builds its two agents from what it returned, so agents of one call must reach each
+other and agents of different calls need not (an in-process backend makes a new fabric per call)::
 
-    from kvwire.testing.conformance import conformance_pair, test_conformance_registration, ...
+    from kvwire.testing.conformance import check_backend
+    check_backend(lambda: MyFabric().create_agent)  # raises on the first check that fails
 
-For ``nixl`` both agents live in this one process (NIXL supports that); for ``inproc`` they share a fresh
-fabric. Waits are bounded loops that fail with a message, never assertions on time.
+or one test per check, so a report names the check that failed::
+
+    @pytest.mark.parametrize("name", CHECKS)
+    def test_my_backend(name: str) -> None:
+        run_check(name, lambda: MyFabric().create_agent)
+
+``BUILTIN_BACKENDS`` holds the makers of ``inproc`` and ``nixl`` (both agents in this one process, which
+NIXL supports). A check is ``check(a, b)``: ``a`` initiates (P-like), ``b`` is the remote (D-like); it
+fails by raising (``AssertionError`` or ``pytest.fail``). Waits are bounded loops that fail with a
+message, never assertions on time.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import pytest
@@ -25,6 +37,7 @@ from kvwire.errors import (
     TransferFailed,
     TransportError,
 )
+from kvwire.testing.buffer_peer import pattern
 from kvwire.transport.base import (
     Agent,
     Desc,
@@ -37,49 +50,56 @@ from kvwire.transport.base import (
     make_agent_name,
     new_incarnation,
 )
-from kvwire.transport.factory import create_agent
+from kvwire.transport.factory import AgentFactory
 
-BACKENDS = ("nixl", "inproc")
+BackendMaker = Callable[[], AgentFactory]
+Check = Callable[[Agent, Agent], None]
+
 WAIT_S = 10.0
 BLOCK = 4096
 
-__all__ = [
-    "BACKENDS",
-    "conformance_pair",
-    "test_conformance_attached_notif_after_data",
-    "test_conformance_close_idempotent",
-    "test_conformance_double_release",
-    "test_conformance_full_peer_write_read",
-    "test_conformance_metadata_round_trip",
-    "test_conformance_notif_only_peer",
-    "test_conformance_post_array",
-    "test_conformance_post_array_errors",
-    "test_conformance_registration",
-    "test_conformance_remove_then_transfer_fails",
-    "test_conformance_scattered_indices",
-]
+
+def _inproc() -> AgentFactory:
+    from kvwire.transport.inproc import InprocFabric
+
+    return InprocFabric().create_agent
 
 
-def make_pair(backend: str) -> tuple[Agent, Agent]:
-    """Two fresh agents of ``backend`` that can reach each other (P-like ``a``, D-like ``b``)."""
+def _nixl() -> AgentFactory:
+    # Imported on use: the inproc checks must run where NIXL is not installed.
+    from kvwire.transport.nixl import NixlAgent
+
+    return NixlAgent
+
+
+BUILTIN_BACKENDS: dict[str, BackendMaker] = {"inproc": _inproc, "nixl": _nixl}
+
+
+def run_check(check: str | Check, make_backend: BackendMaker) -> None:
+    """Run one check (by name in ``CHECKS``, or the function) on two fresh agents, closed afterwards."""
+    fn = CHECKS[check] if isinstance(check, str) else check
+    make_agent = make_backend()
     incarnation = new_incarnation()
-    names = (make_agent_name("conf-a", incarnation, 0, 0), make_agent_name("conf-b", incarnation, 0, 0))
-    if backend == "inproc":
-        from kvwire.transport.inproc import InprocFabric
-
-        fabric = InprocFabric()
-        return create_agent(backend, names[0], fabric=fabric), create_agent(backend, names[1], fabric=fabric)
-    return create_agent(backend, names[0]), create_agent(backend, names[1])
-
-
-@pytest.fixture(params=BACKENDS)
-def conformance_pair(request: pytest.FixtureRequest) -> Iterator[tuple[Agent, Agent]]:
-    a, b = make_pair(str(request.param))
+    a = make_agent(make_agent_name("conf-a", incarnation, 0, 0))
     try:
-        yield a, b
+        b = make_agent(make_agent_name("conf-b", incarnation, 0, 0))
+        try:
+            fn(a, b)
+        finally:
+            b.close()
     finally:
         a.close()
-        b.close()
+
+
+def check_backend(make_backend: BackendMaker, *, skip: Iterable[str] = ()) -> None:
+    """Run every check in ``CHECKS`` but those named in ``skip``; the first failure propagates."""
+    skipped = set(skip)
+    unknown = skipped - CHECKS.keys()
+    if unknown:
+        raise ValueError(f"no such conformance checks: {sorted(unknown)}")
+    for name, fn in CHECKS.items():
+        if name not in skipped:
+            run_check(fn, make_backend)
 
 
 def wait_done(agent: Agent, handle: XferHandle, *others: Agent) -> XferStatus:
@@ -108,10 +128,6 @@ def wait_notifs(receiver: Agent, sender: Agent, count: int) -> list[bytes]:
     return got
 
 
-def pattern(nbytes: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, size=nbytes, dtype=np.uint8)
-
-
 def blocks(array: np.ndarray, block: int = BLOCK) -> list[Desc]:
     base = array_desc(array)
     return [Desc(base.addr + i * block, block) for i in range(base.length // block)]
@@ -121,8 +137,7 @@ def connect_full(a: Agent, b: Agent) -> None:
     assert a.add_peer(b.metadata()) == b.name
 
 
-def test_conformance_registration(conformance_pair: tuple[Agent, Agent]) -> None:
-    a, b = conformance_pair
+def check_registration(a: Agent, b: Agent) -> None:
     buf = np.zeros(8 * BLOCK, dtype=np.uint8)
     reg = a.register(buf)
     assert (reg.addr, reg.length) == (buf.ctypes.data, buf.nbytes)
@@ -143,8 +158,7 @@ def test_conformance_registration(conformance_pair: tuple[Agent, Agent]) -> None
         a.deregister(reg)
 
 
-def test_conformance_metadata_round_trip(conformance_pair: tuple[Agent, Agent]) -> None:
-    a, b = conformance_pair
+def check_metadata_round_trip(a: Agent, b: Agent) -> None:
     b.register(np.zeros(BLOCK, dtype=np.uint8))
     full, conn = b.metadata(), b.conn_metadata()
     assert isinstance(full, bytes) and isinstance(conn, bytes) and full and conn
@@ -160,8 +174,7 @@ def test_conformance_metadata_round_trip(conformance_pair: tuple[Agent, Agent]) 
         a.add_peer(b"not metadata at all")
 
 
-def test_conformance_notif_only_peer(conformance_pair: tuple[Agent, Agent]) -> None:
-    a, b = conformance_pair
+def check_notif_only_peer(a: Agent, b: Agent) -> None:
     src, dst = pattern(BLOCK, 1), np.zeros(BLOCK, dtype=np.uint8)
     a.register(src)
     b.register(dst)
@@ -183,8 +196,7 @@ def test_conformance_notif_only_peer(conformance_pair: tuple[Agent, Agent]) -> N
     assert np.array_equal(dst, src)
 
 
-def test_conformance_full_peer_write_read(conformance_pair: tuple[Agent, Agent]) -> None:
-    a, b = conformance_pair
+def check_full_peer_write_read(a: Agent, b: Agent) -> None:
     nbytes = 1 << 20
     src, remote = pattern(nbytes, 2), pattern(nbytes, 3)
     expected_remote = remote.copy()
@@ -209,8 +221,7 @@ def test_conformance_full_peer_write_read(conformance_pair: tuple[Agent, Agent])
     a.release_dlist(far)
 
 
-def test_conformance_scattered_indices(conformance_pair: tuple[Agent, Agent]) -> None:
-    a, b = conformance_pair
+def check_scattered_indices(a: Agent, b: Agent) -> None:
     n_src, n_dst, n = 64, 128, 48
     src, dst = pattern(n_src * BLOCK, 5), np.zeros(n_dst * BLOCK, dtype=np.uint8)
     a.register(src)
@@ -239,8 +250,7 @@ def test_conformance_scattered_indices(conformance_pair: tuple[Agent, Agent]) ->
         a.release(h)
 
 
-def test_conformance_attached_notif_after_data(conformance_pair: tuple[Agent, Agent]) -> None:
-    a, b = conformance_pair
+def check_attached_notif_after_data(a: Agent, b: Agent) -> None:
     nbytes = 8 << 20
     src, dst = pattern(nbytes, 7), np.zeros(nbytes, dtype=np.uint8)
     a.register(src)
@@ -260,8 +270,7 @@ def test_conformance_attached_notif_after_data(conformance_pair: tuple[Agent, Ag
     a.release(handle)
 
 
-def test_conformance_remove_then_transfer_fails(conformance_pair: tuple[Agent, Agent]) -> None:
-    a, b = conformance_pair
+def check_remove_then_transfer_fails(a: Agent, b: Agent) -> None:
     src, dst = pattern(BLOCK, 8), np.zeros(BLOCK, dtype=np.uint8)
     a.register(src)
     b.register(dst)
@@ -291,8 +300,7 @@ def test_conformance_remove_then_transfer_fails(conformance_pair: tuple[Agent, A
     assert not dst.any() or np.array_equal(dst, src)
 
 
-def test_conformance_double_release(conformance_pair: tuple[Agent, Agent]) -> None:
-    a, b = conformance_pair
+def check_double_release(a: Agent, b: Agent) -> None:
     src, dst = pattern(BLOCK, 9), np.zeros(BLOCK, dtype=np.uint8)
     a.register(src)
     b.register(dst)
@@ -311,8 +319,7 @@ def test_conformance_double_release(conformance_pair: tuple[Agent, Agent]) -> No
     a.release_dlist(local)
 
 
-def test_conformance_close_idempotent(conformance_pair: tuple[Agent, Agent]) -> None:
-    a, b = conformance_pair
+def check_close_idempotent(a: Agent, b: Agent) -> None:
     src, dst = pattern(BLOCK, 10), np.zeros(BLOCK, dtype=np.uint8)
     a.register(src)
     b.register(dst)
@@ -338,8 +345,7 @@ def block_rows(array: np.ndarray, idx: np.ndarray, block: int = BLOCK) -> np.nda
     return rows
 
 
-def test_conformance_post_array(conformance_pair: tuple[Agent, Agent]) -> None:
-    a, b = conformance_pair
+def check_post_array(a: Agent, b: Agent) -> None:
     n_src, n_dst, n = 64, 128, 40
     src, dst = pattern(n_src * BLOCK, 11), np.zeros(n_dst * BLOCK, dtype=np.uint8)
     a.register(src)
@@ -374,8 +380,7 @@ def test_conformance_post_array(conformance_pair: tuple[Agent, Agent]) -> None:
     assert np.array_equal(descs_to_array(blocks(src)), block_rows(src, np.arange(n_src)))
 
 
-def test_conformance_post_array_errors(conformance_pair: tuple[Agent, Agent]) -> None:
-    a, b = conformance_pair
+def check_post_array_errors(a: Agent, b: Agent) -> None:
     src, dst = pattern(4 * BLOCK, 13), np.zeros(8 * BLOCK, dtype=np.uint8)
     a.register(src)
     b.register(dst)
@@ -409,3 +414,19 @@ def test_conformance_post_array_errors(conformance_pair: tuple[Agent, Agent]) ->
     with pytest.raises(NotAddressable):
         a.post_array(XferOp.WRITE, block_rows(stray, np.arange(1)), remote[:1], b.name)
     assert not dst.any()
+
+
+# Every check, by name (the order they run in): what a backend must do to be a kvwire transport.
+CHECKS: dict[str, Check] = {
+    "registration": check_registration,
+    "metadata_round_trip": check_metadata_round_trip,
+    "notif_only_peer": check_notif_only_peer,
+    "full_peer_write_read": check_full_peer_write_read,
+    "scattered_indices": check_scattered_indices,
+    "attached_notif_after_data": check_attached_notif_after_data,
+    "remove_then_transfer_fails": check_remove_then_transfer_fails,
+    "double_release": check_double_release,
+    "close_idempotent": check_close_idempotent,
+    "post_array": check_post_array,
+    "post_array_errors": check_post_array_errors,
+}

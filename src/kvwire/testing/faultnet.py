@@ -30,15 +30,11 @@ from typing import Any
 import numpy as np
 
 from kvwire.errors import KvwireError, TransportError
+from kvwire.testing.buffer_peer import pattern
 
 HEARTBEAT = b"KVWT-HB"
 _LINE_PREFIX = b"KVWT "
 DEFAULT_HEARTBEAT_S = 0.2
-
-
-def pattern(nbytes: int, seed: int) -> np.ndarray:
-    """Deterministic bytes both processes can compute (the same as ``kvwire.testing.buffer_peer.pattern``)."""
-    return np.random.default_rng(seed).integers(0, 256, size=nbytes, dtype=np.uint8)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
 
 from kvwire.handshake.types import EngineInfo, LocalRank
 from kvwire.kv.cache import KVCache
 from kvwire.kv.mapping import layer_window
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.messages import TransferMode
-from kvwire.transport.base import Agent, make_agent_name, new_incarnation
-
-AgentFactory = Callable[[str], Agent]
+from kvwire.transport.base import make_agent_name, new_incarnation
+from kvwire.transport.factory import AgentFactory
 
 
 def build_registered_engine(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvwire.errors import ConfigError
@@ -10,6 +11,10 @@ from kvwire.transport.base import Agent
 
 if TYPE_CHECKING:
     from kvwire.transport.inproc import InprocFabric, InprocFaults
+
+# Makes an agent named ``name`` (see ``make_agent_name``): how a backend is handed to code that must not
+# pick one itself (test harnesses, benches, the conformance suite), e.g. ``InprocFabric().create_agent``.
+AgentFactory = Callable[[str], Agent]
 
 
 class Backend(enum.Enum):
