@@ -167,7 +167,14 @@ class UnknownTransfer(RequestError):
 
 
 class InvalidRequest(RequestError):
-    """An engine refused a request as malformed or impossible to serve (HTTP 400)."""
+    """An engine refused a request as malformed or impossible to serve (HTTP 400).
+
+    ``param`` names the request field at fault, when there is one (OpenAI's error ``param``).
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class EngineOverloaded(RequestError):

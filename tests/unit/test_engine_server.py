@@ -77,10 +77,13 @@ async def test_completion_matches_engine(client: tuple[httpx.AsyncClient, Engine
 async def test_token_id_prompt_and_unknown_fields(client: tuple[httpx.AsyncClient, EngineServer]) -> None:
     c, server = client
     ids = server.engine.tokenizer.encode("abc")
-    body = {"prompt": ids, "max_tokens": 3, "ignore_eos": True, "top_p": 0.9, "user": "x", "temperature": 0}
+    body = {"prompt": ids, "max_tokens": 3, "ignore_eos": True, "top_p": 0.9, "temperature": 0}
     r = await c.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["token_ids"] == reference("abc", 3)
+    # an unknown field is refused, naming it (never silently ignored)
+    r = await c.post("/v1/completions", json={**body, "user": "x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "user"
 
 
 async def test_stream(client: tuple[httpx.AsyncClient, EngineServer]) -> None:
@@ -116,16 +119,17 @@ async def test_stream(client: tuple[httpx.AsyncClient, EngineServer]) -> None:
         {"prompt": "x", "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": "t"}},
         {"prompt": "x", "kv_transfer_params": "nope"},
         [1, 2],
-        # sampling: out of range, or something a greedy engine cannot honour (never silently ignored)
+        # sampling: out of range, or something the engine cannot honour (never silently ignored)
         {"prompt": "x", "temperature": -1},
-        {"prompt": "x", "temperature": 0.7},
         {"prompt": "x", "top_p": 1.5},
-        {"prompt": "x", "top_k": 0},
-        {"prompt": "x", "logprobs": 3},
-        {"prompt": "x", "echo": True},
-        {"prompt": "x", "stop": ["\n"]},
+        {"prompt": "x", "top_k": -2},
+        {"prompt": "x", "logprobs": 21},
+        {"prompt": "x", "echo": True, "logprobs": 1},
+        {"prompt": "x", "stop": [""]},
+        {"prompt": "x", "max_tokens": 2, "min_tokens": 3},
         {"prompt": "x", "presence_penalty": 0.5},
         {"prompt": "x", "logit_bias": {"5": 10}},
+        {"prompt": "x", "suffix": "y"},
     ],
 )
 async def test_bad_input_is_400(client: tuple[httpx.AsyncClient, EngineServer], body: object) -> None:
@@ -134,6 +138,10 @@ async def test_bad_input_is_400(client: tuple[httpx.AsyncClient, EngineServer], 
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["code"] == 400 and err["message"]
+    if isinstance(body, dict) and len(body) == 2 and body.get("prompt") == "x":
+        # one parameter besides the prompt: the error names it
+        (name,) = set(body) - {"prompt"}
+        assert err["param"] == name and name in err["message"]
 
 
 async def test_neutral_sampling_values_are_accepted(client: tuple[httpx.AsyncClient, EngineServer]) -> None:

@@ -1,22 +1,66 @@
 """The HTTP body of ``POST /v1/completions`` in and out (OpenAI completions + vLLM's kv_transfer_params).
 
-Sampling is always greedy: ``temperature``, ``top_p`` and other sampling fields are accepted and ignored,
-as are unknown fields (the router forwards the client's body as is).
+The body is decoded into ``CompletionBody``: every field the reference engine knows, with OpenAI's ranges.
+An unknown field, a value out of range, or a parameter the engine cannot honour set to anything but its
+neutral value is an ``InvalidRequest`` naming it: nothing is silently ignored. Sampling follows
+``kvwire.engine.sampling``; ``temperature`` defaults to 0 (greedy), unlike OpenAI's 1, because the reference
+model's weights are random and tests compare outputs token for token.
 """
 
 from __future__ import annotations
 
+import re
+import secrets
 import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from kvwire.engine.request import TransferRole
-from kvwire.engine.tokenizer import ByteTokenizer
+from kvwire.engine.sampling import GREEDY, SamplingParams, TokenLogprob, token_text
+from kvwire.engine.tokenizer import ByteTokenizer, StreamDecoder
 from kvwire.errors import EngineOverloaded, InvalidRequest, KVLoadFailed, TransferAborted
 
 DEFAULT_MAX_TOKENS = 16
+MAX_LOGPROBS = 20  # vLLM's default cap; OpenAI's completions allow 5 (the router checks that)
+MAX_STOPS = 16
+
+_Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
+
+
+class CompletionBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Every field the engine accepts. ``None`` (JSON null) means "not given", as for OpenAI."""
+
+    prompt: str | list[Any] | None = None
+    model: str | None = None
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    min_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    stream: bool | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=1)] | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    seed: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] | None = None
+    stop: str | Annotated[list[str], msgspec.Meta(max_length=MAX_STOPS)] | None = None
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool | None = None
+    ignore_eos: bool | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    # Known parameters the reference engine cannot honour: accepted only at their neutral value.
+    best_of: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    presence_penalty: _Penalty | None = None
+    frequency_penalty: _Penalty | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+# The neutral value of each parameter the engine cannot honour (an empty logit_bias is neutral too).
+_NEUTRAL: dict[str, object] = {
+    "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": {},
+}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,106 +73,117 @@ class CompletionRequest:
     role: TransferRole
     transfer_id: str | None
     kv_transfer_params: Mapping[str, Any]
+    sampling: SamplingParams = GREEDY
+    echo: bool = False
+    prompt_text: str = ""  # what ``echo`` puts before the completion
 
 
-def _field(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], default: Any) -> Any:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    # bool is an int in Python: refuse it where a number is expected.
-    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
-        raise InvalidRequest(f"'{name}' must be {_names(kind)}")
-    return value
+_PATH = re.compile(r"at `\$\.(\w+)")
+_UNKNOWN = re.compile(r"unknown field `([^`]*)`")
 
 
-def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
-    return kind if isinstance(kind, tuple) else (kind,)
+def _decode(body: Any) -> CompletionBody:
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    try:
+        return msgspec.convert(body, CompletionBody)
+    except msgspec.ValidationError as exc:
+        raise _invalid(str(exc)) from None
 
 
-def _names(kind: type | tuple[type, ...]) -> str:
-    return " or ".join(k.__name__ for k in _as_tuple(kind))
+def _invalid(msgspec_message: str) -> InvalidRequest:
+    """msgspec's message as an OpenAI-style one naming the parameter."""
+    unknown = _UNKNOWN.search(msgspec_message)
+    if unknown is not None:
+        name = unknown.group(1)
+        return InvalidRequest(f"'{name}' is not a parameter the reference engine supports", name)
+    path = _PATH.search(msgspec_message)
+    name = path.group(1) if path is not None else None
+    detail = msgspec_message.split(" - at ")[0]
+    return InvalidRequest(f"invalid '{name}': {detail}" if name else detail, name)
+
+
+def _prompt(raw: object, tokenizer: ByteTokenizer) -> tuple[list[int], str]:
+    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
+        raw = raw[0]
+    if isinstance(raw, str):
+        return tokenizer.encode(raw), raw
+    if isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+        return list(raw), tokenizer.decode(raw)
+    raise InvalidRequest("'prompt' must be a string or a non-empty list of token ids", "prompt")
+
+
+def _check_neutral(body: CompletionBody) -> None:
+    for name, neutral in _NEUTRAL.items():
+        value = getattr(body, name)
+        if value is not None and value != neutral:
+            raise InvalidRequest(f"'{name}' is not supported by the reference engine", name)
+
+
+def _sampling(body: CompletionBody, tokenizer: ByteTokenizer, max_tokens: int) -> SamplingParams:
+    min_tokens = body.min_tokens or 0
+    if min_tokens > max_tokens:
+        raise InvalidRequest(f"'min_tokens' ({min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
+    stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    if any(not s for s in stops):
+        raise InvalidRequest("'stop' strings must not be empty", "stop")
+    if body.echo and body.logprobs is not None:
+        # OpenAI's echo with logprobs scores the prompt too; the engine computes no prompt logprobs.
+        raise InvalidRequest("'echo' together with 'logprobs' is not supported", "echo")
+    return SamplingParams(
+        temperature=body.temperature if body.temperature is not None else 0.0,
+        top_p=body.top_p if body.top_p is not None else 1.0,
+        top_k=body.top_k if body.top_k is not None else -1,
+        # No seed: a random one, drawn once per request, so the rule stays (seed, token index).
+        seed=body.seed if body.seed is not None else secrets.randbits(63),
+        min_tokens=min_tokens,
+        stop=tuple(tuple(tokenizer.encode(s, add_bos=False)) for s in stops),
+        logprobs=body.logprobs,
+    )
 
 
 def parse_completion(body: Any, tokenizer: ByteTokenizer) -> CompletionRequest:
-    """Validate a completions body; ``InvalidRequest`` (HTTP 400) says what is wrong."""
-    if not isinstance(body, dict):
-        raise InvalidRequest("the body must be a JSON object")
-    raw = body.get("prompt")
-    if isinstance(raw, str):
-        prompt = tokenizer.encode(raw)
-    elif isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
-        prompt = list(raw)
-    elif isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
-        prompt = tokenizer.encode(raw[0])
-    else:
-        raise InvalidRequest("'prompt' must be a string or a non-empty list of token ids")
-    max_tokens = _field(body, "max_tokens", int, DEFAULT_MAX_TOKENS)
-    if max_tokens < 1:
-        raise InvalidRequest("'max_tokens' must be at least 1")
-    n = _field(body, "n", int, 1)
-    if n != 1:
-        raise InvalidRequest("only n=1 is supported")
-    check_sampling(body)
-    params = _field(body, "kv_transfer_params", dict, {})
+    """Validate a completions body; ``InvalidRequest`` (HTTP 400) says what is wrong and names it."""
+    parsed = _decode(body)
+    prompt, text = _prompt(parsed.prompt, tokenizer)
+    _check_neutral(parsed)
+    max_tokens = parsed.max_tokens if parsed.max_tokens is not None else DEFAULT_MAX_TOKENS
+    params = parsed.kv_transfer_params or {}
     role, transfer_id = _transfer(params)
     return CompletionRequest(
         prompt=prompt,
         max_tokens=max_tokens,
-        stream=_field(body, "stream", bool, False),
-        ignore_eos=_field(body, "ignore_eos", bool, False),
-        model=_field(body, "model", str, None),
+        stream=bool(parsed.stream),
+        ignore_eos=bool(parsed.ignore_eos),
+        model=parsed.model,
         role=role,
         transfer_id=transfer_id,
         kv_transfer_params=params,
+        sampling=_sampling(parsed, tokenizer, max_tokens),
+        echo=bool(parsed.echo),
+        prompt_text=text,
     )
 
 
-# Parameters that would change the answer and that the reference engine (greedy decoding) cannot honour:
-# refused with a 400 naming them, never silently ignored. Their "no effect" values are accepted.
-_UNSUPPORTED: dict[str, Any] = {
-    "logprobs": None, "echo": False, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0,
-    "repetition_penalty": 1, "logit_bias": None, "stop": None, "min_tokens": 0,
-}  # fmt: skip
-
-
-def check_sampling(body: Mapping[str, Any]) -> None:
-    """OpenAI's ranges for every sampling parameter, and greedy decoding only: a temperature above 0, or a
-    parameter of ``_UNSUPPORTED`` set to something that matters, is an ``InvalidRequest`` naming it."""
-    temperature = _field(body, "temperature", (int, float), 0.0)
-    if not 0 <= temperature <= 2:
-        raise InvalidRequest(f"'temperature' must be between 0 and 2, got {temperature}")
-    top_p = _field(body, "top_p", (int, float), 1.0)
-    if not 0 < top_p <= 1:
-        raise InvalidRequest(f"'top_p' must be in (0, 1], got {top_p}")
-    top_k = _field(body, "top_k", int, -1)
-    if top_k == 0 or top_k < -1:
-        raise InvalidRequest(f"'top_k' must be -1 (off) or positive, got {top_k}")
-    _field(body, "seed", int, 0)
-    if temperature > 0:
-        raise InvalidRequest(
-            f"the reference engine decodes greedily: 'temperature' must be 0 (got {temperature}); "
-            "its weights are random, so sampling would add nothing"
-        )
-    for name, neutral in _UNSUPPORTED.items():
-        value = body.get(name)
-        if value is not None and value != neutral and value not in ([], {}, ""):
-            raise InvalidRequest(f"'{name}' is not supported by the reference engine (greedy, no logprobs)")
+_KV_PARAMS = "kv_transfer_params"
 
 
 def _transfer(params: Mapping[str, Any]) -> tuple[TransferRole, str | None]:
     decode = params.get("do_remote_decode") is True
     prefill = params.get("do_remote_prefill") is True
     if decode and prefill:
-        raise InvalidRequest("kv_transfer_params cannot ask for both do_remote_decode and do_remote_prefill")
+        raise InvalidRequest(
+            "kv_transfer_params cannot ask for both do_remote_decode and do_remote_prefill", _KV_PARAMS
+        )
     if not (decode or prefill):
         return TransferRole.NONE, None
     tid = params.get("transfer_id")
     if not isinstance(tid, str) or not tid:
-        raise InvalidRequest("kv_transfer_params.transfer_id must be a non-empty string")
+        raise InvalidRequest("kv_transfer_params.transfer_id must be a non-empty string", _KV_PARAMS)
     if prefill:
         for name, kind in (("remote_engine_id", str), ("remote_host", str), ("remote_port", int)):
             if not isinstance(params.get(name), kind):
-                raise InvalidRequest(f"kv_transfer_params.{name} must be {kind.__name__}")
+                raise InvalidRequest(f"kv_transfer_params.{name} must be {kind.__name__}", _KV_PARAMS)
     return (TransferRole.REMOTE_DECODE if decode else TransferRole.REMOTE_PREFILL), tid
 
 
@@ -147,7 +202,9 @@ def error_status(exc: BaseException) -> tuple[int, str]:
 
 def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
     status, kind = error_status(exc)
-    return status, {"error": {"message": str(exc) or type(exc).__name__, "type": kind, "code": status}}
+    param = exc.param if isinstance(exc, InvalidRequest) else None
+    message = str(exc) or type(exc).__name__
+    return status, {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def completion_id() -> str:
@@ -166,6 +223,7 @@ def completion_body(
     timings: Mapping[str, Any] | None,
     created: int | None = None,
     completion_tokens: int | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     done = len(token_ids) if completion_tokens is None else completion_tokens
     body: dict[str, Any] = {
@@ -179,7 +237,7 @@ def completion_body(
                 "text": text,
                 "token_ids": token_ids,
                 "finish_reason": finish_reason,
-                "logprobs": None,
+                "logprobs": logprobs,
             }
         ],
         "usage": {
@@ -192,3 +250,40 @@ def completion_body(
     if timings is not None:
         body["timings"] = timings
     return body
+
+
+class TextBuilder:
+    """The text and OpenAI completions ``logprobs`` of one request's outputs, chunk by chunk.
+
+    ``text_offset`` is each token's offset, in characters, in the whole answer (echoed prompt included):
+    the characters decoded before it, so a stream's chunks continue each other's offsets.
+    """
+
+    def __init__(self, creq: CompletionRequest, tokenizer: ByteTokenizer) -> None:
+        self._decoder: StreamDecoder = tokenizer.stream_decoder()
+        self._echo = creq.prompt_text if creq.echo else ""
+        self._offset = len(self._echo)
+        self._logprobs = creq.sampling.logprobs is not None
+
+    def chunk(
+        self, tokens: tuple[int, ...], entries: tuple[TokenLogprob, ...], final: bool
+    ) -> tuple[str, dict[str, Any] | None]:
+        """The text of ``tokens`` (after the echoed prompt, the first time) and their logprobs."""
+        parts, self._echo = [self._echo], ""
+        offsets = []
+        for t in tokens:
+            offsets.append(self._offset)
+            piece = self._decoder.push(t)
+            self._offset += len(piece)
+            parts.append(piece)
+        if final:
+            parts.append(self._decoder.flush())
+        text = "".join(parts)
+        if not self._logprobs:
+            return text, None
+        return text, {
+            "tokens": [token_text(e.token) for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{token_text(t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets,
+        }

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvwire.connector.config import LoadFailurePolicy
+from kvwire.core.config import LoadFailurePolicy
 from kvwire.engine.config import EngineConfig, Role
 from kvwire.engine.hooks import ConsumerEvent, ConsumerEventKind, KVTransferHooks, TransferRequest
 from kvwire.engine.model import Model
 from kvwire.engine.paged import PagedKV
 from kvwire.engine.request import Request, RequestOutput, RequestState, TransferRole
+from kvwire.engine.sampling import GREEDY, SamplingParams, sample, token_logprob
 from kvwire.engine.scheduler import Scheduler
 from kvwire.engine.tokenizer import EOS, ByteTokenizer
 from kvwire.errors import EngineOverloaded, InvalidRequest, KVLoadFailed, KvwireError, UnknownTransfer
@@ -87,7 +88,8 @@ class Engine:
             raise InvalidRequest("max_tokens must be at least 1")
         if len(req.prompt) + req.max_tokens > m.max_model_len:
             raise InvalidRequest(
-                f"prompt ({len(req.prompt)}) + max_tokens ({req.max_tokens}) exceeds {m.max_model_len}"
+                f"prompt ({len(req.prompt)}) + max_tokens ({req.max_tokens}) exceeds {m.max_model_len}",
+                "max_tokens",
             )
         if self.scheduler.blocks_needed(req) > self.cfg.num_blocks:
             raise InvalidRequest(f"the request needs more than the cache's {self.cfg.num_blocks} blocks")
@@ -265,12 +267,11 @@ class Engine:
             self.scheduler.finish(req, RequestState.FINISHED_ERROR)
             outputs.append((req, req.output(())))
             return
-        token = int(np.argmax(logits))
-        req.output_ids.append(token)
+        token = self._sample(req, logits)
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
         state = None
-        if token == EOS and not req.ignore_eos:
+        if (token == EOS and not req.ignore_eos) or req.matched_stop():
             state = RequestState.FINISHED_STOPPED
         elif len(req.output_ids) >= req.max_tokens:
             state = RequestState.FINISHED_LENGTH
@@ -279,25 +280,41 @@ class Engine:
             if req.role is TransferRole.REMOTE_DECODE and self.hooks is not None:
                 hold = self.hooks.request_finished(self._transfer_request(req))
             self.scheduler.finish(req, state, hold=hold)
-        outputs.append((req, req.output((token,))))
+        outputs.append((req, req.release()))
+
+    @staticmethod
+    def _sample(req: Request, logits: np.ndarray) -> int:
+        """The next token by the request's sampling rule (the same on P, D and colocated engines)."""
+        params, index = req.sampling, len(req.output_ids)
+        token = sample(logits, params, index)
+        req.output_ids.append(token)
+        if params.logprobs is not None:
+            req.token_logprobs.append(token_logprob(logits, token, params.logprobs))
+        return token
 
     # -- synchronous use (tests, benchmarks, the demo's reference) ------------------------------------------
     def generate(
-        self, prompts: Sequence[Sequence[int]], max_tokens: int, *, ignore_eos: bool = False
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: int,
+        *,
+        ignore_eos: bool = False,
+        sampling: SamplingParams = GREEDY,
     ) -> list[list[int]]:
-        """Run ``prompts`` to completion on this thread; the generated token ids of each."""
+        """Run ``prompts`` to completion on this thread; the generated token ids of each (a stop string
+        that ended one is left out, as in its HTTP answer)."""
         results: dict[str, list[int]] = {}
         reqs = []
         for i, p in enumerate(prompts):
             rid = f"gen-{i}-{time.monotonic_ns()}"
             results[rid] = []
-            reqs.append(Request(rid, list(p), max_tokens, ignore_eos=ignore_eos))
+            reqs.append(Request(rid, list(p), max_tokens, ignore_eos=ignore_eos, sampling=sampling))
             self.submit(reqs[-1])
         self.run_until_idle()
         for r in reqs:
             if r.state is RequestState.FINISHED_ERROR:
                 raise r.error if r.error is not None else KvwireError(f"{r.request_id} failed")
-        return [list(r.output_ids) for r in reqs]
+        return [list(r.output_ids[: r.stop_at]) for r in reqs]
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         for _ in range(max_steps):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvwire.engine.sampling import GREEDY, SamplingParams, TokenLogprob, held_back, stop_start
 
 
 class RequestState(enum.Enum):
@@ -70,6 +73,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     ttft_s: float | None = None
     kv_transfer_s: float | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # of ``new_token_ids``, when the request asked for them
 
 
 @dataclass(eq=False)
@@ -81,6 +85,7 @@ class Request:
     role: TransferRole = TransferRole.NONE
     transfer_id: str | None = None
     kv_transfer_params: Mapping[str, Any] = field(default_factory=dict)
+    sampling: SamplingParams = GREEDY
     on_output: Callable[[RequestOutput], None] | None = None
     # -- engine state --
     state: RequestState = RequestState.WAITING
@@ -92,6 +97,9 @@ class Request:
     first_token_at: float | None = None
     kv_wait_start: float | None = None
     kv_ready_at: float | None = None
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    released: int = 0  # output tokens already reported (a stream holds back a possible stop string)
+    stop_at: int | None = None  # a stop string matched: the output ends before this index
 
     @property
     def next_position(self) -> int:
@@ -105,6 +113,25 @@ class Request:
     @property
     def finish_reason(self) -> FinishReason | None:
         return _REASON.get(self.state)
+
+    def matched_stop(self) -> bool:
+        """Whether the output now ends with a stop string (not looked for before ``min_tokens``)."""
+        if not self.sampling.stop or len(self.output_ids) < self.sampling.min_tokens:
+            return False
+        self.stop_at = stop_start(self.output_ids, self.sampling.stop)
+        return self.stop_at is not None
+
+    def release(self) -> RequestOutput:
+        """The output of this step: the tokens no stop string can claim any more (all, once finished)."""
+        if self.state.finished:
+            end = self.stop_at if self.stop_at is not None else len(self.output_ids)
+        else:
+            end = len(self.output_ids) - held_back(self.output_ids, self.sampling.stop)
+        start, self.released = self.released, max(self.released, end)
+        out = self.output(tuple(self.output_ids[start:end]))
+        if self.sampling.logprobs is None:
+            return out
+        return dataclasses.replace(out, logprobs=tuple(self.token_logprobs[start:end]))
 
     def output(self, new: tuple[int, ...]) -> RequestOutput:
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival

@@ -9,6 +9,7 @@ load failed) still get a proper status code; later errors are sent as an ``error
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -20,9 +21,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvwire.engine.api import (
     CompletionRequest,
+    TextBuilder,
     completion_body,
     completion_id,
     error_body,
@@ -34,8 +37,10 @@ from kvwire.engine.engine import Engine
 from kvwire.engine.loop import EngineLoop
 from kvwire.engine.request import Request as EngineRequest
 from kvwire.engine.request import RequestOutput, TransferRole
-from kvwire.errors import EngineOverloaded, InvalidRequest, KvwireError
-from kvwire.metrics import CONTENT_TYPE, BlockStats, KvMetrics, Outcome
+from kvwire.errors import EngineOverloaded, InvalidRequest, KVLoadFailed, KvwireError
+from kvwire.logsetup import transfer_extra
+from kvwire.metrics import CONTENT_TYPE, BlockStats, KvMetrics, MetricRole, Outcome, posts_transfers
+from kvwire.protocol.messages import FailReason, TransferMode
 
 log = logging.getLogger(__name__)
 _DISCONNECT_CHECK_S = 0.25  # how often a waiting request checks that its client is still there
@@ -48,6 +53,64 @@ class ClientGone(Exception):
 
 # Attempts at reading the block accounting while the engine thread changes it.
 _ACCOUNTING_TRIES = 5
+# KV load failures no retry can cure (the two engines disagree), with what to change. They are answered
+# 500 with ``x-should-retry: false`` (the openai client retries 503s and other 5xx otherwise).
+_PERMANENT_KV = {
+    FailReason.INCOMPATIBLE: "the prefill and decode engines differ in model, weights seed, KV layout or "
+    "transfer mode (the decode engine's log names the fields): start both with the same --preset, "
+    "--seed and --mode",
+    FailReason.BAD_REGISTRATION: "the prefill engine refused this engine's block registration (its log "
+    "says why): check that both run the same kvwire version and --preset",
+}
+RETRY_HEADER = "x-should-retry"
+
+
+def http_error(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """Status, OpenAI-style body and headers for an exception that ended a request."""
+    status, body = error_body(exc)
+    if isinstance(exc, KVLoadFailed):
+        try:
+            reason: FailReason | None = FailReason(exc.reason)
+        except ValueError:
+            reason = None
+        fix = _PERMANENT_KV.get(reason) if reason is not None else None
+        if fix is not None:
+            body["error"].update(message=f"{exc}: {fix}", type="configuration_error", code=500)
+            return 500, body, {RETRY_HEADER: "false"}
+    return status, body, {}
+
+
+class ApiKeyMiddleware:
+    """Every ``/v1`` request carries ``Authorization: Bearer <key>`` (vLLM's ``--api-key`` rule: ``/health``
+    and ``/metrics`` stay open to probes). Compared in constant time."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app = app
+        self._key = key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and str(scope.get("path", "")).startswith("/v1"):
+            given = b""
+            for name, value in scope.get("headers", ()):
+                if name == b"authorization":
+                    given = value
+            scheme, _, token = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
+                await unauthorized_response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def unauthorized_response() -> JSONResponse:
+    body = {
+        "error": {
+            "message": "missing or wrong API key: send 'Authorization: Bearer <key>' with the key the "
+            "server was given (--api-key / KVWIRE_API_KEY)",
+            "type": "authentication_error",
+            "code": 401,
+        }
+    }
+    return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,15 +123,30 @@ class Identity:
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0
     model: str = "kvwire-tiny"
+    seed: int = 0
+    mode: TransferMode | None = None  # None: colocated (no connector)
+    authenticated: bool = False  # KVWIRE_SECRET set: side-channel requests are signed
 
 
 class EngineServer:
     """An engine, its thread, its metrics, and the FastAPI app serving them."""
 
-    def __init__(self, engine: Engine, identity: Identity, metrics: KvMetrics | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        identity: Identity,
+        metrics: KvMetrics | None = None,
+        api_key: str | None = None,
+    ) -> None:
         self.engine = engine
         self.identity = identity
-        self.metrics = metrics if metrics is not None else KvMetrics()
+        role = MetricRole(identity.role.value)
+        self.metrics = (
+            metrics
+            if metrics is not None
+            else KvMetrics(role, identity.model, transfers=posts_transfers(role, identity.mode))
+        )
+        self.api_key = api_key or None
         self.loop = EngineLoop(engine)
         # Called before /metrics and /v1/kv_stats answer (e.g. to copy a connector's counters).
         self.scrape_hooks: list[Callable[[], None]] = []
@@ -98,6 +176,9 @@ class EngineServer:
             "tp_size": self.engine.cfg.tp_size,
             "pp_size": self.engine.cfg.pp_size,
             "model": ident.model,
+            "seed": ident.seed,
+            "mode": ident.mode.value if ident.mode is not None else None,
+            "authenticated": ident.authenticated,
             "load": {"running": load.running, "waiting": load.waiting, "free_blocks": load.free_blocks},
         }
 
@@ -167,6 +248,7 @@ class EngineServer:
             role=creq.role,
             transfer_id=creq.transfer_id,
             kv_transfer_params=creq.kv_transfer_params,
+            sampling=creq.sampling,
             on_output=deliver,
         )
         self.engine.submit(req)
@@ -216,6 +298,11 @@ class EngineServer:
             req, queue = self._submit(creq)
         except (InvalidRequest, EngineOverloaded) as exc:
             return self._error(exc, started)
+        log.debug(
+            "request %s accepted: transfer %s, role %s, %d prompt tokens, max_tokens %d",
+            req.request_id, creq.transfer_id, creq.role.value, len(creq.prompt), creq.max_tokens,
+            extra=transfer_extra(creq.transfer_id),
+        )  # fmt: skip
         try:
             first = await self._next(http, queue)
         except (asyncio.CancelledError, ClientGone) as exc:
@@ -226,7 +313,7 @@ class EngineServer:
                 return Response(status_code=_CLIENT_CLOSED)
             raise
         if first.error is not None:
-            return self._error(first.error, started)
+            return self._error(first.error, started, creq.transfer_id)
         if creq.stream:
             return StreamingResponse(
                 self._stream(creq, req, queue, first, started), media_type="text/event-stream"
@@ -242,15 +329,19 @@ class EngineServer:
             raise
         last = outs[-1]
         if last.error is not None:
-            return self._error(last.error, started)
-        tokens = [t for o in outs for t in o.new_token_ids]
+            return self._error(last.error, started, creq.transfer_id)
+        tokens = tuple(t for o in outs for t in o.new_token_ids)
+        entries = tuple(e for o in outs for e in o.logprobs)
+        text, logprobs = TextBuilder(creq, self.engine.tokenizer).chunk(tokens, entries, final=True)
         self._record(None, started, last.ttft_s)
+        self._log_done(creq, len(tokens), started)
         return JSONResponse(
             completion_body(
                 cid=completion_id(),
                 model=creq.model or self.identity.model,
-                text=self.engine.tokenizer.decode(tokens),
-                token_ids=tokens,
+                text=text,
+                token_ids=list(tokens),
+                logprobs=logprobs,
                 finish_reason=last.finish_reason.value if last.finish_reason else None,
                 prompt_tokens=len(creq.prompt),
                 kv_transfer_params=self._kv_params_out(creq, req),
@@ -268,7 +359,7 @@ class EngineServer:
     ) -> AsyncIterator[bytes]:
         cid, created = completion_id(), int(time.time())
         model = creq.model or self.identity.model
-        decoder = self.engine.tokenizer.stream_decoder()
+        builder = TextBuilder(creq, self.engine.tokenizer)
         out = first
         try:
             while True:
@@ -276,10 +367,9 @@ class EngineServer:
                     self._record(out.error, started, out.ttft_s)
                     yield _sse(error_body(out.error)[1])
                     return
-                text = "".join(decoder.push(t) for t in out.new_token_ids)
-                if out.finished:
-                    text += decoder.flush()
+                text, logprobs = builder.chunk(out.new_token_ids, out.logprobs, out.finished)
                 chunk = completion_body(
+                    logprobs=logprobs,
                     cid=cid,
                     model=model,
                     text=text,
@@ -296,6 +386,7 @@ class EngineServer:
                 yield _sse(chunk)
                 if out.finished:
                     self._record(None, started, out.ttft_s)
+                    self._log_done(creq, out.num_output_tokens, started)
                     yield b"data: [DONE]\n\n"
                     return
                 out = await queue.get()
@@ -314,12 +405,22 @@ class EngineServer:
                 if await http.is_disconnected():
                     raise ClientGone from None
 
-    def _error(self, exc: BaseException, started: float) -> JSONResponse:
-        status, body = error_body(exc)
+    def _error(self, exc: BaseException, started: float, transfer_id: str | None = None) -> JSONResponse:
+        status, body, headers = http_error(exc)
         if status >= 500:
-            log.warning("request failed (%d): %s", status, exc)
+            log.warning("request failed (%d): %s", status, exc, extra=transfer_extra(transfer_id))
+        else:
+            log.debug("request refused (%d): %s", status, exc, extra=transfer_extra(transfer_id))
         self._record(exc, started, None)
-        return JSONResponse(body, status_code=status)
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    @staticmethod
+    def _log_done(creq: CompletionRequest, num_tokens: int, started: float) -> None:
+        log.debug(
+            "request done: transfer %s, %d tokens in %.1f ms",
+            creq.transfer_id, num_tokens, (time.monotonic() - started) * 1e3,
+            extra=transfer_extra(creq.transfer_id),
+        )  # fmt: skip
 
     # -- app -----------------------------------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
@@ -358,9 +459,11 @@ class EngineServer:
 
         @app.exception_handler(KvwireError)
         async def kvwire_error(_: Request, exc: KvwireError) -> JSONResponse:
-            status, body = error_body(exc)
-            return JSONResponse(body, status_code=status)
+            status, body, headers = http_error(exc)
+            return JSONResponse(body, status_code=status, headers=headers)
 
+        if self.api_key is not None:
+            app.add_middleware(ApiKeyMiddleware, key=self.api_key)
         return app
 
 
