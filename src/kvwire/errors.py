@@ -115,6 +115,16 @@ class AgentClosed(TransportError):
     """The local agent was closed."""
 
 
+class AgentBusy(TransportError):
+    """The local agent is held by a call waiting on the network (a peer load stuck on an unreachable UCX
+    port): a call that would wait behind it is refused rather than stall its caller."""
+
+
+class AgentStalled(AgentBusy):
+    """A call on the local agent that waits on the network did not return within its deadline. It is left
+    running, counted stuck, and undone if it ever succeeds: its result is never used."""
+
+
 # --- handshake ---------------------------------------------------------------------------------------
 
 
