@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ from kvwire.transport.base import PeerMode
 # Seconds. Transfers on one host run from ~0.1 ms (one small block) to seconds (GBs over TCP).
 _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _HANDSHAKE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
 _REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # Recent handshakes kept for the JSON snapshot: bounded, a long-lived engine must not grow without end.
 _RECENT_HANDSHAKES = 256
@@ -72,59 +74,89 @@ class BlockStats:
     total: int = 0
 
 
-class KvMetrics:
-    """The metric set of one server, on its own registry."""
+class MetricRole(enum.Enum):
+    """Which process exports the metrics: the value of every family's ``role`` label."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"
+    ROUTER = "router"
+
+
+_CONNECTED = (MetricRole.PREFILL, MetricRole.DECODE)
+_ENGINES = (*_CONNECTED, MetricRole.COLOCATED)
+
+
+def posts_transfers(role: MetricRole, mode: TransferMode | None) -> bool:
+    """The side that posts the transfers, and so counts them: P in push mode, D in pull mode."""
+    if mode is None or role not in _CONNECTED:
+        return False
+    return (role is MetricRole.PREFILL) == (mode is TransferMode.PUSH)
+
+
+class KvMetrics:
+    """The metric set of one server, on its own registry.
+
+    Each process exports only the families its role fills (the router no transfer family, the colocated
+    engine no handshake family, the side that does not post transfers no transfer family), every sample
+    labelled with ``role`` and ``model_name`` (see docs/metrics.md for the mapping to vLLM's names).
+    A ``record_*`` call for a family this role does not export only updates the JSON snapshot.
+    """
+
+    def __init__(
+        self,
+        role: MetricRole = MetricRole.PREFILL,
+        model_name: str = "kvwire",
+        *,
+        transfers: bool = True,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.transfers = Counter(
-            "kvwire_transfers", "KV transfers finished, by mode and outcome", ["mode", "outcome"], registry=r
-        )
-        self.transfer_bytes = Counter(
-            "kvwire_transfer_bytes", "KV bytes moved by successful transfers", ["mode"], registry=r
-        )
-        self.transfer_seconds = Histogram(
-            "kvwire_transfer_seconds",
-            "Duration of successful transfers (post to DONE)",
-            ["mode"],
-            buckets=_TRANSFER_BUCKETS,
-            registry=r,
-        )
-        self.handshakes = Counter("kvwire_handshakes", "Handshakes completed, by mode", ["mode"], registry=r)
-        self.handshake_seconds = Histogram(
-            "kvwire_handshake_seconds",
-            "Handshake duration, by mode",
-            ["mode"],
-            buckets=_HANDSHAKE_BUCKETS,
-            registry=r,
-        )
-        self.failures = Counter("kvwire_failures", "Transfer failures, by reason", ["reason"], registry=r)
-        self.dropped = Counter(
-            "kvwire_dropped_notifications",
-            "Peer notifications dropped before touching any state, by reason (malformed, wrong_sender, "
-            "stale_incarnation, unknown_transfer, duplicate, overload, ...)",
-            ["reason"],
-            registry=r,
-        )
-        self.blocks_in_use = Gauge("kvwire_blocks_in_use", "KV blocks allocated", registry=r)
-        self.blocks_quarantined = Gauge(
-            "kvwire_blocks_quarantined", "KV blocks held back after a failed or unknown transfer", registry=r
-        )
-        self.blocks_total = Gauge("kvwire_blocks_total", "KV blocks in the cache", registry=r)
+        self.role = role
+        self.model_name = model_name
+        self._base = {"role": role.value, "model_name": model_name}
+        r, base = self.registry, ["role", "model_name"]
         self.requests = Counter(
-            "kvwire_requests", "HTTP requests served, by outcome", ["outcome"], registry=r
+            "kvwire_requests", "HTTP requests served, by outcome", [*base, "outcome"], registry=r
         )
         self.request_seconds = Histogram(
             "kvwire_request_seconds",
-            "Request duration, by outcome",
-            ["outcome"],
+            "Request duration (arrival to last byte), by outcome",
+            [*base, "outcome"],
             buckets=_REQUEST_BUCKETS,
             registry=r,
         )
         self.ttft_seconds = Histogram(
-            "kvwire_ttft_seconds", "Time to first token", buckets=_REQUEST_BUCKETS, registry=r
+            "kvwire_ttft_seconds",
+            "Time to first token: the client's at the router; an engine's own first token on an engine "
+            "(on P that is its one-token prefill leg)",
+            base,
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
         )
+        self.itl_seconds: Histogram | None = None
+        self.e2e_seconds: Histogram | None = None
+        if role is MetricRole.ROUTER:
+            self.itl_seconds = Histogram(
+                "kvwire_inter_token_latency_seconds",
+                "Time between consecutive output tokens of a request, as the client sees them",
+                base,
+                buckets=_ITL_BUCKETS,
+                registry=r,
+            )
+            self.e2e_seconds = Histogram(
+                "kvwire_e2e_request_latency_seconds",
+                "End-to-end latency of a successful request at the router (arrival to last token)",
+                base,
+                buckets=_REQUEST_BUCKETS,
+                registry=r,
+            )
+        for family in (self.ttft_seconds, self.itl_seconds, self.e2e_seconds):
+            if family is not None:
+                family.labels(**self._base)  # exported (at zero) from the start, not after the first request
+        self._engine_families(role in _ENGINES, base)
+        self._kv_families(role in _CONNECTED, base)
+        self._transfer_families(transfers and role in _CONNECTED, base)
         # The JSON snapshot keeps exact sums (histograms only expose them through the registry).
         self._lock = threading.Lock()
         self._recent: deque[HandshakeStats] = deque(maxlen=_RECENT_HANDSHAKES)
@@ -134,18 +166,81 @@ class KvMetrics:
         self._failed_transfers = 0
         self._blocks = BlockStats(in_use=0, quarantined=0)
 
+    def _engine_families(self, on: bool, base: list[str]) -> None:
+        r = self.registry
+        self.blocks_in_use: Gauge | None = None
+        self.blocks_quarantined: Gauge | None = None
+        self.blocks_total: Gauge | None = None
+        if on:
+            self.blocks_in_use = Gauge("kvwire_blocks_in_use", "KV blocks allocated", base, registry=r)
+            self.blocks_quarantined = Gauge(
+                "kvwire_blocks_quarantined", "KV blocks held back after a failed or unknown transfer", base,
+                registry=r,
+            )  # fmt: skip
+            self.blocks_total = Gauge("kvwire_blocks_total", "KV blocks in the cache", base, registry=r)
+
+    def _kv_families(self, on: bool, base: list[str]) -> None:
+        r = self.registry
+        self.handshakes: Counter | None = None
+        self.handshake_seconds: Histogram | None = None
+        self.failures: Counter | None = None
+        self.dropped: Counter | None = None
+        if not on:
+            return
+        self.handshakes = Counter(
+            "kvwire_handshakes", "Handshakes completed, by mode", [*base, "mode"], registry=r
+        )
+        self.handshake_seconds = Histogram(
+            "kvwire_handshake_seconds", "Handshake duration, by mode", [*base, "mode"],
+            buckets=_HANDSHAKE_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.failures = Counter(
+            "kvwire_failures", "Transfer failures, by reason", [*base, "reason"], registry=r
+        )
+        self.dropped = Counter(
+            "kvwire_dropped_notifications",
+            "Peer notifications dropped before touching any state, by reason (malformed, wrong_sender, "
+            "stale_incarnation, unknown_transfer, duplicate, overload, ...)",
+            [*base, "reason"],
+            registry=r,
+        )
+
+    def _transfer_families(self, on: bool, base: list[str]) -> None:
+        r = self.registry
+        self.transfers: Counter | None = None
+        self.transfer_bytes: Counter | None = None
+        self.transfer_seconds: Histogram | None = None
+        if not on:
+            return
+        self.transfers = Counter(
+            "kvwire_transfers", "KV transfers finished, by mode and outcome", [*base, "mode", "outcome"],
+            registry=r,
+        )  # fmt: skip
+        self.transfer_bytes = Counter(
+            "kvwire_transfer_bytes", "KV bytes moved by successful transfers", [*base, "mode"], registry=r
+        )
+        self.transfer_seconds = Histogram(
+            "kvwire_transfer_seconds",
+            "Duration of successful transfers (post to DONE)",
+            [*base, "mode"],
+            buckets=_TRANSFER_BUCKETS,
+            registry=r,
+        )
+
     # -- updates (thread-safe: engines call them from worker threads) ----------------------------------
 
     def record_transfer(self, stats: TransferStats) -> None:
-        mode = stats.mode.value
-        if stats.ok:
-            self.transfers.labels(mode=mode, outcome="ok").inc()
-            self.transfer_bytes.labels(mode=mode).inc(stats.num_bytes)
-            self.transfer_seconds.labels(mode=mode).observe(stats.seconds)
-        else:
-            self.transfers.labels(mode=mode, outcome="failed").inc()
-            if stats.reason is not None:
-                self.failures.labels(reason=stats.reason.value).inc()
+        mode, base = stats.mode.value, self._base
+        count, moved, took = self.transfers, self.transfer_bytes, self.transfer_seconds
+        if count is not None and moved is not None and took is not None:
+            if stats.ok:
+                count.labels(**base, mode=mode, outcome="ok").inc()
+                moved.labels(**base, mode=mode).inc(stats.num_bytes)
+                took.labels(**base, mode=mode).observe(stats.seconds)
+            else:
+                count.labels(**base, mode=mode, outcome="failed").inc()
+        if not stats.ok and stats.reason is not None:
+            self.record_failure(stats.reason)
         with self._lock:
             if stats.ok:
                 self._ok_transfers += 1
@@ -156,30 +251,48 @@ class KvMetrics:
 
     def record_failure(self, reason: FailReason) -> None:
         """A failure that is not tied to one posted transfer (handshake failed, fence expired, ...)."""
-        self.failures.labels(reason=reason.value).inc()
+        if self.failures is not None:
+            self.failures.labels(**self._base, reason=reason.value).inc()
 
     def record_dropped(self, reason: str, count: int = 1) -> None:
-        self.dropped.labels(reason=reason).inc(count)
+        if self.dropped is not None:
+            self.dropped.labels(**self._base, reason=reason).inc(count)
 
     def record_handshake(self, stats: HandshakeStats) -> None:
-        self.handshakes.labels(mode=stats.mode.value).inc()
-        self.handshake_seconds.labels(mode=stats.mode.value).observe(stats.seconds)
+        if self.handshakes is not None and self.handshake_seconds is not None:
+            self.handshakes.labels(**self._base, mode=stats.mode.value).inc()
+            self.handshake_seconds.labels(**self._base, mode=stats.mode.value).observe(stats.seconds)
         with self._lock:
             self._recent.append(stats)
 
     def set_blocks(self, stats: BlockStats) -> None:
         with self._lock:
             self._blocks = stats
-        self.blocks_in_use.set(stats.in_use)
-        self.blocks_quarantined.set(stats.quarantined)
+        if self.blocks_in_use is None or self.blocks_quarantined is None or self.blocks_total is None:
+            return
+        self.blocks_in_use.labels(**self._base).set(stats.in_use)
+        self.blocks_quarantined.labels(**self._base).set(stats.quarantined)
         if stats.total:
-            self.blocks_total.set(stats.total)
+            self.blocks_total.labels(**self._base).set(stats.total)
 
-    def record_request(self, outcome: Outcome, seconds: float, ttft_s: float | None = None) -> None:
-        self.requests.labels(outcome=outcome.value).inc()
-        self.request_seconds.labels(outcome=outcome.value).observe(seconds)
+    def record_request(
+        self,
+        outcome: Outcome,
+        seconds: float,
+        ttft_s: float | None = None,
+        token_gaps_s: Sequence[float] = (),
+    ) -> None:
+        """One served request; at the router, ``token_gaps_s`` are the times between its output tokens."""
+        base = self._base
+        self.requests.labels(**base, outcome=outcome.value).inc()
+        self.request_seconds.labels(**base, outcome=outcome.value).observe(seconds)
         if ttft_s is not None:
-            self.ttft_seconds.observe(ttft_s)
+            self.ttft_seconds.labels(**base).observe(ttft_s)
+        if self.itl_seconds is not None:
+            for gap in token_gaps_s:
+                self.itl_seconds.labels(**base).observe(gap)
+        if self.e2e_seconds is not None and outcome is Outcome.OK:
+            self.e2e_seconds.labels(**base).observe(seconds)
 
     # -- exposition ------------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvwire.engine.config import EngineConfig, Role, preset
 from kvwire.engine.engine import Engine
@@ -170,9 +171,16 @@ async def test_metrics_and_kv_stats(client: tuple[httpx.AsyncClient, EngineServe
     await c.post("/v1/completions", json={"prompt": "count me", "max_tokens": 2})
     await c.post("/v1/completions", json={"prompt": "", "max_tokens": 0})
     text = (await c.get("/metrics")).text
-    assert 'kvwire_requests_total{outcome="ok"} 1.0' in text
-    assert 'kvwire_requests_total{outcome="bad_request"} 1.0' in text
-    assert "kvwire_blocks_total 128.0" in text
+    samples = {
+        (s.name, s.labels.get("outcome")): (s.labels["role"], s.labels["model_name"], s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples[("kvwire_requests_total", "ok")] == ("colocated", "kvwire-tiny", 1.0)
+    assert samples[("kvwire_requests_total", "bad_request")] == ("colocated", "kvwire-tiny", 1.0)
+    assert samples[("kvwire_blocks_total", None)] == ("colocated", "kvwire-tiny", 128.0)
+    # The colocated engine has no connector: no transfer or handshake family, not even an empty one.
+    assert "kvwire_transfer" not in text and "kvwire_handshake" not in text
     stats = (await c.get("/v1/kv_stats")).json()
     assert stats["blocks_in_use"] == 0 and stats["blocks_quarantined"] == 0
     models = (await c.get("/v1/models")).json()

@@ -48,10 +48,13 @@ def test_router_and_demo_configs_validate() -> None:
 
 
 def _samples(m: KvMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Samples by name and labels, less the role and model_name every sample carries (checked here)."""
     out = {}
     for family in text_string_to_metric_families(m.render().decode()):
         for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+            labels = dict(s.labels)
+            assert (labels.pop("role"), labels.pop("model_name")) == (m.role.value, m.model_name)
+            out[(s.name, tuple(sorted(labels.items())))] = s.value
     return out
 
 

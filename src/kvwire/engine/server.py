@@ -9,7 +9,6 @@ load failed) still get a proper status code; later errors are sent as an ``error
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -21,8 +20,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvwire.apikey import ApiKeyMiddleware
 from kvwire.engine.api import (
     CompletionRequest,
     TextBuilder,
@@ -78,39 +77,6 @@ def http_error(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]
             body["error"].update(message=f"{exc}: {fix}", type="configuration_error", code=500)
             return 500, body, {RETRY_HEADER: "false"}
     return status, body, {}
-
-
-class ApiKeyMiddleware:
-    """Every ``/v1`` request carries ``Authorization: Bearer <key>`` (vLLM's ``--api-key`` rule: ``/health``
-    and ``/metrics`` stay open to probes). Compared in constant time."""
-
-    def __init__(self, app: ASGIApp, key: str) -> None:
-        self.app = app
-        self._key = key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and str(scope.get("path", "")).startswith("/v1"):
-            given = b""
-            for name, value in scope.get("headers", ()):
-                if name == b"authorization":
-                    given = value
-            scheme, _, token = given.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
-                await unauthorized_response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def unauthorized_response() -> JSONResponse:
-    body = {
-        "error": {
-            "message": "missing or wrong API key: send 'Authorization: Bearer <key>' with the key the "
-            "server was given (--api-key / KVWIRE_API_KEY)",
-            "type": "authentication_error",
-            "code": 401,
-        }
-    }
-    return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -463,7 +429,7 @@ class EngineServer:
             return JSONResponse(body, status_code=status, headers=headers)
 
         if self.api_key is not None:
-            app.add_middleware(ApiKeyMiddleware, key=self.api_key)
+            app.add_middleware(ApiKeyMiddleware, key=self.api_key, flag="--api-key / KVWIRE_API_KEY")
         return app
 
 

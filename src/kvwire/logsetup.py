@@ -1,0 +1,59 @@
+"""Logging of the server processes: one handler on stderr, text or JSON lines, quiet HTTP libraries.
+
+A line about one request carries its transfer id both in the text and, for the JSON format, as a field:
+log it with ``extra=transfer_extra(tid)``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+from kvwire.options import LogFormat
+
+# Loggers that print a line per connection or per request at debug/info: an operator asks for them.
+_HTTP_LOGGERS = ("httpx", "httpcore", "uvicorn.access", "uvicorn.error", "hpack")
+_TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def transfer_extra(transfer_id: str | None) -> dict[str, Any]:
+    return {"transfer_id": transfer_id}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line: ts (UTC, ISO 8601), level, logger, msg, transfer_id when known, exc."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        out: dict[str, Any] = {
+            "ts": f"{ts}.{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        tid = getattr(record, "transfer_id", None)
+        if tid is not None:
+            out["transfer_id"] = tid
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, separators=(",", ":"))
+
+
+def configure(level: str, fmt: LogFormat, http: bool = False) -> None:
+    """The root logger at ``level`` on stderr; the HTTP libraries at warning unless ``http``."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt is LogFormat.JSON else logging.Formatter(_TEXT))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    for name in _HTTP_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.setLevel(level.upper() if http else logging.WARNING)
+        # uvicorn installs its own handlers; one handler (ours, on the root) keeps one format.
+        logger.handlers.clear()
+        logger.propagate = True

@@ -1,0 +1,75 @@
+"""Start-up checks of the server processes: each failure is one ``ConfigError`` line naming cause and fix.
+
+The servers bind their HTTP socket here, before anything else starts (a connector, a health probe), so a
+port in use ends the process at once with one line instead of a traceback after it said it serves.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import socket
+import sys
+
+from kvwire.errors import ConfigError
+
+EXIT_CONFIG = 2  # what argparse uses for a bad command line: a configuration the process cannot run with
+
+
+def in_use_message(what: str, host: str, port: int, fix: str) -> str:
+    return f"{what} port {port} on {host} is already in use (another kvwire or another program): {fix}"
+
+
+def bind_tcp(host: str, port: int, what: str, fix: str) -> socket.socket:
+    """A listening socket on (host, port); ``ConfigError`` naming ``what`` and ``fix`` when it cannot be."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        detail = exc.strerror
+        raise ConfigError(f"{what} address {host!r} does not resolve ({detail}): check --host") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(in_use_message(what, host, port, fix)) from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise ConfigError(f"{what} address {host} is not an address of this host: check --host") from None
+        if exc.errno == errno.EACCES:
+            raise ConfigError(f"{what} port {port}: permission denied (ports below 1024 need root)") from None
+        raise ConfigError(f"cannot listen on {what} {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` names is a loopback address (a wildcard is not)."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except socket.gaierror:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(str(i[4][0])).is_loopback for i in infos)
+
+
+def check_exposure(host: str, secret: bytes | None, insecure: bool) -> None:
+    """Without a shared secret the side channel answers anyone with the cache's region map, and a peer
+    holding that map can write into D's KV: such an engine binds a loopback address only, unless told."""
+    if secret is None and not insecure and not is_loopback(host):
+        raise ConfigError(
+            f"--host {host} without KVWIRE_SECRET would let anyone who reaches it read the KV layout and "
+            "write into the decode engine's KV: set KVWIRE_SECRET (the same on every engine), or pass "
+            "--insecure on a trusted network"
+        )
+
+
+def fail(prog: str, exc: BaseException) -> int:
+    """Print one line on stderr and return the exit status of a configuration error."""
+    print(f"{prog}: error: {exc}", file=sys.stderr)
+    return EXIT_CONFIG
