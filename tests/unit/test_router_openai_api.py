@@ -25,16 +25,70 @@ def parse(body: dict[str, Any], kind: ApiKind = ApiKind.COMPLETION) -> Any:
 
 
 def test_parse_completion_defaults_and_forwarded_fields() -> None:
-    req = parse({"model": "tiny", "prompt": "hi", "temperature": 0, "user": "x", "top_p": None})
+    req = parse({"model": "tiny", "prompt": "hi", "temperature": 0, "top_p": None})
     assert (req.prompt, req.max_tokens, req.stream, req.include_usage) == ("hi", 16, False, False)
     body = req.engine_body()
     assert body == {"model": "tiny", "prompt": "hi", "max_tokens": 16, "stream": False, "temperature": 0}
 
 
 @pytest.mark.parametrize(
-    ("field", "value"),
-    [("temperature", -1), ("temperature", 2.5), ("top_p", 0), ("top_p", 1.5), ("top_p", "x")],
+    ("kind", "field"),
+    [
+        (ApiKind.COMPLETION, "user"),
+        (ApiKind.COMPLETION, "suffix"),
+        (ApiKind.COMPLETION, "top_logprobs"),
+        (ApiKind.CHAT, "tools"),
+        (ApiKind.CHAT, "response_format"),
+        (ApiKind.CHAT, "echo"),
+    ],
 )
+def test_unknown_parameters_are_refused_naming_them(kind: ApiKind, field: str) -> None:
+    base: dict[str, Any] = {"model": "tiny", "prompt": "hi", "messages": [{"role": "user", "content": "x"}]}
+    base.pop("messages" if kind is ApiKind.COMPLETION else "prompt")
+    with pytest.raises(ApiError) as exc:
+        parse({**base, field: 1}, kind)
+    assert exc.value.kind is ErrorType.INVALID_REQUEST and exc.value.param == field
+    assert field in exc.value.message
+
+
+def test_chat_logprobs_become_completion_logprobs_and_back() -> None:
+    msgs = [{"role": "user", "content": "x"}]
+    body = parse({"model": "tiny", "messages": msgs, "logprobs": True, "top_logprobs": 2}, ApiKind.CHAT)
+    assert body.engine_body()["logprobs"] == 2
+    with pytest.raises(ApiError) as exc:
+        parse({"model": "tiny", "messages": msgs, "top_logprobs": 2}, ApiKind.CHAT)
+    assert exc.value.param == "top_logprobs"
+    req = parse({"model": "tiny", "messages": msgs, "logprobs": True}, ApiKind.CHAT)
+    engine = {
+        "choices": [
+            {
+                "text": "A\u00e9",
+                "logprobs": {
+                    "tokens": ["A", "bytes:\\xc3"],
+                    "token_logprobs": [-0.5, -1.0],
+                    "top_logprobs": [{"A": -0.5}, {"bytes:\\xc3": -1.0, "B": -2.0}],
+                    "text_offset": [0, 1],
+                },
+            }
+        ]
+    }
+    lp = completion_response(engine, req, "id", 0)["choices"][0]["logprobs"]
+    assert [e["token"] for e in lp["content"]] == ["A", "bytes:\\xc3"]
+    assert lp["content"][1]["bytes"] == [0xC3] and lp["content"][0]["bytes"] == [65]
+    assert [t["token"] for t in lp["content"][1]["top_logprobs"]] == ["bytes:\\xc3", "B"]
+    completion = parse({"model": "tiny", "prompt": "x", "logprobs": 1})
+    got = completion_response(engine, completion, "id", 0)["choices"][0]["logprobs"]
+    assert got == engine["choices"][0]["logprobs"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", -1), ("temperature", 2.5), ("top_p", 0), ("top_p", 1.5), ("top_p", "x"),
+        ("top_k", -2), ("seed", "s"), ("stop", [1]), ("logprobs", 6), ("echo", "yes"), ("min_tokens", -1),
+        ("presence_penalty", 3), ("logit_bias", {"1": 200}), ("best_of", 0), ("ignore_eos", 1),
+    ],
+)  # fmt: skip
 def test_out_of_range_sampling_is_refused_by_the_router(field: str, value: object) -> None:
     with pytest.raises(ApiError) as exc:
         parse({"model": "tiny", "prompt": "hi", field: value})

@@ -139,10 +139,12 @@ class Router:
         except Exception as exc:
             if not isinstance(exc, ApiError):
                 log.exception("router error")
-                exc = ApiError(ErrorType.INTERNAL, f"router error: {type(exc).__name__}: {exc}")
+                # The exception's text stays in the log: it may name internal addresses.
+                exc = ApiError(ErrorType.INTERNAL, f"router error ({type(exc).__name__}): see the router log")
             self._record(_OUTCOME[exc.kind], start)
             if exc.status >= 500:
-                log.warning("request failed (%d): %s", exc.status, exc.message)
+                where = f" ({exc.url})" if isinstance(exc, LegError) else ""
+                log.warning("request failed (%d): %s%s", exc.status, exc.message, where)
             return error_response(exc)
         self._record(Outcome.OK, start)
         return response
@@ -165,7 +167,8 @@ class Router:
         p_url, d_url = picks[0].url, picks[1].url
         info = await self.registry.info_of(p_url)
         if info is None:
-            raise ApiError(ErrorType.UNAVAILABLE, f"prefill engine {p_url} is not healthy")
+            log.warning("prefill engine %s is not healthy", p_url)
+            raise ApiError(ErrorType.UNAVAILABLE, "the chosen prefill engine is not healthy")
         return p_url, d_url, info
 
     def _leg_failed(self, exc: LegError) -> None:
@@ -214,7 +217,7 @@ class Router:
         exc = task.exception()
         if isinstance(exc, LegError):
             self._leg_failed(exc)
-            log.warning("prefill leg failed after the decode leg answered: %s", exc.message)
+            log.warning("prefill leg (%s) failed after the decode leg answered: %s", exc.url, exc.message)
         elif exc is not None:
             log.error("prefill leg crashed", exc_info=exc)
 
@@ -223,7 +226,8 @@ class Router:
             async with asyncio.timeout(self.config.request_timeout_s):
                 return await post_completion(self.client, Role.PREFILL, p_url, body)
         except TimeoutError as exc:
-            raise ApiError(ErrorType.TIMEOUT, f"prefill engine {p_url}: no answer in time") from exc
+            log.warning("prefill engine %s: no answer in time", p_url)
+            raise ApiError(ErrorType.TIMEOUT, "prefill engine: no answer in time") from exc
         except LegError as exc:
             self._leg_failed(exc)
             raise

@@ -20,8 +20,19 @@ COMPLETIONS = "/v1/completions"
 
 
 class LegError(ApiError):
-    def __init__(self, role: Role, url: str, kind: ErrorType, detail: str, unreachable: bool = False) -> None:
-        super().__init__(kind, f"{role.value} engine {url}: {detail}")
+    """A leg's failure. The client's message names the engine's role, never its URL (an internal address);
+    ``url`` is for the router's own log and health bookkeeping."""
+
+    def __init__(
+        self,
+        role: Role,
+        url: str,
+        kind: ErrorType,
+        detail: str,
+        unreachable: bool = False,
+        param: str | None = None,
+    ) -> None:
+        super().__init__(kind, f"{role.value} engine: {detail}", param)
         self.role = role
         self.url = url
         self.unreachable = unreachable
@@ -88,13 +99,20 @@ def _kind_of_error_event(err: Mapping[str, Any]) -> ErrorType:
     return ErrorType.ENGINE_ERROR
 
 
+def _engine_param(payload: object) -> str | None:
+    err = payload.get("error") if isinstance(payload, dict) else None
+    param = err.get("param") if isinstance(err, dict) else None
+    return param if isinstance(param, str) else None
+
+
 def _error_of_response(role: Role, url: str, status: int, content: bytes) -> LegError:
     try:
         payload: object = json.loads(content)
     except ValueError:
         payload = None
     text = content[:200].decode(errors="replace")
-    return LegError(role, url, _kind_of_status(status), _engine_message(payload, f"HTTP {status}: {text}"))
+    message = _engine_message(payload, f"HTTP {status}: {text}")
+    return LegError(role, url, _kind_of_status(status), message, param=_engine_param(payload))
 
 
 def _translate(role: Role, url: str, exc: httpx.HTTPError) -> LegError:

@@ -14,27 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvwire.errors import KvwireError
+from kvwire.router.params import ParamError, chat_logprobs, engine_fields
 
 DEFAULT_MAX_TOKENS = 16
-# Fields of a client's body that the router passes on to the engines (anything else stays at the router).
-# Sampling and output parameters passed to the engines as given: each engine honours them or refuses them
-# with a 400 (kvwire's reference engine decodes greedily; vLLM engines honour them all).
-_FORWARDED = (
-    "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "logprobs", "echo", "best_of",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
-)  # fmt: skip
-
-
-def _check_ranges(body: Mapping[str, Any]) -> None:
-    """OpenAI's ranges, checked here so a bad value is a 400 from the router whatever the engines are."""
-    for name, low, high, low_open in (("temperature", 0, 2, False), ("top_p", 0, 1, True)):
-        value = body.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise _bad(f"{name} must be a number", name)
-        if value > high or value < low or (low_open and value == low):
-            raise _bad(f"{name} must be in {'(' if low_open else '['}{low}, {high}], got {value}", name)
 
 
 class ApiKind(enum.Enum):
@@ -200,7 +182,10 @@ def parse_request(body: Mapping[str, Any], kind: ApiKind, served_models: frozens
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise _bad("stream_options must be an object", "stream_options")
-    _check_ranges(body)
+    try:
+        extra = engine_fields(dict(body), chat=kind is ApiKind.CHAT)
+    except ParamError as exc:
+        raise _bad(exc.message, exc.param) from None
     prompt = render_chat(body.get("messages")) if kind is ApiKind.CHAT else _prompt(body)
     return ParsedRequest(
         kind=kind,
@@ -209,7 +194,7 @@ def parse_request(body: Mapping[str, Any], kind: ApiKind, served_models: frozens
         max_tokens=_max_tokens(body, kind),
         stream=stream,
         include_usage=bool(options.get("include_usage", False)),
-        extra={k: body[k] for k in _FORWARDED if k in body and body[k] is not None},
+        extra=extra,
     )
 
 
@@ -235,7 +220,7 @@ def completion_response(
     out_choice: dict[str, Any] = {
         "index": 0,
         "finish_reason": choice.get("finish_reason") or "length",
-        "logprobs": None,
+        "logprobs": _logprobs(choice, req),
         "token_ids": choice.get("token_ids"),
     }
     if req.kind is ApiKind.COMPLETION:
@@ -263,14 +248,16 @@ def stream_chunks(
     finish = choice.get("finish_reason")
     text = choice.get("text", "")
     if req.kind is ApiKind.COMPLETION:
-        piece: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        piece: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish}
+        piece["logprobs"] = _logprobs(choice, req)
         piece["token_ids"] = choice.get("token_ids")
         out.append({**common, "object": "text_completion", "choices": [piece]})
     else:
         if first:
             role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
             out.append({**common, "object": "chat.completion.chunk", "choices": [role]})
-        delta = {"index": 0, "delta": {"content": text}, "finish_reason": finish, "logprobs": None}
+        delta = {"index": 0, "delta": {"content": text}, "finish_reason": finish}
+        delta["logprobs"] = _logprobs(choice, req)
         delta["token_ids"] = choice.get("token_ids")
         out.append({**common, "object": "chat.completion.chunk", "choices": [delta]})
     if usage is not None and req.include_usage:
@@ -278,6 +265,14 @@ def stream_chunks(
     if "timings" in engine_chunk:
         out[-1]["timings"] = engine_chunk["timings"]
     return out
+
+
+def _logprobs(choice: Mapping[str, Any], req: ParsedRequest) -> dict[str, Any] | None:
+    """The engine's (completions-shaped) logprobs, reshaped for chat."""
+    lp = choice.get("logprobs")
+    if lp is None or req.kind is ApiKind.COMPLETION:
+        return lp if isinstance(lp, dict) else None
+    return chat_logprobs(lp)
 
 
 def _chunk_object(req: ParsedRequest) -> str:
