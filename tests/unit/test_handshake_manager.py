@@ -396,22 +396,37 @@ def test_cancelled_caller_does_not_cancel_the_shared_handshake() -> None:
     run(body)
 
 
-def test_one_debug_line_per_handshake(caplog: pytest.LogCaptureFixture) -> None:
+def test_one_info_line_per_handshake(caplog: pytest.LogCaptureFixture) -> None:
     async def body() -> None:
         async with pair(clock_samples=1) as t:
             await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY)
             await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.FULL)
             await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.FULL)  # cache hit: no line
 
-    with caplog.at_level(logging.DEBUG, logger="kvwire.handshake"):
+    with caplog.at_level(logging.INFO, logger="kvwire.handshake"):
         run(body)
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("handshake ")]
-    assert len(lines) == 2
-    assert "notif_only=True" in lines[0] and "notif_only=False" in lines[1] and "upgrade=True" in lines[1]
+    records = [r for r in caplog.records if r.getMessage().startswith("handshake ")]
+    assert [r.levelno for r in records] == [logging.INFO, logging.INFO]
+    lines = [r.getMessage() for r in records]
+    assert "mode=notif_only" in lines[0] and "mode=full (upgrade)" in lines[1]
     for line in lines:
-        assert "ranks=pp0/tp0" in line and "engine=P/" in line
-        for step in ("fetch=", "add_agent=", "prepare="):
+        assert "rank=pp0/tp0" in line and "engine=P/" in line and "agent=P/" in line
+        for step in ("fetch=", "load=", "prepare=", "total="):
             assert step in line
+
+
+def test_one_warning_line_per_failed_handshake(caplog: pytest.LogCaptureFixture) -> None:
+    async def body() -> None:
+        async with pair(clock_samples=1, p_model="other-model") as t:
+            with pytest.raises(IncompatiblePeer):
+                await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY)
+
+    with caplog.at_level(logging.INFO, logger="kvwire.handshake"):
+        run(body)
+    records = [r for r in caplog.records if r.getMessage().startswith("handshake ")]
+    assert len(records) == 1 and records[0].levelno == logging.WARNING
+    line = records[0].getMessage()
+    assert "failed: reason=incompatible mode=notif_only" in line and "compat hash" in line
 
 
 def test_close_unloads_every_peer() -> None:

@@ -12,9 +12,15 @@ agent is removed before the new one is added (NIXL breaks an entry re-added unde
 * A FULL handshake prepares no descriptor list: the producer posts explicit coalesced descriptors built
   per request from the regions' base addresses, so the cost is O(regions), not O(regions x blocks);
   it validates the geometry (region count, block length, block count, TP and PP) and builds a RankLayout.
-* Each handshake has a deadline (``timeout_s``, default 5 s) covering all its attempts; connection
-  failures are retried (``retries``, exponential backoff) while time is left. Handshakes to different
-  peers are independent tasks, so a dead peer delays no other.
+* Each handshake has a deadline (``timeout_s``, default 5 s) covering all its attempts and the load of
+  the peer's agent; connection failures are retried (``retries``, exponential backoff) while time is left.
+  Handshakes to different peers are independent tasks, so a dead peer delays no other.
+* Loading the peer's agent can wait on the network (UCX connects while NIXL loads): ``Agent.load_peer``
+  runs it off the loop within what is left of the deadline. A load past it fails the handshake with
+  ``HandshakeTimeout`` and stays stuck in the agent's worker (undone if it ever succeeds); while it is
+  stuck, further loads on that agent are refused at once, and ``stalled_s`` says for how long, for
+  ``/health``.
+* One INFO line per completed handshake, one WARNING line per failed one (logger ``kvwire.handshake``).
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvwire.errors import (
+    AgentBusy,
+    AgentStalled,
     HandshakeError,
     HandshakeTimeout,
     IncompatiblePeer,
@@ -83,13 +91,20 @@ def _reason(exc: BaseException) -> FailureReason:
 
 @dataclass
 class _Steps:
-    """Seconds spent in each step of one handshake (for the debug line and the stats)."""
+    """Seconds spent in each step of one handshake (for the log lines and the stats)."""
 
     attempts: int = 0
     fetch: float = 0.0
     add_agent: float = 0.0
     prepare: float = 0.0
     started: float = field(default_factory=time.perf_counter)
+
+    def ms(self) -> str:
+        total = time.perf_counter() - self.started
+        return (
+            f"attempts={self.attempts} fetch={self.fetch * 1e3:.1f}ms load={self.add_agent * 1e3:.1f}ms "
+            f"prepare={self.prepare * 1e3:.1f}ms total={total * 1e3:.1f}ms"
+        )
 
 
 class HandshakeManager:
@@ -222,6 +237,18 @@ class HandshakeManager:
     def peers(self) -> list[PeerRank]:
         return list(self._peers.values())
 
+    def stalled_s(self, now: float | None = None) -> float:
+        """Seconds a peer load of this rank's agent has been stuck past its deadline (0.0 when none is).
+
+        Non-zero means the agent is held inside NIXL (an unreachable UCX port): this rank moves no KV and
+        refuses new handshakes until the call returns. Safe to read from any thread (``/health``)."""
+        return self.local.agent.stalled_s(now)
+
+    @property
+    def stuck_loads(self) -> int:
+        """Peer loads of this rank's agent that overran their handshake's deadline, since start."""
+        return self.local.agent.stuck_calls
+
     def peer(self, host: str, port: int, pp_rank: int, tp_rank: int) -> PeerRank | None:
         """The cached entry of one remote rank, if any (no I/O)."""
         return self._peers.get(PeerAddress(host, port, pp_rank, tp_rank))
@@ -260,18 +287,23 @@ class HandshakeManager:
         the answer may replace."""
         steps = _Steps()
         upgrade = base is not None and base.mode is PeerMode.NOTIF_ONLY and mode is PeerMode.FULL
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
         try:
-            fetched = await self._fetch(addr, mode, steps, samples=1 if upgrade else self.clock_samples)
+            samples = 1 if upgrade else self.clock_samples
+            fetched = await self._fetch(addr, mode, steps, samples, deadline)
             md = fetched.metadata
             if stale is not None and (stale.engine_id, stale.incarnation) != (md.engine_id, md.incarnation):
                 self._drop(addr, stale)
                 self.stats.replaced += 1
                 upgrade = False
             t0 = time.perf_counter()
-            name = self._add_agent(addr, md.agent_name, md.agent_metadata)
+            try:
+                name = await self._add_agent(addr, md.agent_name, md.agent_metadata, deadline)
+            finally:
+                steps.add_agent = time.perf_counter() - t0
             t1 = time.perf_counter()
             layout = None if mode is PeerMode.NOTIF_ONLY else validate_layout(self.engine, self.local, md)
-            steps.add_agent, steps.prepare = t1 - t0, time.perf_counter() - t1
+            steps.prepare = time.perf_counter() - t1
         except KvwireError as exc:
             self._log_failure(addr, mode, steps, exc)
             raise
@@ -282,10 +314,11 @@ class HandshakeManager:
         self._record(peer, mode, steps, upgrade)
         return peer
 
-    async def _fetch(self, addr: PeerAddress, mode: PeerMode, steps: _Steps, samples: int) -> Fetched:
+    async def _fetch(
+        self, addr: PeerAddress, mode: PeerMode, steps: _Steps, samples: int, deadline: float
+    ) -> Fetched:
         """Attempts until success, a refusal, or the deadline; connection failures back off and retry."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout_s
         t0 = time.perf_counter()
         try:
             for attempt in range(self.retries + 1):
@@ -313,9 +346,14 @@ class HandshakeManager:
         finally:
             steps.fetch = time.perf_counter() - t0
 
-    def _add_agent(self, addr: PeerAddress, agent_name: str, metadata: bytes) -> str:
+    async def _add_agent(self, addr: PeerAddress, agent_name: str, metadata: bytes, deadline: float) -> str:
+        left = deadline - asyncio.get_running_loop().time()
         try:
-            name = self.local.agent.add_peer(metadata)
+            name = await self.local.agent.load_peer(metadata, left)
+        except AgentStalled as exc:
+            raise HandshakeTimeout(f"{addr}: loading agent {agent_name}: {exc}") from exc
+        except AgentBusy:
+            raise  # the agent is held by another stuck call: a transport failure, not this peer's
         except TransportError as exc:
             raise HandshakeError(f"{addr}: loading agent {agent_name} failed: {exc}") from exc
         if name != agent_name:
@@ -339,36 +377,33 @@ class HandshakeManager:
         self.stats.handshakes[mode] += 1
         self.stats.upgrades += int(upgrade)
         self.stats.durations_s[mode].append(total)
-        log.debug(
-            "handshake %s:%d engine=%s/%s ranks=pp%d/tp%d of pp%d/tp%d notif_only=%s upgrade=%s "
-            "attempts=%d fetch=%.3fms add_agent=%.3fms prepare=%.3fms total=%.3fms",
+        log.info(
+            "handshake %s -> %s:%d done: engine=%s/%s agent=%s rank=pp%d/tp%d of pp%d/tp%d mode=%s%s %s",
+            self.local.agent.name,
             peer.host,
             peer.port,
             peer.engine_id,
             peer.incarnation,
+            peer.agent_name,
             peer.pp_rank,
             peer.tp_rank,
             peer.pp_size,
             peer.tp_size,
-            mode is PeerMode.NOTIF_ONLY,
-            upgrade,
-            steps.attempts,
-            steps.fetch * 1e3,
-            steps.add_agent * 1e3,
-            steps.prepare * 1e3,
-            total * 1e3,
+            mode.value,
+            " (upgrade)" if upgrade else "",
+            steps.ms(),
         )
 
     def _log_failure(self, addr: PeerAddress, mode: PeerMode, steps: _Steps, exc: BaseException) -> None:
         reason = _reason(exc)
         self.stats.failures[reason] += 1
-        log.debug(
-            "handshake %s failed notif_only=%s reason=%s attempts=%d fetch=%.3fms: %s",
+        log.warning(
+            "handshake %s -> %s failed: reason=%s mode=%s %s: %s",
+            self.local.agent.name,
             addr,
-            mode is PeerMode.NOTIF_ONLY,
             reason.value,
-            steps.attempts,
-            steps.fetch * 1e3,
+            mode.value,
+            steps.ms(),
             exc,
         )
 

@@ -213,6 +213,24 @@ class Agent(abc.ABC):
     def remove_peer(self, peer: str) -> None:
         """Unload a remote agent; transfers and notifications to it then fail with ``PeerNotFound``."""
 
+    async def load_peer(self, metadata: bytes, timeout_s: float) -> str:
+        """``add_peer`` for callers on an event loop, bounded by ``timeout_s``.
+
+        A backend whose load can wait on the network (NIXL: UCX connects while loading) runs it where it
+        cannot stall the caller's loop and raises ``AgentStalled`` past ``timeout_s``; this default, for
+        backends whose load never waits, loads inline."""
+        return self.add_peer(metadata)
+
+    def stalled_s(self, now: float | None = None) -> float:
+        """Seconds a call on this agent has been stuck past its deadline (0.0 when none is): an engine
+        whose agent is held this way cannot move KV, and its ``/health`` should say so."""
+        return 0.0
+
+    @property
+    def stuck_calls(self) -> int:
+        """Calls on this agent that overran their deadline since it was created."""
+        return 0
+
     @abc.abstractmethod
     def peer_mode(self, peer: str) -> PeerMode | None:
         """How ``peer`` is loaded here, or None when it is not."""

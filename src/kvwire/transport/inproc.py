@@ -8,8 +8,11 @@ only after its copy.
 
 Faults (``InprocFaults``, per agent, applied to what that agent initiates): delay a transfer by a number
 of the initiator's ``status``/``progress`` calls or by time, fail transfers, drop / duplicate / reorder
-notifications. ``InprocFabric.kill(name)`` kills an agent: transfers and notifications to it then fail
-with ``PeerDisconnected``, transfers in flight to it end FAILED, and the dead agent refuses every call.
+notifications, stall peer loads (``stall_loads_s``: each ``load_peer`` first blocks the agent's worker
+thread that long, as NIXL's load does toward a peer whose UCX port drops packets; only the load is modelled,
+not the other calls NIXL then holds up). ``InprocFabric.kill(name)`` kills an agent: transfers and
+notifications to it then fail with ``PeerDisconnected``, transfers in flight to it end FAILED, and the dead
+agent refuses every call.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import ctypes
 import itertools
 import json
 import random
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -47,6 +51,7 @@ from kvwire.transport.base import (
     check_desc_arrays,
     descs_to_array,
 )
+from kvwire.transport.offload import CallWorker
 
 _MD_TAG = "kvwire-inproc-v1"
 
@@ -63,6 +68,7 @@ class InprocFaults:
     reorder_notifs: int = 0  # the next N notifications are held, then delivered in reverse order
     drop_rate: float = 0.0  # probability that any notification vanishes
     duplicate_rate: float = 0.0  # probability that any notification is delivered twice
+    stall_loads_s: float = 0.0  # each load_peer first blocks the agent's worker thread this long
     seed: int = 0
     _rng: random.Random = field(default_factory=random.Random, init=False, repr=False)
     _held: list[tuple[InprocAgent, str, bytes]] = field(default_factory=list, init=False, repr=False)
@@ -174,6 +180,9 @@ class InprocAgent(PeerTableAgent[_Peer]):
         self._pending: list[XferHandle] = []
         self._closed = False
         self._killed = False
+        self._calls: CallWorker | None = None  # made on the first stalled load
+        # Set to end every stalled load at once (tests: the "network" heals, or the test ends).
+        self.unstall = threading.Event()
 
     @property
     def alive(self) -> bool:
@@ -256,6 +265,24 @@ class InprocAgent(PeerTableAgent[_Peer]):
             current.mode = PeerMode.FULL
             current.regions = regions
         return name
+
+    async def load_peer(self, metadata: bytes, timeout_s: float) -> str:
+        stall = self.faults.stall_loads_s
+        if stall <= 0:
+            return self.add_peer(metadata)
+        if self._calls is None:
+            self._calls = CallWorker(self.name)
+        # Only the wait runs in the worker, the load itself on the caller's thread once the wait is over:
+        # the fabric is not shared with a second thread.
+        await self._calls.call(lambda: self.unstall.wait(stall), timeout_s, "add_remote_agent")
+        return self.add_peer(metadata)
+
+    def stalled_s(self, now: float | None = None) -> float:
+        return 0.0 if self._calls is None else self._calls.stalled_s(now)
+
+    @property
+    def stuck_calls(self) -> int:
+        return 0 if self._calls is None else self._calls.stuck_calls
 
     def remove_peer(self, peer: str) -> None:
         self._forget_peer(peer)
@@ -453,6 +480,9 @@ class InprocAgent(PeerTableAgent[_Peer]):
         if self._closed:
             return
         self._closed = True
+        self.unstall.set()  # a stalled load's thread ends with the agent
+        if self._calls is not None:
+            self._calls.close()
         self._pending.clear()
         self._peers.clear()
         self._regs.clear()

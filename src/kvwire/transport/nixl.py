@@ -8,6 +8,11 @@ NIXL's exceptions are translated here and nowhere else. Three facts shape this m
 * With the progress thread off, notifications (attached or not) leave only when the owner makes a progress
   call, so ``progress()`` pulls notifications into a local inbox that ``drain_notifs()`` empties.
 * A released NIXL handle answers meaningless states, so released handles are refused here.
+* Loading a peer can block for minutes inside UCX's connect (an unreachable UCX port) while holding the
+  UCX worker's lock: ``load_peer`` runs it in the agent's worker thread with a deadline, and every other
+  call takes the agent's lock through ``kvwire.transport.offload.CallWorker`` (bounded waits; progress and
+  polls are skipped, releases deferred, while a load is stuck). Metadata is cached so that the side
+  channel answers even then.
 
 Metadata is wrapped in a 6-byte header saying whether it is full or connection-only, because NIXL's own
 blob does not tell a loader which one it got, and the peer mode must be known before any transfer.
@@ -16,14 +21,17 @@ blob does not tell a loader which one it got, and the peer mode must be known be
 from __future__ import annotations
 
 import itertools
+import logging
 import os
-from collections.abc import Iterator, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any
 
 import numpy as np
 
 from kvwire.errors import (
+    AgentBusy,
     AgentClosed,
     ConfigError,
     NotAddressable,
@@ -46,6 +54,7 @@ from kvwire.transport.base import (
     XferStatus,
     check_desc_arrays,
 )
+from kvwire.transport.offload import DEFAULT_GRACE_S, CallWorker
 
 _MAGIC = b"KVWN\x01"
 _FULL = b"F"
@@ -88,7 +97,19 @@ def _nixl() -> tuple[Any, Any, Any]:
             "(--no-deps: NIXL declares torch, which DRAM transfers do not need; `make venv` does this)"
         ) from exc
 
+    _route_nixl_logging()
     return api.nixl_agent, api.nixl_agent_config, bindings
+
+
+def _route_nixl_logging() -> None:
+    """NIXL's Python layer logs through its own handler on *stdout* (``nixl.logging``), mixing its lines
+    into whatever the process prints there: hand them to the application's logging (stderr) instead.
+    NIXL's C++ core and UCX already write to stderr themselves."""
+    nixl_log = logging.getLogger("nixl")
+    for handler in list(nixl_log.handlers):
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            nixl_log.removeHandler(handler)
+    nixl_log.propagate = True
 
 
 def _translate(exc: Exception, what: str, bindings: Any) -> TransportError:
@@ -118,7 +139,9 @@ def _indices(idx: Sequence[int], size: int, side: str) -> np.ndarray:
 class NixlAgent(PeerTableAgent[PeerEntry]):
     """One NIXL agent with the UCX backend and the progress thread off."""
 
-    def __init__(self, name: str, backends: Sequence[str] = ("UCX",)) -> None:
+    def __init__(
+        self, name: str, backends: Sequence[str] = ("UCX",), *, busy_grace_s: float = DEFAULT_GRACE_S
+    ) -> None:
         nixl_agent, nixl_agent_config, self._b = _nixl()
         self.name = name
         self._backends = list(backends)
@@ -135,6 +158,11 @@ class NixlAgent(PeerTableAgent[PeerEntry]):
         self._xfers: list[XferHandle] = []
         self._inbox: dict[str, list[bytes]] = {}
         self._closed = False
+        # Every call on self._agent holds self._calls's lock (see the module docstring).
+        self._calls = CallWorker(name, busy_grace_s)
+        self._md_full: bytes | None = None  # cached: the side channel must answer while a load is stuck
+        self._md_conn: bytes | None = None
+        self.skipped_progress = 0  # progress calls skipped because a stuck call held the agent
 
     @property
     def raw_agent(self) -> Any:
@@ -148,12 +176,21 @@ class NixlAgent(PeerTableAgent[PeerEntry]):
 
     @contextmanager
     def _boundary(self, what: str) -> Iterator[None]:
-        try:
-            yield
-        except TransportError:
-            raise
-        except Exception as exc:
-            raise _translate(exc, what, self._b) from exc
+        """Hold the agent (``AgentBusy`` if a stuck call holds it) and translate NIXL's exceptions."""
+        with self._calls.hold(what):
+            try:
+                yield
+            except TransportError:
+                raise
+            except Exception as exc:
+                raise _translate(exc, what, self._b) from exc
+
+    def stalled_s(self, now: float | None = None) -> float:
+        return self._calls.stalled_s(now)
+
+    @property
+    def stuck_calls(self) -> int:
+        return self._calls.stuck_calls
 
     # -- memory --------------------------------------------------------------------------------------
     def register_range(
@@ -167,10 +204,12 @@ class NixlAgent(PeerTableAgent[PeerEntry]):
     ) -> Registration:
         self._check_range(addr, length)
         desc = Desc(addr, length, device_id)
-        try:
-            raw = self._agent.register_memory(_desc_array([desc]), kind.value)
-        except Exception as exc:
-            raise RegistrationError(f"register {length} B of {kind.value} failed: {exc}") from exc
+        with self._calls.hold("register_memory"):
+            try:
+                raw = self._agent.register_memory(_desc_array([desc]), kind.value)
+            except Exception as exc:
+                raise RegistrationError(f"register {length} B of {kind.value} failed: {exc}") from exc
+            self._md_full = None
         reg = Registration(addr, length, kind, device_id, next(self._tokens))
         self._regs[reg.token] = (reg, raw, owner)
         return reg
@@ -180,32 +219,68 @@ class NixlAgent(PeerTableAgent[PeerEntry]):
         entry = self._regs.pop(reg.token, None)
         if entry is None:
             raise RegistrationError(f"not registered here: {reg}")
-        try:
-            self._agent.deregister_memory(entry[1])
-        except Exception as exc:
-            raise RegistrationError(f"deregister failed: {exc}") from exc
+        with self._calls.hold("deregister_memory"):
+            self._md_full = None
+            try:
+                self._agent.deregister_memory(entry[1])
+            except Exception as exc:
+                raise RegistrationError(f"deregister failed: {exc}") from exc
 
     # -- metadata and peers --------------------------------------------------------------------------
     def metadata(self) -> bytes:
         self._check_open()
-        with self._boundary("metadata"):
-            return wrap_metadata(bytes(self._agent.get_agent_metadata()), PeerMode.FULL)
+        md = self._md_full
+        if md is None:
+            with self._boundary("metadata"):
+                md = wrap_metadata(bytes(self._agent.get_agent_metadata()), PeerMode.FULL)
+                self._md_full = md  # under the lock: a registration cannot slip between get and set
+        return md
 
     def conn_metadata(self) -> bytes:
         self._check_open()
-        with self._boundary("conn_metadata"):
-            empty = self._b.nixlRegDList(self._b.DRAM_SEG)
-            raw = self._agent.get_partial_agent_metadata(empty, True, self._backends)
-        return wrap_metadata(bytes(raw), PeerMode.NOTIF_ONLY)
+        if self._md_conn is None:  # connection info never changes in an agent's life
+            with self._boundary("conn_metadata"):
+                empty = self._b.nixlRegDList(self._b.DRAM_SEG)
+                raw = self._agent.get_partial_agent_metadata(empty, True, self._backends)
+            self._md_conn = wrap_metadata(bytes(raw), PeerMode.NOTIF_ONLY)
+        return self._md_conn
 
     def add_peer(self, metadata: bytes) -> str:
         self._check_open()
         raw, mode = unwrap_metadata(metadata)
+        with self._calls.hold("add_remote_agent"):
+            name = self._load_raw(raw)
+        return self._loaded(name, mode)
+
+    async def load_peer(self, metadata: bytes, timeout_s: float) -> str:
+        self._check_open()
+        raw, mode = unwrap_metadata(metadata)
+        known = set(self._peers)
+        name = await self._calls.call(
+            lambda: self._load_raw(raw), timeout_s, "add_remote_agent", undo=self._undo_load(known)
+        )
+        self._check_open()
+        return self._loaded(name, mode)
+
+    def _load_raw(self, raw: bytes) -> str:
+        """NIXL's load (the lock held by the caller); it may block in UCX's connect for minutes."""
         try:
             loaded = self._agent.add_remote_agent(raw)
         except Exception as exc:
             raise TransportError(f"cannot load remote agent metadata: {type(exc).__name__} {exc}") from exc
-        name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        return loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+
+    def _undo_load(self, known: set[str]) -> Callable[[str], None]:
+        def undo(name: str) -> None:
+            # An abandoned load that succeeded late: unload what nobody asked for any more. A peer loaded
+            # before it (notif-only, upgraded by this load) stays: its entry serves notif-only callers.
+            if name not in known and name not in self._peers and self._agent is not None:
+                self._agent.remove_remote_agent(name)
+
+        return undo
+
+    def _loaded(self, name: str, mode: PeerMode) -> str:
+        """Record a load in the peer table (the caller's thread: the table is never written elsewhere)."""
         current = self._peers.get(name)
         if current is None:
             self._peers[name] = PeerEntry(mode, next(self._epochs))
@@ -217,8 +292,25 @@ class NixlAgent(PeerTableAgent[PeerEntry]):
 
     def remove_peer(self, peer: str) -> None:
         self._forget_peer(peer)
-        with self._boundary(f"remove {peer}"):
-            self._agent.remove_remote_agent(peer)
+        # Deferred while a stuck call holds the agent: once it returns, the removal runs before any later
+        # load of the same name (the worker runs in order), which NIXL requires (nixl-faults.md, Restart).
+        self._nixl_or_defer(lambda agent: agent.remove_remote_agent(peer), f"remove {peer}")
+
+    def _nixl_or_defer(self, fn: Callable[[Any], object], what: str) -> None:
+        """A release or removal on the NIXL agent: now, or after the stuck call (errors are raised only
+        when it runs now)."""
+        failure: list[Exception] = []
+
+        def run() -> None:
+            if self._agent is None:
+                return  # closed meanwhile: the teardown released everything
+            try:
+                fn(self._agent)
+            except Exception as exc:
+                failure.append(exc)
+
+        if self._calls.run_or_defer(run, what) and failure:
+            raise _translate(failure[0], what, self._b) from failure[0]
 
     # -- descriptor lists ----------------------------------------------------------------------------
     def prep_local(self, descs: Sequence[Desc], kind: MemKind = MemKind.DRAM) -> DescListHandle:
@@ -245,8 +337,8 @@ class NixlAgent(PeerTableAgent[PeerEntry]):
         if handle in self._dlists:
             self._dlists.remove(handle)
         if not self._closed and handle.raw is not None:
-            with self._boundary("release_dlist"):
-                self._agent.release_dlist_handle(handle.raw)
+            raw = handle.raw
+            self._nixl_or_defer(lambda agent: agent.release_dlist_handle(raw), "release_dlist")
 
     # -- transfers -----------------------------------------------------------------------------------
     def post_prepped(
@@ -311,7 +403,11 @@ class NixlAgent(PeerTableAgent[PeerEntry]):
 
     def _start(self, handle: XferHandle) -> XferHandle:
         try:
-            state = self._agent.transfer(handle.raw)
+            with self._calls.hold("transfer"):
+                state = self._agent.transfer(handle.raw)
+        except AgentBusy:
+            self._drop_raw(handle)
+            raise
         except Exception as exc:
             self._drop_raw(handle)
             raise _translate(exc, f"{handle.op.value} to {handle.peer}", self._b) from exc
@@ -327,7 +423,10 @@ class NixlAgent(PeerTableAgent[PeerEntry]):
         if handle.state is not XferStatus.IN_PROGRESS:
             return handle.state
         try:
-            state = self._agent.check_xfer_state(handle.raw)
+            with self._calls.hold("check_xfer_state"):
+                state = self._agent.check_xfer_state(handle.raw)
+        except AgentBusy:
+            return handle.state  # not polled: the transfer's own deadline still applies
         except Exception as exc:  # NIXL raises on a dead peer instead of answering "ERR"
             handle.state = XferStatus.FAILED
             handle.failed_reason = f"{type(exc).__name__}: {exc}"
@@ -351,15 +450,18 @@ class NixlAgent(PeerTableAgent[PeerEntry]):
     def _drop_raw(self, handle: XferHandle) -> None:
         # Releasing an in-flight handle cancels it; if NIXL refuses, its own finaliser retries at exit.
         try:
-            self._agent.release_xfer_handle(handle.raw)
-        except Exception as exc:
+            self._nixl_or_defer(lambda agent: agent.release_xfer_handle(handle.raw), "release_xfer_handle")
+        except TransportError as exc:
             handle.failed_reason = handle.failed_reason or f"release failed: {exc}"
 
     # -- notifications -------------------------------------------------------------------------------
     def send_notif(self, peer: str, msg: bytes) -> None:
         self._check_notif_peer(peer)
         try:
-            self._agent.send_notif(peer, msg)
+            with self._calls.hold("send_notif"):
+                self._agent.send_notif(peer, msg)
+        except AgentBusy:
+            raise
         except Exception as exc:
             if isinstance(exc, self._b.nixlNotFoundError):
                 raise PeerNotFound(f"send_notif to {peer}: {exc}") from exc
@@ -372,26 +474,47 @@ class NixlAgent(PeerTableAgent[PeerEntry]):
         for handle in self._xfers:
             if handle.state is XferStatus.IN_PROGRESS:
                 self.status(handle)
-        with self._boundary("progress"):
-            new: dict[str, list[bytes]] = self._agent.get_new_notifs()
+        try:
+            with self._boundary("progress"):
+                new: dict[str, list[bytes]] = self._agent.get_new_notifs()
+        except AgentBusy:
+            # Nothing is lost: UCX keeps what arrives until the agent is progressed again.
+            self.skipped_progress += 1
+            return
         for sender, msgs in new.items():
             self._inbox.setdefault(str(sender), []).extend(bytes(m) for m in msgs)
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def close(self) -> None:
+        """Release everything now, or (a stuck call holds the agent) once that call returns: closing never
+        waits on the network. Idempotent."""
         if self._closed:
             return
-        for xfer in list(self._xfers):
-            self.release(xfer)
-        # Best effort: close must finish even when a peer is already gone.
-        for dlist in list(self._dlists):
-            with suppress(TransportError):
-                self.release_dlist(dlist)
-        for peer in list(self._peers):
-            with suppress(TransportError):
-                self.remove_peer(peer)
-        for token in list(self._regs):
-            with suppress(TransportError):
-                self.deregister(self._regs[token][0])
         self._closed = True
-        self._agent = None
+        self._calls.run_or_defer(self._teardown, "close")
+        self._calls.close()
+
+    def _teardown(self) -> None:
+        # Best effort, straight on NIXL (the agent is already marked closed): close must finish even when
+        # a peer is already gone.
+        agent, self._agent = self._agent, None
+        if agent is None:
+            return
+        for xfer in self._xfers:
+            xfer.released = True
+            with suppress(Exception):
+                agent.release_xfer_handle(xfer.raw)
+        for dlist in self._dlists:
+            dlist.released = True
+            with suppress(Exception):
+                agent.release_dlist_handle(dlist.raw)
+        for peer in self._peers:
+            with suppress(Exception):
+                agent.remove_remote_agent(peer)
+        for _reg, raw, _owner in self._regs.values():
+            with suppress(Exception):
+                agent.deregister_memory(raw)
+        self._xfers.clear()
+        self._dlists.clear()
+        self._peers.clear()
+        self._regs.clear()
