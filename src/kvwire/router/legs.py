@@ -43,6 +43,11 @@ def prefill_body(base: Mapping[str, Any], transfer_id: str) -> dict[str, Any]:
     body.update(
         max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id}
     )
+    min_tokens = body.get("min_tokens")
+    if isinstance(min_tokens, int) and min_tokens > 1:
+        # P answers one token: min_tokens above it is refused (by vLLM too); 1 keeps the first token's rule
+        # (no EOS) the same as D's, though the router never uses P's token.
+        body["min_tokens"] = 1
     return body
 
 
