@@ -30,6 +30,7 @@ from kvwire.errors import (
 from kvwire.handshake.types import PeerAddress
 from kvwire.protocol.auth import sign
 from kvwire.protocol.codec import FRAME_HEADER_BYTES, decode_side, encode_frame, parse_frame_header
+from kvwire.protocol.compat import describe_mismatch, fields_of
 from kvwire.protocol.messages import VERSION, ErrorCode, ErrorReply, GetMetadata, Metadata
 
 _REFUSALS: dict[ErrorCode, type[HandshakeError]] = {
@@ -135,10 +136,17 @@ def _check(md: Metadata, addr: PeerAddress, compat_hash: str, notif_only: bool) 
     if md.version != VERSION:
         raise IncompatiblePeer(f"{addr}: wire version {md.version}, this side speaks {VERSION}")
     if md.compat_hash != compat_hash:
-        raise IncompatiblePeer(
-            f"{addr} ({md.engine_id}): compat hash {md.compat_hash} differs from ours {compat_hash}"
-        )
+        raise IncompatiblePeer(f"{addr} ({md.engine_id}): compat hash differs: {_mismatch(md, compat_hash)}")
     if (md.pp_rank, md.tp_rank) != (addr.pp_rank, addr.tp_rank):
         raise HandshakeError(f"{addr}: answered for rank pp{md.pp_rank}/tp{md.tp_rank}")
     if not notif_only and md.notif_only:
         raise HandshakeError(f"{addr}: answered a full request with notif-only metadata")
+
+
+def _mismatch(md: Metadata, compat_hash: str) -> str:
+    """What differs, field by field when both sides' fields are known (a peer that predates
+    ``Metadata.compat`` sends only its hash)."""
+    ours = fields_of(compat_hash)
+    if ours is None or md.compat is None:
+        return f"{md.compat_hash} at the peer, {compat_hash} here"
+    return describe_mismatch(ours, md.compat, "the peer")

@@ -28,8 +28,16 @@ from kvwire.errors import AuthError, ConfigError, KvwireError, ProtocolError, Ve
 from kvwire.handshake.types import EngineInfo, LocalRank
 from kvwire.protocol.auth import ReplayGuard, verify
 from kvwire.protocol.codec import FRAME_HEADER_BYTES, decode_side, encode_frame, parse_frame_header
-from kvwire.protocol.compat import compat_hash
-from kvwire.protocol.messages import ErrorCode, ErrorReply, GetMetadata, KVInfo, Metadata, RegionMsg
+from kvwire.protocol.compat import compat_fields, compat_hash
+from kvwire.protocol.messages import (
+    CompatFields,
+    ErrorCode,
+    ErrorReply,
+    GetMetadata,
+    KVInfo,
+    Metadata,
+    RegionMsg,
+)
 
 log = logging.getLogger("kvwire.handshake")
 
@@ -53,6 +61,10 @@ class ServerStats:
 
 def engine_compat_hash(engine: EngineInfo) -> str:
     return compat_hash(model_id=engine.model_id, spec=engine.spec, transfer_mode=engine.transfer_mode)
+
+
+def engine_compat_fields(engine: EngineInfo) -> CompatFields:
+    return compat_fields(model_id=engine.model_id, spec=engine.spec, transfer_mode=engine.transfer_mode)
 
 
 def _kv_info(rank: LocalRank) -> KVInfo:
@@ -105,6 +117,7 @@ class SideChannelServer:
             raise ConfigError("two local ranks share a (pp, tp) rank")
         self.engine = engine
         self.compat_hash = engine_compat_hash(engine)
+        self.compat_fields = engine_compat_fields(engine)
         self._host = host
         self._port = port
         self._secret = secret or None
@@ -322,6 +335,7 @@ class SideChannelServer:
             regions=[] if notif_only else self._regions_of(rank),
             server_time=time.time(),
             notif_only=notif_only,
+            compat=self.compat_fields,
         )
         self.stats.replies["notif_only" if notif_only else "metadata"] += 1
         return md

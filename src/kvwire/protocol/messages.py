@@ -96,6 +96,21 @@ class RegionMsg(msgspec.Struct, kw_only=True):
     device_id: NonNeg = 0
 
 
+class CompatFields(msgspec.Struct, kw_only=True, frozen=True):
+    """The values the compat hash covers (``protocol/compat.py``), sent beside it so that the side that
+    finds the hashes differ can say which values differ instead of only that they do."""
+
+    model_id: str
+    dtype: str
+    num_layers: Positive
+    kv_heads: Positive
+    head_dim: Positive
+    layout: str  # "HND" | "NHD"
+    mla: bool
+    transfer_mode: TransferMode
+    kv_fused: bool = False
+
+
 class Metadata(msgspec.Struct, tag="metadata", tag_field="type", kw_only=True):
     version: Version = VERSION
     engine_id: str
@@ -112,6 +127,9 @@ class Metadata(msgspec.Struct, tag="metadata", tag_field="type", kw_only=True):
     regions: list[RegionMsg] = []
     server_time: float = 0.0
     notif_only: bool = False
+    # Added field (v1-compatible): what compat_hash covers, so a mismatch can be explained (None from
+    # peers that predate it: then only the hashes are compared).
+    compat: CompatFields | None = None
 
 
 class ErrorReply(msgspec.Struct, tag="error", tag_field="type", kw_only=True):

@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvwire.config import env_config
 from kvwire.errors import ConfigError
+from kvwire.integrations.vllm.identity import vllm_model_id
 from kvwire.integrations.vllm.params import KvRole, Op, incarnation_of, settings_from_extra
 from kvwire.integrations.vllm.scheduler import LocalEngine, SchedulerSide
 from kvwire.integrations.vllm.worker import RankPlace, WorkerSide
@@ -87,7 +88,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         place = RankPlace(
             engine_id=engine_id,
             incarnation=incarnation,
-            model_id=settings.model_id or str(mc.served_model_name or mc.model),
+            model_id=settings.model_id or vllm_model_id(mc),
             tp_size=tp,
             tp_rank=tp_rank,
             pp_size=pp,
