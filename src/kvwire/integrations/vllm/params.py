@@ -48,7 +48,7 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # side_channel_port + pp * tp_size + tp. The host is also what D is told to connect to.
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT
-    model_id: str | None = None  # default: vLLM's served model name
+    model_id: str | None = None  # default: served name, revision and dtype (identity.vllm_model_id)
     incarnation: str | None = None  # default: derived from this vLLM config's instance id
     kv_lease_duration_s: float = _DEFAULTS.kv_lease_duration_s
     fence_ms: int = _DEFAULTS.fence_ms
