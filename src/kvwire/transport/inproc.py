@@ -268,13 +268,14 @@ class InprocAgent(PeerTableAgent[_Peer]):
 
     async def load_peer(self, metadata: bytes, timeout_s: float) -> str:
         stall = self.faults.stall_loads_s
-        if stall <= 0:
+        if stall <= 0 and self._calls is None:
             return self.add_peer(metadata)
         if self._calls is None:
             self._calls = CallWorker(self.name)
         # Only the wait runs in the worker, the load itself on the caller's thread once the wait is over:
-        # the fabric is not shared with a second thread.
-        await self._calls.call(lambda: self.unstall.wait(stall), timeout_s, "add_remote_agent")
+        # the fabric is not shared with a second thread. Once made, the worker is always used, so that a
+        # load stuck there refuses the next ones as NIXL's does.
+        await self._calls.call(lambda: stall <= 0 or self.unstall.wait(stall), timeout_s, "add_remote_agent")
         return self.add_peer(metadata)
 
     def stalled_s(self, now: float | None = None) -> float:

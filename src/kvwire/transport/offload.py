@@ -15,7 +15,7 @@ So an agent owns a ``CallWorker``:
   call is *abandoned*: the caller gets ``AgentStalled`` at once, the call is counted stuck while the thread
   is still inside it, and if it ever succeeds ``undo`` reverts it (in the worker, still holding the lock),
   so no caller ever uses a stuck call's result;
-* while a call is stuck, new ``call``s are refused (``AgentStalled``) instead of queueing behind a call that
+* while a call is stuck, new ``call``s are refused (``AgentBusy``) instead of queueing behind a call that
   may not return for minutes;
 * ``hold`` is how every other call takes the lock: it waits at most ``grace_s`` counted from the start of
   the worker's current call, so a normal load (milliseconds) is waited for as before, and a stuck one makes
@@ -127,13 +127,14 @@ class CallWorker:
     async def call(
         self, fn: Callable[[], T], timeout_s: float, what: str, undo: Callable[[T], None] | None = None
     ) -> T:
-        """``fn()`` in the worker thread, awaited for at most ``timeout_s``; ``AgentStalled`` past it.
+        """``fn()`` in the worker thread, awaited for at most ``timeout_s``; ``AgentStalled`` past it,
+        ``AgentBusy`` at once while an earlier call is stuck.
 
         Cancelling the awaiting task abandons the call the same way (without counting it stuck)."""
         stuck = self._stuck
         if stuck is not None:
             self.refused += 1
-            raise AgentStalled(f"{what} refused: agent {self.name} {self._describe(stuck)}")
+            raise AgentBusy(f"{what} refused: agent {self.name} {self._describe(stuck)}")
         if self._closed:
             raise AgentBusy(f"{what} refused: agent {self.name} is closing")
         job: _Job[T] = _Job(fn, what, undo)
@@ -142,18 +143,24 @@ class CallWorker:
         try:
             return await asyncio.wait_for(asyncio.shield(waiter), max(timeout_s, 0.0))
         except TimeoutError:
-            if self._abandon(job):
-                self._stuck = job
-                self.stuck_calls += 1
-                raise AgentStalled(
-                    f"{what} on agent {self.name} did not return within {timeout_s:.3g} s (a peer whose "
-                    "UCX port drops packets); abandoned, the agent is held until it returns"
-                ) from None
-            if job.future.cancelled():
+            abandoned = self._abandon(job)
+            if not abandoned and not job.future.cancelled():
+                return await waiter  # it finished just now: its result stands
+            # Nobody will read the waiter: cancelled, it is never given the late result, so no "exception
+            # was never retrieved" is logged from a finalizer (in 3.11 that can run inside ast.parse and
+            # break it).
+            waiter.cancel()
+            if not abandoned:
                 raise AgentStalled(f"{what} on agent {self.name}: no time left to start it") from None
-            return await waiter  # it finished just now: its result stands
+            self._stuck = job
+            self.stuck_calls += 1
+            raise AgentStalled(
+                f"{what} on agent {self.name} did not return within {timeout_s:.3g} s (a peer whose "
+                "UCX port drops packets); abandoned, the agent is held until it returns"
+            ) from None
         except asyncio.CancelledError:
             self._abandon(job)
+            waiter.cancel()
             raise
 
     def _abandon(self, job: _Job[Any]) -> bool:
@@ -168,7 +175,7 @@ class CallWorker:
 
     def _describe(self, job: _Job[Any]) -> str:
         since = time.monotonic() - (job.started or time.monotonic())
-        return f"is held by a {job.what} stuck for {since:.1f} s"
+        return f"is held by {job.what}, stuck for {since:.1f} s"
 
     def _wait_s(self) -> float:
         """How long a caller may wait for the lock: up to ``grace_s`` after the worker's call started."""
