@@ -1,8 +1,9 @@
 """The ``kvwire`` command line.
 
 Each command lives in its own module, imported only when that command runs (no import-time side
-effects, and ``kvwire --help`` stays fast). A command module exposes ``add_arguments(parser)`` and
-``run(args) -> int`` (the exit status).
+effects, and ``kvwire --help`` stays fast). A command module exposes ``add_arguments(parser)`` (or
+``add_arguments_for(parser, path)`` when it serves several commands) and ``run(args) -> int`` (the exit
+status).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("bench e2e", "kvwire.bench.e2e", "TTFT disaggregated vs colocated"),
     ("bench overhead", "kvwire.bench.overhead", "control-plane CPU time per request"),
     ("bench vllm", "kvwire.bench.vllm", "kvwire vs vLLM's NIXL push connector in real vLLM engines"),
+    ("sim", "kvwire.testing.sim.cli", "deterministic simulation of the cores under faults, in virtual time"),
     ("chaos", "kvwire.chaos", "kill and restart peers under load; count leaks and corruption"),
     ("transport-demo", "kvwire.demo.transport", "two processes, one NIXL WRITE with a notification"),
 )
@@ -75,10 +77,22 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
                     dest="subcommand", metavar="SUBCOMMAND", required=True
                 )
             subs = groups[words[0]]
-        sub = subs.add_parser(words[-1], help=help_text)
+        # Defaults shown in every command's --help (options whose help names its default are left as is).
+        sub = subs.add_parser(
+            words[-1],
+            help=help_text,
+            description=help_text,
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        )
         sub.set_defaults(_module=module, _path=path)
         if path == chosen:
-            importlib.import_module(module).add_arguments(sub)
+            mod = importlib.import_module(module)
+            # A module serving several commands gives each its own flags (decode's help: no prefill flag).
+            per_command = getattr(mod, "add_arguments_for", None)
+            if per_command is not None:
+                per_command(sub, path)
+            else:
+                mod.add_arguments(sub)
     return parser
 
 

@@ -7,6 +7,9 @@ Environment variables (all optional):
   other hosts connect to); default: the host it binds.
 * ``KVWIRE_LOG_LEVEL``: ``debug``, ``info`` (default), ``warning`` or ``error``.
 
+The server roles' options (``kvwire.options``) are also read from ``KVWIRE_<OPTION>`` variables, through
+``process_environ()``.
+
 Command modules build the dataclasses below from their flags and ``env_config()``; library code takes the
 dataclasses (or plain arguments), never ``os.environ``.
 """
@@ -15,8 +18,9 @@ from __future__ import annotations
 
 import enum
 import os
+import urllib.parse
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvwire.errors import ConfigError
@@ -38,6 +42,11 @@ class EnvConfig:
     secret: bytes | None = None
     side_channel_host: str | None = None
     log_level: str = "info"
+
+
+def process_environ() -> Mapping[str, str]:
+    """The process's environment, for ``kvwire.options.resolve`` (options read it through this)."""
+    return os.environ
 
 
 def env_config(environ: Mapping[str, str] | None = None) -> EnvConfig:
@@ -90,6 +99,22 @@ class EngineKind(enum.Enum):
     VLLM = "vllm"
 
 
+_LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]", "0.0.0.0", "::", "[::]"})
+
+
+def _is_own_address(url: str, host: str, port: int) -> bool:
+    """Whether an engine URL names the router's own socket (the router would probe and call itself)."""
+    parsed = urllib.parse.urlsplit(url.partition("#")[0])
+    try:
+        url_port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    except ValueError:
+        return False
+    url_host = (parsed.hostname or "").lower()
+    if url_port != port:
+        return False
+    return url_host == host.lower() or (url_host in _LOCAL_HOSTS and host.lower() in _LOCAL_HOSTS)
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     prefill_urls: tuple[str, ...]
@@ -106,12 +131,22 @@ class RouterConfig:
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
     engines: EngineKind = EngineKind.KVWIRE
+    # The key clients of the router's /v1 API must send (None: none asked), and the key the router sends to
+    # the engines (their --api-key). Kept out of repr: configs get logged.
+    api_key: str | None = field(default=None, repr=False)
+    engine_api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prefill_urls or not self.decode_urls:
             raise ConfigError("the router needs at least one prefill and one decode engine URL")
         if set(self.prefill_urls) & set(self.decode_urls):
             raise ConfigError("an engine cannot be both a prefill and a decode engine of one router")
+        for url in (*self.prefill_urls, *self.decode_urls):
+            if _is_own_address(url, self.host, self.port):
+                raise ConfigError(
+                    f"engine URL {url} is this router's own address ({self.host}:{self.port}): "
+                    "list the engines' URLs, or give the router another --port"
+                )
         for name in ("request_timeout_s", "connect_timeout_s", "health_interval_s", "health_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvwire.config import DemoConfig, RouterConfig
 from kvwire.demo.procs import ServerGroup, free_port
@@ -254,11 +255,39 @@ def test_pull_mode_sends_prefill_first_then_decode_with_block_ids(stack: Stack, 
     assert pull.decode_bodies[-1]["kv_transfer_params"]["remote_block_ids"] == [3, 4]
 
 
-def test_metrics_count_outcomes(stack: Stack, cluster: FakeCluster) -> None:
-    client(stack.router).completions.create(model="kvwire", prompt="count me", max_tokens=2)
-    text = httpx.get(stack.router + "/metrics").text
-    assert 'kvwire_requests_total{outcome="ok"}' in text
-    assert 'kvwire_router_engine_healthy{role="prefill"' in text
+def _router_samples(url: str) -> dict[tuple[str, str], float]:
+    """(sample name, outcome or engine role) -> value, every sample checked to carry the router's labels."""
+    out: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in family.samples:
+            assert (s.labels["role"], s.labels["model_name"]) == ("router", "kvwire")
+            key = (s.name, s.labels.get("outcome") or s.labels.get("engine_role") or s.labels.get("le", ""))
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def test_metrics_count_outcomes_and_latencies_of_every_request(stack: Stack, cluster: FakeCluster) -> None:
+    before = _router_samples(stack.router)
+    client(stack.router).completions.create(model="kvwire", prompt="count me", max_tokens=4)
+    for _ in client(stack.router).completions.create(
+        model="kvwire", prompt="me too", max_tokens=4, stream=True
+    ):
+        pass
+    after = _router_samples(stack.router)
+
+    def grew(name: str, label: str = "") -> float:
+        return after.get((name, label), 0.0) - before.get((name, label), 0.0)
+
+    assert grew("kvwire_requests_total", "ok") == 2
+    # TTFT and end-to-end latency for the unary request as well as the stream; 3 gaps between 4 tokens each.
+    assert grew("kvwire_ttft_seconds_count") == 2
+    assert grew("kvwire_e2e_request_latency_seconds_count") == 2
+    assert grew("kvwire_inter_token_latency_seconds_count") == 6
+    assert after[("kvwire_router_engine_healthy", "prefill")] >= 1
+    # The router moves no KV: no transfer, handshake or block family, not even an empty one.
+    assert not any(
+        name.startswith(("kvwire_transfer", "kvwire_handshake", "kvwire_blocks")) for name, _ in after
+    )
 
 
 @pytest.mark.nixl

@@ -1,15 +1,26 @@
-"""Start-up checks an operator meets first: a missing NIXL, an address no peer can dial, the version."""
+"""Start-up checks an operator meets first: a missing NIXL, an address no peer can dial, the version, a
+port in use, an exposed engine without a secret, a bad option; the start-up line and JSON logs."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
 import sys
+import time
+from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from kvwire.cli import main
 from kvwire.connector import ConnectorConfig, Consumer
 from kvwire.errors import ConfigError
 from kvwire.kv.spec import KVSpec
+from kvwire.startup import EXIT_CONFIG, check_exposure
 from kvwire.testing.engines import build_engine
 from kvwire.transport.inproc import InprocFabric
 
@@ -42,3 +53,156 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--version"])
     assert exc.value.code == 0
     assert capsys.readouterr().out.startswith("kvwire ")
+
+
+# -- misconfigurations as real processes: one line on stderr naming cause and fix, exit status 2 -------------
+
+
+def _kvwire(
+    *args: str, env: dict[str, str] | None = None, timeout_s: float = 60.0
+) -> subprocess.CompletedProcess[str]:
+    """``kvwire ARGS`` as a child process, with no KVWIRE_* variable of this environment."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVWIRE_")}
+    return subprocess.run(
+        [sys.executable, "-m", "kvwire.cli", *args],
+        env={**clean, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
+def _one_line(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode == EXIT_CONFIG, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in proc.stderr
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+@contextlib.contextmanager
+def _listener() -> Iterator[tuple[socket.socket, int]]:
+    """A socket listening on a free 127.0.0.1 port (what another program holding the port looks like)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock, sock.getsockname()[1]
+
+
+def _accepted(sock: socket.socket) -> bool:
+    sock.settimeout(0.2)
+    try:
+        conn, _ = sock.accept()
+    except TimeoutError:
+        return False
+    conn.close()
+    return True
+
+
+def test_busy_http_port_is_one_line_before_anything_starts() -> None:
+    with _listener() as (_, port):
+        line = _one_line(_kvwire("serve", "prefill", "--backend", "inproc", "--port", str(port)))
+    assert f"HTTP port {port} on 127.0.0.1 is already in use" in line and "--port" in line
+
+
+def test_busy_side_channel_port_is_one_line() -> None:
+    with _listener() as (_, busy), _listener() as (http_sock, http_port):
+        http_sock.close()  # free again: the HTTP port is not the problem here
+        args = (
+            "serve",
+            "decode",
+            "--backend",
+            "inproc",
+            "--port",
+            str(http_port),
+            "--side-channel-port",
+            str(busy),
+        )
+        line = _one_line(_kvwire(*args))
+    assert (
+        f"side-channel port {busy} on 127.0.0.1 is already in use" in line and "--side-channel-port" in line
+    )
+
+
+def test_router_with_its_port_taken_exits_before_probing_any_engine() -> None:
+    with _listener() as (_, busy), _listener() as (engine, engine_port):
+        url = f"http://127.0.0.1:{engine_port}"
+        line = _one_line(
+            _kvwire("serve", "router", "--port", str(busy), "--prefill", url, "--decode", url + "1")
+        )
+        assert f"HTTP port {busy} on 127.0.0.1 is already in use" in line
+        assert not _accepted(engine), "the router probed an engine although it could not serve"
+
+
+def test_router_refuses_its_own_address_as_an_engine() -> None:
+    with _listener() as (sock, port):
+        sock.close()
+        args = (
+            "serve",
+            "router",
+            "--port",
+            str(port),
+            "--prefill",
+            f"localhost:{port}",
+            "--decode",
+            "127.0.0.1:1",
+        )
+        line = _one_line(_kvwire(*args))
+    assert "this router's own address" in line
+
+
+def test_no_secret_refuses_a_non_loopback_address_unless_insecure() -> None:
+    line = _one_line(_kvwire("serve", "decode", "--backend", "inproc", "--host", "0.0.0.0", "--port", "1"))
+    assert "KVWIRE_SECRET" in line and "--insecure" in line
+    check_exposure("127.0.0.1", None, insecure=False)
+    check_exposure("localhost", None, insecure=False)
+    check_exposure("10.0.0.1", b"s3cret", insecure=False)
+    check_exposure("10.0.0.1", None, insecure=True)
+    for host in ("0.0.0.0", "10.0.0.1", "::"):
+        with pytest.raises(ConfigError, match="--insecure"):
+            check_exposure(host, None, insecure=False)
+
+
+def test_bad_option_values_are_one_line() -> None:
+    line = _one_line(_kvwire("serve", "decode", "--backend", "inproc", env={"KVWIRE_FENCE_MS": "soon"}))
+    assert "KVWIRE_FENCE_MS='soon'" in line
+    line = _one_line(_kvwire("serve", "decode", "--backend", "inproc", "--liveness-timeout-s", "0.5"))
+    assert "liveness_timeout_s" in line  # ConnectorConfig's own check, as one line
+
+
+def _wait_healthy(url: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"{url} never became healthy")
+
+
+def test_engine_start_up_summary_and_json_logs() -> None:
+    """One INFO line says who the engine is and how it is exposed; with --log-format json, all is JSON."""
+    with _listener() as (sock, port):
+        sock.close()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvwire.cli", "serve", "decode", "--backend", "inproc",
+             "--port", str(port), "--log-format", "json", "--api-key", "k"],
+            env={k: v for k, v in os.environ.items() if not k.startswith("KVWIRE_")},
+            stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert proc.stderr is not None
+            first = json.loads(proc.stderr.readline())
+            warning = json.loads(proc.stderr.readline())
+            _wait_healthy(f"http://127.0.0.1:{port}")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            _, rest = proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    assert (first["level"], first["logger"]) == ("info", "kvwire.serve")
+    for part in ("decode engine decode-", f"http://127.0.0.1:{port}", "mode push", "backend inproc",
+                 "secret not set", "api key set"):  # fmt: skip
+        assert part in first["msg"]
+    assert warning["level"] == "warning" and "KVWIRE_SECRET" in warning["msg"]
+    for line in rest.splitlines():
+        json.loads(line)  # nothing else prints plain text on stderr

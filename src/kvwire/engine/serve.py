@@ -3,138 +3,180 @@
 Prefill and decode engines start a KV connector (one agent per (pp, tp) rank, a side channel); the
 colocated engine is the reference with no connector. SIGINT/SIGTERM stop uvicorn, whose lifespan stops
 the engine thread, which fails what is still running and closes the connector.
+
+Start-up order: options (flag > environment > file > default), logging, the exposure check, the HTTP
+socket, then the engine and its connector: a misconfiguration ends the process with one line on stderr
+(``kvwire.startup``) before anything listens.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import signal
+import socket
 import uuid
+from dataclasses import dataclass
+from typing import Any
 
-from kvwire.config import Backend, env_config
-from kvwire.connector import ConnectorConfig, LoadFailurePolicy
-from kvwire.engine.config import PRESETS, EngineConfig, Role, preset
+from kvwire.config import EnvConfig, env_config, process_environ
+from kvwire.connector import LoadFailurePolicy
+from kvwire.engine.config import EngineConfig, Role, preset
 from kvwire.engine.connector_hooks import ConnectorMetrics, ConnectorSettings, attach_connector
 from kvwire.engine.engine import Engine
+from kvwire.engine.options import connector_config, engine_options
 from kvwire.engine.server import EngineServer, Identity
-from kvwire.errors import KvwireError
+from kvwire.errors import ConfigError, KvwireError
+from kvwire.logsetup import configure
+from kvwire.options import Command, LogFormat, add_options, resolve
 from kvwire.protocol.messages import TransferMode
+from kvwire.startup import bind_tcp, check_exposure, fail, in_use_message
 from kvwire.transport.base import new_incarnation
 
 log = logging.getLogger("kvwire.serve")
 
-_DEFAULT_PORTS = {Role.PREFILL: 8100, Role.DECODE: 8200, Role.COLOCATED: 8300}
+
+def add_arguments_for(parser: argparse.ArgumentParser, path: str) -> None:
+    """The flags of one engine role only (decode's help shows no prefill-only flag)."""
+    add_options(parser, engine_options(), Command(path.split()[-1]))
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="HTTP and side-channel bind address")
-    parser.add_argument(
-        "--port", type=int, default=None, help="HTTP port (prefill 8100, decode 8200, colocated 8300)"
-    )
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (KV heads sharded)")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (prefill only)")
-    parser.add_argument("--side-channel-port", type=int, default=0, help="0: any free port (see /health)")
-    parser.add_argument("--backend", choices=[b.value for b in Backend], default=Backend.NIXL.value)
-    parser.add_argument("--mode", choices=[m.value for m in TransferMode], default=TransferMode.PUSH.value)
-    parser.add_argument("--seed", type=int, default=0, help="weights seed (P, D and reference must agree)")
-    parser.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: the preset's)")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--engine-id", default=None, help="default: ROLE-<random>")
-    parser.add_argument(
-        "--kv-load-failure-policy",
-        choices=[p.value for p in LoadFailurePolicy],
-        default=LoadFailurePolicy.FAIL.value,
-        help="decode: answer 503 (fail) or prefill locally (recompute) when the KV does not arrive",
-    )
-    parser.add_argument("--kv-lease-s", type=float, default=30.0, help="prefill: how long blocks wait for D")
+@dataclass(frozen=True)
+class Started:
+    """A built engine server and the socket its HTTP API will serve on."""
+
+    server: EngineServer
+    sock: socket.socket
+    port: int
 
 
-def build_server(args: argparse.Namespace, role: Role) -> EngineServer:
-    env = env_config()
-    model = preset(args.preset)
+def _side_channel_error(exc: OSError, host: str, port: int) -> ConfigError:
+    if exc.errno == errno.EADDRINUSE:
+        fix = "stop it or pass another --side-channel-port (0: any free port)"
+        return ConfigError(in_use_message("side-channel", host, port, fix))
+    return ConfigError(f"cannot start the side channel on {host}:{port}: {exc.strerror or exc}")
+
+
+def build_server(values: dict[str, Any], role: Role, env: EnvConfig) -> EngineServer:
+    """The engine, its connector (P and D) and its HTTP app, from resolved option values."""
+    model = preset(values["preset"])
     cfg = EngineConfig(
         model,
         role=role,
-        tp_size=args.tp,
-        pp_size=args.pp,
-        num_blocks=args.num_blocks or model.default_num_blocks,
-        seed=args.seed,
-        max_num_seqs=args.max_num_seqs,
-        kv_load_failure_policy=LoadFailurePolicy(args.kv_load_failure_policy),
+        tp_size=values["tp"],
+        pp_size=values.get("pp", 1),
+        num_blocks=values["num_blocks"] or model.default_num_blocks,
+        seed=values["seed"],
+        max_num_seqs=values["max_num_seqs"],
+        kv_load_failure_policy=LoadFailurePolicy(values.get("kv_load_failure_policy", "fail")),
     )
     engine = Engine(cfg, prefault=True)
-    engine_id = args.engine_id or f"{role.value}-{uuid.uuid4().hex[:8]}"
+    engine_id = values["engine_id"] or f"{role.value}-{uuid.uuid4().hex[:8]}"
     incarnation = new_incarnation()
     model_id = f"kvwire-{model.name}"
-    connector = None
+    connector, mode = None, None
     if role is not Role.COLOCATED:
+        mode = TransferMode(values["mode"])
         settings = ConnectorSettings(
             engine_id=engine_id,
             incarnation=incarnation,
             # The weights' seed is part of the model's identity: P and D with different weights would
             # answer 200 with wrong tokens; with it in the compat hash the handshake refuses them.
-            model_id=f"{model_id}/seed{args.seed}",
-            mode=TransferMode(args.mode),
-            backend=args.backend,
-            host=args.host,
+            model_id=f"{model_id}/seed{values['seed']}",
+            mode=mode,
+            backend=values["backend"],
+            host=values["host"],
             advertise_host=env.side_channel_host,
-            port=args.side_channel_port,
+            port=values["side_channel_port"],
             secret=env.secret,
-            config=ConnectorConfig(
-                kv_lease_duration_s=args.kv_lease_s,
-                kv_load_failure_policy=cfg.kv_load_failure_policy,
-            ),
+            config=connector_config(values, mode),
         )
-        connector = attach_connector(engine, settings).connector
+        try:
+            connector = attach_connector(engine, settings).connector
+        except OSError as exc:
+            raise _side_channel_error(exc, values["host"], values["side_channel_port"]) from None
     identity = Identity(
         role=role,
         engine_id=engine_id,
         incarnation=incarnation,
-        side_channel_host=env.side_channel_host or args.host,
+        side_channel_host=env.side_channel_host or values["host"],
         side_channel_port=connector.port if connector is not None else 0,
         model=model_id,
+        seed=values["seed"],
+        mode=mode,
+        authenticated=env.secret is not None,
     )
-    server = EngineServer(engine, identity)
+    server = EngineServer(engine, identity, api_key=values["api_key"])
     if connector is not None:
         server.scrape_hooks.append(ConnectorMetrics(connector, server.metrics).sync)
     return server
 
 
+def start(values: dict[str, Any], role: Role, env: EnvConfig) -> Started:
+    check_exposure(values["host"], env.secret, values["insecure"])
+    if role is not Role.COLOCATED:
+        connector_config(values, TransferMode(values["mode"]))  # refuse bad knobs before building anything
+    port = values["port"]
+    sock = bind_tcp(values["host"], port, "HTTP", "stop it or pass another --port")
+    try:
+        server = build_server(values, role, env)
+    except BaseException:
+        sock.close()
+        raise
+    return Started(server, sock, sock.getsockname()[1])
+
+
+def summary(values: dict[str, Any], started: Started, env: EnvConfig) -> str:
+    """The start-up line: who this engine is, where it listens, and how it is protected."""
+    ident, cfg = started.server.identity, started.server.engine.cfg
+    parts = [
+        f"{ident.role.value} engine {ident.engine_id} serving http://{values['host']}:{started.port}",
+        f"model {ident.model} seed {ident.seed}",
+        f"tp={cfg.tp_size} pp={cfg.pp_size}",
+    ]
+    if ident.mode is not None:
+        parts += [
+            f"side channel {values['host']}:{ident.side_channel_port} "
+            f"advertised as {ident.side_channel_host}:{ident.side_channel_port}",
+            f"mode {ident.mode.value}",
+            f"backend {values['backend']}",
+        ]
+    parts += [
+        f"secret {'set' if env.secret else 'not set'}",
+        f"api key {'set' if values['api_key'] else 'not set'}",
+    ]
+    if values["insecure"]:
+        parts.append("insecure")
+    return "; ".join(parts)
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    env = env_config()
-    logging.basicConfig(level=env.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     role = Role(str(args._path).split()[-1])
-    port = args.port if args.port is not None else _DEFAULT_PORTS[role]
+    prog = f"kvwire serve {role.value}"
     try:
-        server = build_server(args, role)
+        values = resolve(args, engine_options(), Command(role.value), process_environ())
+        env = env_config()
+        configure(values["log_level"], LogFormat(values["log_format"]), values["log_http"])
+        started = start(values, role, env)
     except KvwireError as exc:
-        log.error("cannot start the %s engine: %s", role.value, exc)
-        return 2
-    ident = server.identity
-    log.info(
-        "%s engine %s on http://%s:%d (side channel %s:%d, tp=%d pp=%d, %s)",
-        role.value,
-        ident.engine_id,
-        args.host,
-        port,
-        ident.side_channel_host,
-        ident.side_channel_port,
-        args.tp,
-        args.pp,
-        ident.model,
+        return fail(prog, exc)
+    server = started.server
+    log.info("%s", summary(values, started, env))
+    if env.secret is None:
+        log.warning("KVWIRE_SECRET is not set: the side channel authenticates no peer")
+    config = uvicorn.Config(
+        server.app, host=values["host"], port=started.port, log_config=None, lifespan="on", access_log=False
     )
-    config = uvicorn.Config(server.app, host=args.host, port=port, log_level="warning", lifespan="on")
     stopped_by: list[int] = []
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler that was
     # installed before it: this one records it, so a requested stop exits with status 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: stopped_by.append(signum))
     try:
-        uvicorn.Server(config).run()
+        uvicorn.Server(config).run(sockets=[started.sock])
     finally:
         server.stop()
         if server.engine.hooks is not None:

@@ -14,8 +14,9 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -23,11 +24,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Gauge
 
+from kvwire.apikey import ApiKeyMiddleware, bearer
 from kvwire.config import RouterConfig
-from kvwire.metrics import CONTENT_TYPE, KvMetrics, Outcome
+from kvwire.logsetup import transfer_extra
+from kvwire.metrics import CONTENT_TYPE, KvMetrics, MetricRole, Outcome
 from kvwire.protocol.messages import TransferMode
 from kvwire.router import openai_api as api
-from kvwire.router.engines import EngineRegistry, HealthInfo
+from kvwire.router.engines import EngineRegistry, HealthInfo, pair_problem
 from kvwire.router.legs import (
     DecodeStream,
     LegError,
@@ -52,11 +55,45 @@ _OUTCOME = {
     ErrorType.INTERNAL: Outcome.ENGINE_ERROR,
     ErrorType.UNAVAILABLE: Outcome.UNAVAILABLE,
     ErrorType.TIMEOUT: Outcome.TIMEOUT,
+    ErrorType.MISCONFIGURED: Outcome.ENGINE_ERROR,
+    ErrorType.UNAUTHORIZED: Outcome.BAD_REQUEST,
 }
 
 
 def error_response(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+
+
+@dataclass(frozen=True)
+class Latency:
+    """What the client saw of one answered request: time to its first token and the gaps between tokens."""
+
+    ttft_s: float | None = None
+    token_gaps_s: tuple[float, ...] = ()
+
+
+def unary_latency(result: Mapping[str, Any], sent_s: float, total_s: float) -> Latency:
+    """A non-streamed answer's latencies: D's own time to first token (its ``timings``) after the router
+    sent D's leg, and the rest of the request spread evenly over the other tokens."""
+    timings = result.get("timings")
+    ttft_ms = timings.get("ttft_ms") if isinstance(timings, dict) else None
+    ttft_s = min(sent_s + ttft_ms / 1e3, total_s) if isinstance(ttft_ms, int | float) else total_s
+    usage = result.get("usage")
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if not isinstance(tokens, int) or tokens < 2:
+        return Latency(ttft_s)
+    gap = (total_s - ttft_s) / (tokens - 1)
+    return Latency(ttft_s, (gap,) * (tokens - 1))
+
+
+def _event_tokens(event: Mapping[str, Any]) -> int:
+    """Output tokens in one engine SSE event (kvwire sends their ids; otherwise one per text chunk)."""
+    choices = event.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+    ids = choice.get("token_ids")
+    if isinstance(ids, list):
+        return len(ids)
+    return 1 if choice.get("text") or choice.get("delta") else 0
 
 
 class Router:
@@ -64,16 +101,18 @@ class Router:
         self.config = config
         timeout = httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s)
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
-        self.client = httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
+        self.client = httpx.AsyncClient(
+            timeout=timeout, limits=limits, transport=transport, headers=bearer(config.engine_api_key)
+        )
         self.registry = EngineRegistry(
             self.client, config.prefill_urls, config.decode_urls, config.health_timeout_s, config.engines
         )
         self.picker = Picker(config.policy)
-        self.metrics = KvMetrics()
+        self.metrics = KvMetrics(MetricRole.ROUTER, config.model, transfers=False)
         self._healthy_gauge = Gauge(
             "kvwire_router_engine_healthy",
             "1 if the engine's last health check passed",
-            ["role", "url"],
+            ["role", "model_name", "engine_role", "url"],
             registry=self.metrics.registry,
         )
         self.created = int(time.time())
@@ -104,18 +143,23 @@ class Router:
             role.value: [e.summary() for e in states] for role, states in self.registry.engines.items()
         }
         ok = all(any(e.healthy for e in states) for states in self.registry.engines.values())
-        return (200 if ok else 503), {"status": "ok" if ok else "unavailable", "role": "router", **engines}
+        problems = self.registry.pair_problems(self.config.mode)
+        status = "ok" if ok and not problems else "misconfigured" if problems else "unavailable"
+        body = {"status": status, "role": "router", "problems": problems, **engines}
+        return (200 if status == "ok" else 503), body
 
     def render_metrics(self) -> bytes:
         for role, states in self.registry.engines.items():
             for e in states:
-                self._healthy_gauge.labels(role=role.value, url=e.url).set(1 if e.healthy else 0)
+                labels = {"role": "router", "model_name": self.config.model, "engine_role": role.value}
+                self._healthy_gauge.labels(**labels, url=e.url).set(1 if e.healthy else 0)
         return self.metrics.render()
 
     # -- requests --------------------------------------------------------------------------------------
 
     async def serve(self, raw: bytes, kind: ApiKind) -> Response:
         start = time.monotonic()
+        transfer_id: str | None = None  # known once engines are chosen (for the log lines)
         try:
             req = api.parse_request(api.decode_json_object(raw), kind, frozenset(self.served_models()))
             p_url, d_url, p_info = await self._choose()
@@ -123,6 +167,10 @@ class Router:
             transfer_id = uuid.uuid4().hex
             base = req.engine_body()
             legs = (prefill_body(base, transfer_id), decode_body(base, transfer_id, p_info))
+            log.debug(
+                "request %s: transfer %s, prefill %s, decode %s, stream %s",
+                rid, transfer_id, p_url, d_url, req.stream, extra=transfer_extra(transfer_id),
+            )  # fmt: skip
             self.registry.begin(p_url, d_url)
             try:
                 prefilled = None
@@ -132,7 +180,7 @@ class Router:
                     legs[1]["kv_transfer_params"].update(pull_params(p_url, prefilled))
                 if req.stream:
                     return await self._stream(req, rid, p_url, d_url, legs, start, prefilled)
-                response = await self._unary(req, rid, p_url, d_url, legs, prefilled)
+                response, latency = await self._unary(req, rid, (p_url, d_url), legs, prefilled, start)
             finally:
                 if not req.stream:
                     self.registry.end(p_url, d_url)
@@ -142,15 +190,18 @@ class Router:
                 # The exception's text stays in the log: it may name internal addresses.
                 exc = ApiError(ErrorType.INTERNAL, f"router error ({type(exc).__name__}): see the router log")
             self._record(_OUTCOME[exc.kind], start)
-            if exc.status >= 500:
-                where = f" ({exc.url})" if isinstance(exc, LegError) else ""
-                log.warning("request failed (%d): %s%s", exc.status, exc.message, where)
+            where = f" ({exc.url})" if isinstance(exc, LegError) else ""
+            level = logging.WARNING if exc.status >= 500 else logging.DEBUG
+            tid = transfer_extra(transfer_id)
+            log.log(level, "request failed (%d): %s%s", exc.status, exc.message, where, extra=tid)
             return error_response(exc)
-        self._record(Outcome.OK, start)
+        self._record(Outcome.OK, start, latency)
+        log.debug("transfer %s answered", transfer_id, extra=transfer_extra(transfer_id))
         return response
 
-    def _record(self, outcome: Outcome, start: float, ttft_s: float | None = None) -> None:
-        self.metrics.record_request(outcome, time.monotonic() - start, ttft_s)
+    def _record(self, outcome: Outcome, start: float, latency: Latency | None = None) -> None:
+        lat = latency or Latency()
+        self.metrics.record_request(outcome, time.monotonic() - start, lat.ttft_s, lat.token_gaps_s)
 
     async def _choose(self) -> tuple[str, str, HealthInfo]:
         picks = []
@@ -169,6 +220,10 @@ class Router:
         if info is None:
             log.warning("prefill engine %s is not healthy", p_url)
             raise ApiError(ErrorType.UNAVAILABLE, "the chosen prefill engine is not healthy")
+        d_info = self.registry.get(d_url).info
+        problem = pair_problem(info, d_info, self.config.mode) if d_info is not None else None
+        if problem is not None:
+            raise ApiError(ErrorType.MISCONFIGURED, problem)
         return p_url, d_url, info
 
     def _leg_failed(self, exc: LegError) -> None:
@@ -248,15 +303,18 @@ class Router:
         self,
         req: ParsedRequest,
         rid: str,
-        p_url: str,
-        d_url: str,
+        urls: tuple[str, str],
         legs: tuple[dict[str, Any], dict[str, Any]],
         prefilled: dict[str, Any] | None,
-    ) -> Response:
+        start: float,
+    ) -> tuple[Response, Latency]:
+        p_url, d_url = urls
         p_task = self._prefill_task(p_url, legs[0], prefilled)
+        sent_s = time.monotonic() - start
         d_task = asyncio.create_task(post_completion(self.client, Role.DECODE, d_url, legs[1]))
         result = await self._legs(p_task, d_task, self.config.request_timeout_s)
-        return JSONResponse(api.completion_response(result, req, rid, self.created_now()))
+        latency = unary_latency(result, sent_s, time.monotonic() - start)
+        return JSONResponse(api.completion_response(result, req, rid, self.created_now())), latency
 
     @staticmethod
     def created_now() -> int:
@@ -303,7 +361,8 @@ class Router:
         urls: tuple[str, str],
     ) -> AsyncGenerator[bytes, None]:
         created = self.created_now()
-        ttft_s = time.monotonic() - start
+        last_token = time.monotonic()
+        ttft_s, gaps = last_token - start, list[float]()
         outcome = Outcome.CANCELLED  # unless the loop below finishes: the client went away
         try:
             for chunk in api.stream_chunks(first, req, rid, created, first=True):
@@ -314,6 +373,10 @@ class Router:
                     ended = _OUTCOME[event.kind]
                     yield api.sse(event.body())
                     break
+                if tokens := _event_tokens(event):
+                    now = time.monotonic()
+                    gaps += [(now - last_token) / tokens] * tokens
+                    last_token = now
                 for chunk in api.stream_chunks(event, req, rid, created, first=False):
                     yield api.sse(chunk)
             if ended is Outcome.OK:
@@ -322,7 +385,7 @@ class Router:
         finally:
             await stream.aclose()
             self.registry.end(*urls)
-            self._record(outcome, start, ttft_s)
+            self._record(outcome, start, Latency(ttft_s, tuple(gaps)))
 
     async def _rest(
         self, stream: DecodeStream, max_events: int, deadline: float
@@ -363,6 +426,8 @@ def create_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None 
 
     app = FastAPI(title="kvwire router", lifespan=lifespan)
     app.state.router = router
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, key=config.api_key, flag="--api-key / KVWIRE_ROUTER_API_KEY")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -1,87 +1,120 @@
-"""``kvwire serve router``: the OpenAI-compatible router in front of prefill and decode engines."""
+"""``kvwire serve router``: the OpenAI-compatible router in front of prefill and decode engines.
+
+Options come from flags, ``KVWIRE_<OPTION>`` variables and ``--config`` (``kvwire.options``). The router
+binds its port before it probes any engine: a port in use ends it with one line, and it never takes the
+process that holds its port for one of its engines.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import sys
+from typing import Any
 
-from kvwire.config import EngineKind, Policy, RouterConfig, env_config, split_urls
-from kvwire.errors import ConfigError
+from kvwire.config import EngineKind, Policy, RouterConfig, process_environ, split_urls
+from kvwire.errors import ConfigError, KvwireError
+from kvwire.logsetup import configure
+from kvwire.options import Command, LogFormat, Option, add_options, logging_options, resolve
 from kvwire.protocol.messages import TransferMode
+from kvwire.startup import bind_tcp, fail
+
+log = logging.getLogger("kvwire.router")
+R = frozenset({Command.ROUTER})
+
+
+def router_options() -> list[Option]:
+    return [
+        Option("prefill", list, None, "prefill engine URL (repeat or comma-separate); required", R),
+        Option("decode", list, None, "decode engine URL (repeat or comma-separate); required", R),
+        Option("host", str, "127.0.0.1", "address to bind", R),
+        Option("port", int, 8000, "port to bind", R),
+        Option("policy", str, Policy.ROUND_ROBIN.value, "picks P and D", R, tuple(p.value for p in Policy)),
+        Option(
+            "mode", str, TransferMode.PUSH.value, "KV transfer mode of the engines: push sends both legs at "
+            "once, pull sends P's first", R, tuple(m.value for m in TransferMode),
+        ),
+        Option("model", str, "kvwire", "model name served (the engines' names are served too)", R),
+        Option("request_timeout", float, 300.0, "seconds per request (both legs)", R),
+        Option("connect_timeout", float, 5.0, "seconds to connect to an engine", R),
+        Option("health_interval", float, 2.0, "seconds between engine health checks", R),
+        Option("health_timeout", float, 2.0, "seconds one health check may take", R),
+        Option(
+            "engines", str, EngineKind.KVWIRE.value, "kvwire engines, or vLLM servers running "
+            "KvwireConnector (then each --prefill URL ends with #engine_id=ID&side_channel=HOST:PORT"
+            "[&tp=N&pp=N], its kv_connector_extra_config's values)", R, tuple(k.value for k in EngineKind),
+        ),
+        Option(
+            "api_key", str, None, "key clients of the router's /v1 API must send (Authorization: Bearer)",
+            R, env="KVWIRE_ROUTER_API_KEY", default_text="none: no key asked",
+        ),
+        Option(
+            "engine_api_key", str, None, "key the router sends to the engines (their --api-key)", R,
+            env="KVWIRE_API_KEY", default_text="none",
+        ),
+        *logging_options(R),
+    ]  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--prefill",
-        action="append",
-        required=True,
-        metavar="URL",
-        help="prefill engine URL (repeat, or comma-separate, for several)",
-    )
-    parser.add_argument(
-        "--decode",
-        action="append",
-        required=True,
-        metavar="URL",
-        help="decode engine URL (repeat, or comma-separate, for several)",
-    )
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
-    parser.add_argument(
-        "--policy",
-        choices=[p.value for p in Policy],
-        default=Policy.ROUND_ROBIN.value,
-        help="how to pick P and D (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--mode", choices=[m.value for m in TransferMode], default=TransferMode.PUSH.value,
-        help="KV transfer mode of the engines: push sends both legs at once, pull sends P's first",
-    )  # fmt: skip
-    parser.add_argument(
-        "--model", default="kvwire", help="model name served (engines' names are also served)"
-    )
-    parser.add_argument(
-        "--request-timeout", type=float, default=300.0, help="seconds per request (both legs)"
-    )
-    parser.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
-    parser.add_argument(
-        "--engines", choices=[k.value for k in EngineKind], default=EngineKind.KVWIRE.value,
-        help="kvwire engines, or vLLM servers running KvwireConnector (then each --prefill URL ends with "
-        "#engine_id=ID&side_channel=HOST:PORT[&tp=N&pp=N], its kv_connector_extra_config's values)",
-    )  # fmt: skip
+    add_options(parser, router_options(), Command.ROUTER)
 
 
-def config_from_args(args: argparse.Namespace) -> RouterConfig:
+def config_from_values(values: dict[str, Any]) -> RouterConfig:
+    for name in ("prefill", "decode"):
+        if not values[name]:
+            raise ConfigError(
+                f"the router needs --{name} URL (or KVWIRE_{name.upper()}, or '{name}' in --config)"
+            )
     return RouterConfig(
-        prefill_urls=split_urls(args.prefill),
-        decode_urls=split_urls(args.decode),
-        policy=Policy(args.policy),
-        mode=TransferMode(args.mode),
-        host=args.host,
-        port=args.port,
-        model=args.model,
-        request_timeout_s=args.request_timeout,
-        health_interval_s=args.health_interval,
-        engines=EngineKind(args.engines),
+        prefill_urls=split_urls(values["prefill"]),
+        decode_urls=split_urls(values["decode"]),
+        policy=Policy(values["policy"]),
+        mode=TransferMode(values["mode"]),
+        host=values["host"],
+        port=values["port"],
+        model=values["model"],
+        request_timeout_s=values["request_timeout"],
+        connect_timeout_s=values["connect_timeout"],
+        health_interval_s=values["health_interval"],
+        health_timeout_s=values["health_timeout"],
+        engines=EngineKind(values["engines"]),
+        api_key=values["api_key"],
+        engine_api_key=values["engine_api_key"],
+    )
+
+
+def summary(config: RouterConfig, port: int) -> str:
+    return "; ".join(
+        [
+            f"router serving http://{config.host}:{port}",
+            f"prefill {', '.join(config.prefill_urls)}",
+            f"decode {', '.join(config.decode_urls)}",
+            f"mode {config.mode.value}",
+            f"policy {config.policy.value}",
+            f"engines {config.engines.value}",
+            f"api key {'set' if config.api_key else 'not set'}",
+            f"engine api key {'set' if config.engine_api_key else 'not set'}",
+        ]
     )
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        config = config_from_args(args)
-        env = env_config()
-    except ConfigError as exc:
-        print(f"kvwire serve router: {exc}", file=sys.stderr)
-        return 2
+        values = resolve(args, router_options(), Command.ROUTER, process_environ())
+        configure(values["log_level"], LogFormat(values["log_format"]), values["log_http"])
+        config = config_from_values(values)
+        sock = bind_tcp(config.host, config.port, "HTTP", "stop it or pass another --port")
+    except KvwireError as exc:
+        return fail("kvwire serve router", exc)
     import uvicorn
 
     from kvwire.router.app import create_app
 
-    logging.basicConfig(level=env.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if env.log_level != "debug":
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
+    port = sock.getsockname()[1]
+    log.info("%s", summary(config, port))
     app = create_app(config)
-    access_log = env.log_level == "debug"
-    uvicorn.run(app, host=config.host, port=config.port, log_level=env.log_level, access_log=access_log)
+    server_config = uvicorn.Config(
+        app, host=config.host, port=port, log_config=None, access_log=values["log_http"], lifespan="on"
+    )
+    uvicorn.Server(server_config).run(sockets=[sock])
     return 0

@@ -20,6 +20,7 @@ import httpx
 
 from kvwire.config import EngineKind
 from kvwire.errors import ConfigError
+from kvwire.protocol.messages import TransferMode
 from kvwire.router.policy import EngineView, Load, Role
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,10 @@ class HealthInfo:
     pp_size: int
     model: str
     load: Load
+    # What must agree between P and D, when the engine says (kvwire engines do; vLLM's /health does not).
+    seed: int | None = None
+    mode: TransferMode | None = None
+    authenticated: bool | None = None  # KVWIRE_SECRET set
 
     @classmethod
     def parse(cls, body: Mapping[str, Any]) -> HealthInfo:
@@ -57,10 +62,35 @@ class HealthInfo:
                 waiting=int(load.get("waiting", 0)),
                 free_blocks=int(load.get("free_blocks", 0)),
             ),
+            seed=int(body["seed"]) if body.get("seed") is not None else None,
+            mode=TransferMode(body["mode"]) if body.get("mode") is not None else None,
+            authenticated=bool(body["authenticated"]) if body.get("authenticated") is not None else None,
         )
         if body.get("status", "ok") != "ok":
             raise ValueError(f"status {body.get('status')!r}")
         return info
+
+
+def pair_problem(p: HealthInfo, d: HealthInfo, mode: TransferMode) -> str | None:
+    """Why this P and this D cannot serve a request together, whatever the retries (None: they can)."""
+    for info in (p, d):
+        if info.mode is not None and info.mode is not mode:
+            return (
+                f"{info.role} engine {info.engine_id} runs in {info.mode.value} mode and the router in "
+                f"{mode.value}: start the engines and the router with the same --mode"
+            )
+    if p.authenticated is not None and d.authenticated is not None and p.authenticated != d.authenticated:
+        has, lacks = (p, d) if p.authenticated else (d, p)
+        return (
+            f"KVWIRE_SECRET is set on the {has.role} engine {has.engine_id} but not on the {lacks.role} "
+            f"engine {lacks.engine_id}: set the same KVWIRE_SECRET on every engine"
+        )
+    if p.seed is not None and d.seed is not None and (p.model, p.seed) != (d.model, d.seed):
+        return (
+            f"prefill engine {p.engine_id} serves {p.model} seed {p.seed} and decode engine {d.engine_id} "
+            f"{d.model} seed {d.seed}: start both with the same --preset and --seed"
+        )
+    return None
 
 
 def split_fragment(url: str) -> tuple[str, str]:
@@ -157,6 +187,15 @@ class EngineRegistry:
             raise ValueError(f"/v1/models answered {models.status_code}")
         names = [str(m["id"]) for m in models.json().get("data", [])]
         return dataclasses.replace(state.static, model=names[0] if names else "")
+
+    def pair_problems(self, mode: TransferMode) -> list[str]:
+        """Every distinct reason a healthy P and a healthy D cannot work together (for ``/health``)."""
+        infos = {
+            role: [e.info for e in states if e.healthy and e.info is not None]
+            for role, states in self.engines.items()
+        }
+        found = (pair_problem(p, d, mode) for p in infos[Role.PREFILL] for d in infos[Role.DECODE])
+        return sorted({problem for problem in found if problem is not None})
 
     def get(self, url: str) -> EngineState:
         return self._by_url[url]

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from kvwire.router.engines import HealthInfo
-from kvwire.router.openai_api import ApiError, ErrorType
+from kvwire.router.openai_api import ApiError, ErrorType, engine_error_kind
 from kvwire.router.policy import Role
 
 COMPLETIONS = "/v1/completions"
@@ -85,23 +85,14 @@ def _engine_message(payload: object, fallback: str) -> str:
     return fallback
 
 
-def _kind_of_status(status: int) -> ErrorType:
-    if status in (400, 422):
-        return ErrorType.INVALID_REQUEST
-    if status == 503:
-        return ErrorType.UNAVAILABLE
-    if status == 504:
-        return ErrorType.TIMEOUT
-    return ErrorType.ENGINE_ERROR
+def _error_type(payload: object) -> object:
+    err = payload.get("error") if isinstance(payload, dict) else None
+    return err.get("type") if isinstance(err, dict) else None
 
 
 def _kind_of_error_event(err: Mapping[str, Any]) -> ErrorType:
     code = err.get("code")
-    if isinstance(code, int) and 400 <= code <= 599:
-        return _kind_of_status(code)
-    if err.get("type") == "invalid_request_error":
-        return ErrorType.INVALID_REQUEST
-    return ErrorType.ENGINE_ERROR
+    return engine_error_kind(code if isinstance(code, int) and 400 <= code <= 599 else 500, err.get("type"))
 
 
 def _engine_param(payload: object) -> str | None:
@@ -117,7 +108,8 @@ def _error_of_response(role: Role, url: str, status: int, content: bytes) -> Leg
         payload = None
     text = content[:200].decode(errors="replace")
     message = _engine_message(payload, f"HTTP {status}: {text}")
-    return LegError(role, url, _kind_of_status(status), message, param=_engine_param(payload))
+    kind = engine_error_kind(status, _error_type(payload))
+    return LegError(role, url, kind, message, param=_engine_param(payload))
 
 
 def _translate(role: Role, url: str, exc: httpx.HTTPError) -> LegError:

@@ -31,6 +31,10 @@ class ErrorType(enum.Enum):
     UNAVAILABLE = ("service_unavailable", 503)
     TIMEOUT = ("timeout", 504)
     INTERNAL = ("internal_error", 500)
+    # A configuration no retry can cure (engines that disagree, a refused API key): answered with
+    # ``x-should-retry: false``, which the openai client obeys (it retries every other 5xx).
+    MISCONFIGURED = ("configuration_error", 500)
+    UNAUTHORIZED = ("authentication_error", 401)
 
     @property
     def type_name(self) -> str:
@@ -53,6 +57,9 @@ class ApiError(KvwireError):
     @property
     def status(self) -> int:
         return self.kind.status
+
+    def headers(self) -> dict[str, str]:
+        return {"x-should-retry": "false"} if self.kind is ErrorType.MISCONFIGURED else {}
 
     def body(self) -> dict[str, Any]:
         return {
@@ -289,3 +296,16 @@ SSE_DONE = b"data: [DONE]\n\n"
 def models_list(names: list[str], created: int) -> dict[str, Any]:
     data = [{"id": n, "object": "model", "created": created, "owned_by": "kvwire"} for n in names]
     return {"object": "list", "data": data}
+
+
+def engine_error_kind(status: int, type_name: object = None) -> ErrorType:
+    """How the router answers an engine's error: by the engine's error type, else by its status."""
+    if type_name == ErrorType.MISCONFIGURED.type_name or status == 401:
+        return ErrorType.MISCONFIGURED  # an engine refusing the router's key is the router's configuration
+    if status in (400, 422) or type_name == ErrorType.INVALID_REQUEST.type_name:
+        return ErrorType.INVALID_REQUEST
+    if status == 503:
+        return ErrorType.UNAVAILABLE
+    if status == 504:
+        return ErrorType.TIMEOUT
+    return ErrorType.ENGINE_ERROR

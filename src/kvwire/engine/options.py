@@ -1,0 +1,110 @@
+"""The options of ``kvwire serve prefill|decode|colocated`` (see ``kvwire.options`` for the sources).
+
+Every ``ConnectorConfig`` field is an option of the engines that use it, under its own name
+(``--fence-ms``, ``--handshake-timeout-s``, ...): a field added to ``ConnectorConfig`` gets a flag, an
+environment variable and a config-file key without an edit here (``CONNECTOR_HELP`` gives it a better help).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+from kvwire.config import Backend
+from kvwire.connector import ConnectorConfig
+from kvwire.engine.config import PRESETS
+from kvwire.options import CONNECTED, ENGINES, Command, Option, logging_options
+from kvwire.protocol.messages import TransferMode
+
+P, D, C = Command.PREFILL, Command.DECODE, Command.COLOCATED
+
+# What each connector knob does, and which engine uses it (both when absent).
+CONNECTOR_HELP: dict[str, tuple[str, frozenset[Command]]] = {
+    "kv_lease_duration_s": ("P keeps a finished request's blocks this long for D", frozenset({P})),
+    "fence_ms": ("no write starts later than this after the push_reg (P uses the smaller of P's, D's)",
+                 CONNECTED),
+    "heartbeat_interval_s": ("how often heartbeats go to peers with live transfers", CONNECTED),
+    "liveness_timeout_s": ("a peer silent this long while transfers are live is dead", CONNECTED),
+    "dead_peer_grace_s": ("D reuses a dead peer's registered blocks only after this", frozenset({D})),
+    "transfer_timeout_s": ("a posted transfer still running after this is released and failed", CONNECTED),
+    "engine_ttl_s": ("peers unused this long are forgotten (agents removed)", CONNECTED),
+    "kv_load_failure_policy": ("when the KV does not arrive: answer an error (fail) or prefill locally "
+                               "(recompute)", frozenset({D})),
+    "handshake_timeout_s": ("one handshake attempt with a peer's side channel", CONNECTED),
+    "handshake_retries": ("further attempts after a failed handshake", CONNECTED),
+    "poll_interval_s": ("connector loop period while transfers are live", CONNECTED),
+    "idle_poll_interval_s": ("connector loop period when idle", CONNECTED),
+    "tombstone_s": ("how long P remembers an ended registration", frozenset({P})),
+    "max_early_registrations": ("P: registrations waiting for their prefill at most; more are dropped",
+                                frozenset({P})),
+}  # fmt: skip
+# Set by other options: the mode is --mode (P, D and the router agree on it).
+_NOT_KNOBS = frozenset({"mode"})
+
+
+def _connector_options() -> list[Option]:
+    out = []
+    for f in dataclasses.fields(ConnectorConfig):
+        if f.name in _NOT_KNOBS:
+            continue
+        text, commands = CONNECTOR_HELP.get(f.name, (f"ConnectorConfig.{f.name}", CONNECTED))
+        default: Any = f.default
+        choices = None
+        kind: type = type(default)
+        if isinstance(default, enum.Enum):
+            choices = tuple(str(m.value) for m in type(default))
+            default, kind = default.value, str
+        aliases = ("--kv-lease-s",) if f.name == "kv_lease_duration_s" else ()
+        out.append(Option(f.name, kind, default, text, commands, choices=choices, aliases=aliases))
+    return out
+
+
+def engine_options() -> list[Option]:
+    return [
+        Option(
+            "host",
+            str,
+            "127.0.0.1",
+            "HTTP and side-channel bind address; without KVWIRE_SECRET a non-loopback one needs --insecure",
+            ENGINES,
+        ),
+        Option("port", int, None, "HTTP port", ENGINES, role_defaults={P: 8100, D: 8200, C: 8300}),
+        Option("side_channel_port", int, 0, "side-channel port; 0: any free port (see /health)", CONNECTED),
+        Option("preset", str, "tiny", "model preset (see the docs)", ENGINES, tuple(sorted(PRESETS))),
+        Option("tp", int, 1, "tensor-parallel size (KV heads sharded over ranks)", ENGINES),
+        Option("pp", int, 1, "pipeline-parallel size (the decode side has none)", frozenset({P, C})),
+        Option(
+            "backend", str, Backend.NIXL.value, "transfer backend (inproc: one process, tests)", CONNECTED,
+            tuple(b.value for b in Backend),
+        ),
+        Option(
+            "mode", str, TransferMode.PUSH.value, "KV transfer mode: P pushes, or D pulls (P, D and the "
+            "router must agree)", CONNECTED, tuple(m.value for m in TransferMode),
+        ),
+        Option("seed", int, 0, "weights seed (P, D and a colocated reference must agree)", ENGINES),
+        Option("num_blocks", int, None, "KV blocks in the cache", ENGINES, default_text="the preset's"),
+        Option("max_num_seqs", int, 64, "requests running at once", ENGINES),
+        Option("engine_id", str, None, "the engine's id on the wire", ENGINES, default_text="ROLE-<random>"),
+        Option(
+            "api_key", str, None, "key every /v1 request must carry (Authorization: Bearer KEY)", ENGINES,
+            default_text="none: no key asked",
+        ),
+        Option(
+            "insecure", bool, False, "allow a non-loopback --host without KVWIRE_SECRET: anyone who reaches "
+            "the side channel can then read the cache layout and write into D's KV", ENGINES,
+        ),
+        *_connector_options(),
+        *logging_options(ENGINES),
+    ]  # fmt: skip
+
+
+def connector_config(values: dict[str, Any], mode: TransferMode) -> ConnectorConfig:
+    """The ``ConnectorConfig`` of resolved option values (fields of the other role keep their defaults)."""
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(ConnectorConfig):
+        if f.name in values and f.name not in _NOT_KNOBS:
+            default = f.default
+            value = values[f.name]
+            kwargs[f.name] = type(default)(value) if isinstance(default, enum.Enum) else value
+    return ConnectorConfig(mode=mode, **kwargs)
