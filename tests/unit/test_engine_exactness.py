@@ -19,6 +19,7 @@ from kvwire.engine.loopback import LoopbackHub
 from kvwire.engine.model import Model
 from kvwire.engine.request import Request, RequestState, TransferRole
 from kvwire.kv.spec import RegionKind
+from kvwire.kv_params import KvTransferParams
 
 TINY = preset("tiny")
 MODEL = Model(TINY, seed=0)
@@ -50,7 +51,7 @@ def disaggregated(
     d_reqs = []
     for i, prompt in enumerate(ps):
         tid = f"t{i}"
-        params = {"transfer_id": tid}
+        params = KvTransferParams(transfer_id=tid)
         p.submit(Request(f"p{i}", prompt, 1, role=TransferRole.REMOTE_DECODE, transfer_id=tid))
         d_req = Request(
             f"d{i}", prompt, max_tokens, ignore_eos=True, role=TransferRole.REMOTE_PREFILL, transfer_id=tid

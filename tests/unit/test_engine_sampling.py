@@ -13,6 +13,7 @@ from kvwire.engine.model import Model
 from kvwire.engine.request import Request, RequestOutput, RequestState, TransferRole
 from kvwire.engine.sampling import SamplingParams, held_back, sample, stop_start, token_logprob, token_text
 from kvwire.engine.tokenizer import EOS, ByteTokenizer
+from kvwire.kv_params import KvTransferParams
 
 TINY = preset("tiny")
 MODEL = Model(TINY, seed=0)
@@ -55,7 +56,7 @@ def test_disaggregated_sampling_equals_colocated() -> None:
     d_req = Request(
         "d", prompt, 12, ignore_eos=True, role=TransferRole.REMOTE_PREFILL, transfer_id="t", sampling=params
     )
-    d_req.kv_transfer_params = {"transfer_id": "t"}
+    d_req.kv_transfer_params = KvTransferParams(transfer_id="t")
     p.submit(p_req)
     d.submit(d_req)
     for _ in range(200):

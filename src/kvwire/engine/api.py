@@ -23,6 +23,8 @@ from kvwire.engine.request import TransferRole
 from kvwire.engine.sampling import GREEDY, SamplingParams, TokenLogprob, token_text
 from kvwire.engine.tokenizer import ByteTokenizer, StreamDecoder
 from kvwire.errors import EngineOverloaded, InvalidRequest, KVLoadFailed, TransferAborted
+from kvwire.kv_params import FIELD as _KV_PARAMS
+from kvwire.kv_params import KvTransferParams
 
 DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20  # vLLM's default cap; OpenAI's completions allow 5 (the router checks that)
@@ -48,7 +50,8 @@ class CompletionBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool | None = None
     ignore_eos: bool | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    # Typed here, so the body is the one place it is parsed (a malformed value is a 400 naming it).
+    kv_transfer_params: KvTransferParams | None = None
     # Known parameters the reference engine cannot honour: accepted only at their neutral value.
     best_of: Annotated[int, msgspec.Meta(ge=1)] | None = None
     presence_penalty: _Penalty | None = None
@@ -72,7 +75,7 @@ class CompletionRequest:
     model: str | None
     role: TransferRole
     transfer_id: str | None
-    kv_transfer_params: Mapping[str, Any]
+    kv_transfer_params: KvTransferParams | None
     sampling: SamplingParams = GREEDY
     echo: bool = False
     prompt_text: str = ""  # what ``echo`` puts before the completion
@@ -148,7 +151,7 @@ def parse_completion(body: Any, tokenizer: ByteTokenizer) -> CompletionRequest:
     prompt, text = _prompt(parsed.prompt, tokenizer)
     _check_neutral(parsed)
     max_tokens = parsed.max_tokens if parsed.max_tokens is not None else DEFAULT_MAX_TOKENS
-    params = parsed.kv_transfer_params or {}
+    params = parsed.kv_transfer_params
     role, transfer_id = _transfer(params)
     return CompletionRequest(
         prompt=prompt,
@@ -165,25 +168,22 @@ def parse_completion(body: Any, tokenizer: ByteTokenizer) -> CompletionRequest:
     )
 
 
-_KV_PARAMS = "kv_transfer_params"
-
-
-def _transfer(params: Mapping[str, Any]) -> tuple[TransferRole, str | None]:
-    decode = params.get("do_remote_decode") is True
-    prefill = params.get("do_remote_prefill") is True
+def _transfer(params: KvTransferParams | None) -> tuple[TransferRole, str | None]:
+    """The request's part in a pair; what the reference engine needs for it (types are msgspec's)."""
+    if params is None:
+        return TransferRole.NONE, None
+    decode, prefill = params.remote_decode, params.remote_prefill
     if decode and prefill:
         raise InvalidRequest(
             "kv_transfer_params cannot ask for both do_remote_decode and do_remote_prefill", _KV_PARAMS
         )
     if not (decode or prefill):
         return TransferRole.NONE, None
-    tid = params.get("transfer_id")
-    if not isinstance(tid, str) or not tid:
+    tid = params.transfer_id
+    if not tid:
         raise InvalidRequest("kv_transfer_params.transfer_id must be a non-empty string", _KV_PARAMS)
     if prefill:
-        for name, kind in (("remote_engine_id", str), ("remote_host", str), ("remote_port", int)):
-            if not isinstance(params.get(name), kind):
-                raise InvalidRequest(f"kv_transfer_params.{name} must be {kind.__name__}", _KV_PARAMS)
+        params.remote_address()
     return (TransferRole.REMOTE_DECODE if decode else TransferRole.REMOTE_PREFILL), tid
 
 
@@ -219,7 +219,7 @@ def completion_body(
     token_ids: list[int],
     finish_reason: str | None,
     prompt_tokens: int,
-    kv_transfer_params: Mapping[str, Any] | None,
+    kv_transfer_params: KvTransferParams | None,
     timings: Mapping[str, Any] | None,
     created: int | None = None,
     completion_tokens: int | None = None,
@@ -245,7 +245,7 @@ def completion_body(
             "completion_tokens": done,
             "total_tokens": prompt_tokens + done,
         },
-        "kv_transfer_params": kv_transfer_params,
+        "kv_transfer_params": None if kv_transfer_params is None else kv_transfer_params.to_json(),
     }
     if timings is not None:
         body["timings"] = timings

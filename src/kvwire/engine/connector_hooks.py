@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,25 +19,27 @@ from kvwire.engine.engine import Engine
 from kvwire.engine.hooks import HookEvents, TransferRequest
 from kvwire.errors import ConfigError, InvalidRequest, TransportError
 from kvwire.handshake.types import EngineInfo, LocalRank
+from kvwire.kv_params import KvTransferParams
 from kvwire.metrics import HandshakeStats, KvMetrics, TransferStats
 from kvwire.protocol.messages import TransferMode
 from kvwire.transport.base import Agent, PeerMode, make_agent_name
 from kvwire.transport.factory import create_agent
 
 
-def remote_engine(params: Mapping[str, Any]) -> RemoteEngine:
-    """The decode leg's ``kv_transfer_params`` as the consumer's ``RemoteEngine``."""
-    try:
-        return RemoteEngine(
-            engine_id=str(params["remote_engine_id"]),
-            host=str(params["remote_host"]),
-            port=int(params["remote_port"]),
-            tp_size=int(params.get("remote_tp_size") or 1),
-            pp_size=int(params.get("remote_pp_size") or 1),
-            block_ids=tuple(int(b) for b in params.get("remote_block_ids") or ()),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise InvalidRequest(f"kv_transfer_params: {exc}") from exc
+def remote_engine(params: KvTransferParams | None) -> RemoteEngine:
+    """The decode leg's ``kv_transfer_params`` as the consumer's ``RemoteEngine`` (one listener serves
+    every rank of a kvwire engine, so no per-rank ports)."""
+    if params is None:
+        raise InvalidRequest("a remote prefill needs kv_transfer_params", "kv_transfer_params")
+    engine_id, host, port = params.remote_address()
+    return RemoteEngine(
+        engine_id=engine_id,
+        host=host,
+        port=port,
+        tp_size=params.tp_size,
+        pp_size=params.pp_size,
+        block_ids=params.remote_block_ids or (),
+    )
 
 
 class _Hooks:

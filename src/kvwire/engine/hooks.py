@@ -18,11 +18,12 @@ All calls come from the engine thread. ``poll`` must not block; a connector with
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 from kvwire.connector.events import ConsumerEvent, ConsumerEventKind, ProducerEvent, ProducerOutcome
+from kvwire.kv_params import KvTransferParams
 
 __all__ = [
     "ConsumerEvent",
@@ -42,7 +43,7 @@ class TransferRequest:
     transfer_id: str
     block_ids: tuple[int, ...]  # the prompt's blocks, in token order
     num_tokens: int  # prompt tokens whose KV moves (every prompt position)
-    params: Mapping[str, Any] = field(default_factory=dict)  # kv_transfer_params as the request carried
+    params: KvTransferParams | None = None  # the request's kv_transfer_params
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvwire.engine.sampling import GREEDY, SamplingParams, TokenLogprob, held_back, stop_start
+from kvwire.kv_params import KvTransferParams
 
 
 class RequestState(enum.Enum):
@@ -84,7 +84,7 @@ class Request:
     ignore_eos: bool = False
     role: TransferRole = TransferRole.NONE
     transfer_id: str | None = None
-    kv_transfer_params: Mapping[str, Any] = field(default_factory=dict)
+    kv_transfer_params: KvTransferParams | None = None  # parsed where the request came in
     sampling: SamplingParams = GREEDY
     on_output: Callable[[RequestOutput], None] | None = None
     # -- engine state --

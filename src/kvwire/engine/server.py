@@ -37,6 +37,7 @@ from kvwire.engine.loop import EngineLoop
 from kvwire.engine.request import Request as EngineRequest
 from kvwire.engine.request import RequestOutput, TransferRole
 from kvwire.errors import EngineOverloaded, InvalidRequest, KVLoadFailed, KvwireError
+from kvwire.kv_params import KvTransferParams
 from kvwire.logsetup import transfer_extra
 from kvwire.metrics import CONTENT_TYPE, BlockStats, KvMetrics, MetricRole, Outcome, posts_transfers
 from kvwire.protocol.messages import FailReason, TransferMode
@@ -220,21 +221,21 @@ class EngineServer:
         self.engine.submit(req)
         return req, queue
 
-    def _kv_params_out(self, creq: CompletionRequest, req: EngineRequest) -> dict[str, Any] | None:
+    def _kv_params_out(self, creq: CompletionRequest, req: EngineRequest) -> KvTransferParams | None:
         if creq.role is not TransferRole.REMOTE_DECODE:
             return None
         ident = self.identity
         prompt_blocks = self.engine.scheduler.prompt_blocks(req)
-        return {
-            "transfer_id": creq.transfer_id,
-            "remote_engine_id": ident.engine_id,
-            "remote_host": ident.side_channel_host,
-            "remote_port": ident.side_channel_port,
-            "remote_tp_size": self.engine.cfg.tp_size,
-            "remote_pp_size": self.engine.cfg.pp_size,
-            "num_tokens": len(creq.prompt),
-            "remote_block_ids": list(req.block_ids[:prompt_blocks]),
-        }
+        return KvTransferParams(
+            transfer_id=creq.transfer_id,
+            remote_engine_id=ident.engine_id,
+            remote_host=ident.side_channel_host,
+            remote_port=ident.side_channel_port,
+            remote_tp_size=self.engine.cfg.tp_size,
+            remote_pp_size=self.engine.cfg.pp_size,
+            num_tokens=len(creq.prompt),
+            remote_block_ids=tuple(req.block_ids[:prompt_blocks]),
+        )
 
     def _timings(self, creq: CompletionRequest, last: RequestOutput) -> dict[str, Any]:
         remote = creq.role is TransferRole.REMOTE_PREFILL

@@ -12,6 +12,8 @@ from typing import Any
 
 import httpx
 
+from kvwire.errors import InvalidRequest
+from kvwire.kv_params import FIELD, KvTransferParams, parse_kv_params
 from kvwire.router.engines import HealthInfo
 from kvwire.router.openai_api import ApiError, ErrorType, engine_error_kind
 from kvwire.router.policy import Role
@@ -40,9 +42,8 @@ class LegError(ApiError):
 
 def prefill_body(base: Mapping[str, Any], transfer_id: str) -> dict[str, Any]:
     body = dict(base)
-    body.update(
-        max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id}
-    )
+    params = KvTransferParams(do_remote_decode=True, transfer_id=transfer_id)
+    body.update(max_tokens=1, stream=False, kv_transfer_params=params.to_json())
     min_tokens = body.get("min_tokens")
     if isinstance(min_tokens, int) and min_tokens > 1:
         # P answers one token: min_tokens above it is refused (by vLLM too); 1 keeps the first token's rule
@@ -53,26 +54,39 @@ def prefill_body(base: Mapping[str, Any], transfer_id: str) -> dict[str, Any]:
 
 def decode_body(base: Mapping[str, Any], transfer_id: str, p: HealthInfo) -> dict[str, Any]:
     body = dict(base)
-    body["kv_transfer_params"] = {
-        "do_remote_prefill": True,
-        "transfer_id": transfer_id,
-        "remote_engine_id": p.engine_id,
-        "remote_host": p.side_channel_host,
-        "remote_port": p.side_channel_port,
-        "remote_tp_size": p.tp_size,
-        "remote_pp_size": p.pp_size,
-    }
+    params = KvTransferParams(
+        do_remote_prefill=True,
+        transfer_id=transfer_id,
+        remote_engine_id=p.engine_id,
+        remote_host=p.side_channel_host,
+        remote_port=p.side_channel_port,
+        remote_tp_size=p.tp_size,
+        remote_pp_size=p.pp_size,
+    )
+    body[FIELD] = params.to_json()
     return body
 
 
 def pull_params(p_url: str, prefilled: Mapping[str, Any]) -> dict[str, Any]:
-    """What D's leg needs from P's answer in pull mode: P's block ids (and P's own view of its address)."""
-    kv = prefilled.get("kv_transfer_params")
-    if not isinstance(kv, dict) or not isinstance(kv.get("remote_block_ids"), list):
+    """What D's leg needs from P's answer in pull mode: P's block ids (and P's own view of its address),
+    as JSON fields to merge into D's ``kv_transfer_params``."""
+    try:
+        kv = parse_kv_params(prefilled.get(FIELD))
+    except InvalidRequest as exc:
+        raise LegError(Role.PREFILL, p_url, ErrorType.ENGINE_ERROR, f"answer's {exc}") from exc
+    if kv is None or kv.remote_block_ids is None:
         detail = "answer has no remote_block_ids (is P in pull mode?)"
         raise LegError(Role.PREFILL, p_url, ErrorType.ENGINE_ERROR, detail)
-    keys = ("remote_block_ids", "remote_engine_id", "remote_host", "remote_port", "remote_tp_size")
-    return {k: kv[k] for k in (*keys, "remote_pp_size") if k in kv}
+    # Only where P is and what it holds: D's own flags and transfer id stay the router's.
+    picked = KvTransferParams(
+        remote_block_ids=kv.remote_block_ids,
+        remote_engine_id=kv.remote_engine_id,
+        remote_host=kv.remote_host,
+        remote_port=kv.remote_port,
+        remote_tp_size=kv.remote_tp_size,
+        remote_pp_size=kv.remote_pp_size,
+    )
+    return picked.to_json()
 
 
 def _engine_message(payload: object, fallback: str) -> str:

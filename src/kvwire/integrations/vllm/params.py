@@ -1,6 +1,7 @@
-"""Typed messages of the vLLM integration: the connector's settings (``kv_connector_extra_config``), a
-request's ``kv_transfer_params`` (vLLM's names), and the per-step operations the scheduler side hands the
-workers. No vLLM import: the scheduler and worker logic is testable without vLLM.
+"""Typed messages of the vLLM integration: the connector's settings (``kv_connector_extra_config``), the
+``RemoteEngine`` a request's ``kv_transfer_params`` (``kvwire.kv_params``) designate, and the per-step
+operations the scheduler side hands the workers. No vLLM import: the scheduler and worker logic is
+testable without vLLM.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import msgspec
 from kvwire.config import env_config
 from kvwire.connector.config import ConnectorConfig, LoadFailurePolicy
 from kvwire.connector.consumer import RemoteEngine
-from kvwire.errors import ConfigError, InvalidRequest
+from kvwire.errors import ConfigError
+from kvwire.kv_params import KvTransferParams, parse_kv_params
 from kvwire.protocol.messages import TransferMode
 
 DEFAULT_SIDE_CHANNEL_PORT = 5700  # vLLM's NIXL connector uses 5600: both can run on one host
@@ -98,44 +100,25 @@ def incarnation_of(engine_id: str, instance_id: str) -> str:
     return hashlib.sha256(f"{engine_id}/{instance_id}".encode()).hexdigest()[:16]
 
 
-class KvTransferParams(msgspec.Struct, frozen=True):
-    """A request's ``kv_transfer_params`` (vLLM's names; unknown keys are ignored, as vLLM does)."""
-
-    do_remote_decode: bool = False
-    do_remote_prefill: bool = False
-    transfer_id: str | None = None
-    remote_request_id: str | None = None
-    remote_engine_id: str | None = None
-    remote_host: str | None = None
-    remote_port: int | None = None
-    remote_tp_size: int = 1
-    remote_pp_size: int = 1
-    remote_block_ids: list[int] = msgspec.field(default_factory=list)
-
-    def remote(self) -> RemoteEngine:
-        if self.remote_engine_id is None or self.remote_host is None or self.remote_port is None:
-            raise InvalidRequest(
-                "kv_transfer_params with do_remote_prefill need remote_engine_id, remote_host and remote_port"
-            )
-        return RemoteEngine(
-            engine_id=self.remote_engine_id,
-            host=self.remote_host,
-            port=self.remote_port,
-            tp_size=self.remote_tp_size,
-            pp_size=self.remote_pp_size,
-            block_ids=tuple(self.remote_block_ids),
-            rank_ports=True,
-        )
+def parse_params(raw: object) -> KvTransferParams | None:
+    """A request's ``kv_transfer_params`` as vLLM hands them (any client library's JSON: numbers and
+    booleans may arrive as strings, so not strict); ``InvalidRequest`` when malformed."""
+    return parse_kv_params(raw, strict=False)
 
 
-def parse_params(raw: Mapping[str, Any] | None) -> KvTransferParams | None:
-    """None when the request has no ``kv_transfer_params``; ``InvalidRequest`` when they are malformed."""
-    if not raw:
-        return None
-    try:
-        return msgspec.convert(dict(raw), KvTransferParams, strict=False)
-    except msgspec.ValidationError as exc:
-        raise InvalidRequest(f"kv_transfer_params: {exc}") from exc
+def remote_engine(params: KvTransferParams) -> RemoteEngine:
+    """The P engine a decode request's params designate. vLLM runs one process per rank, each with its own
+    side channel, so P's ranks listen on consecutive ports (``rank_ports``)."""
+    engine_id, host, port = params.remote_address()
+    return RemoteEngine(
+        engine_id=engine_id,
+        host=host,
+        port=port,
+        tp_size=params.tp_size,
+        pp_size=params.pp_size,
+        block_ids=params.remote_block_ids or (),
+        rank_ports=True,
+    )
 
 
 class OpKind(enum.Enum):

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvwire.errors import InvalidRequest
-from kvwire.integrations.vllm.params import KvRole, KvTransferParams, Op, OpKind, Settings, parse_params
+from kvwire.integrations.vllm.params import KvRole, Op, OpKind, Settings, parse_params, remote_engine
+from kvwire.kv_params import KvTransferParams
 from kvwire.protocol.messages import TransferMode
 
 log = logging.getLogger("kvwire.vllm")
@@ -80,7 +81,7 @@ class SchedulerSide:
             params = parse_params(raw)
             if params is None or not params.do_remote_prefill or req_id in self._loaded:
                 return 0, False
-            params.remote()  # malformed remote parameters are refused here, not in a worker
+            remote_engine(params)  # malformed remote parameters are refused here, not in a worker
             if len(self._pending) >= _MAX_TRACKED:
                 raise InvalidRequest(f"more than {_MAX_TRACKED} requests waiting for remote KV")
         except InvalidRequest as exc:
@@ -152,20 +153,22 @@ class SchedulerSide:
         return True, self._params_for_d(tid, block_ids)
 
     def _params_for_d(self, transfer_id: str, block_ids: list[int]) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "transfer_id": transfer_id,
-            "remote_request_id": transfer_id,
-            "remote_engine_id": self.local.engine_id,
-            "remote_host": self.local.host,
-            "remote_port": self.local.port,
-            "remote_tp_size": self.local.tp_size,
-            "remote_pp_size": self.local.pp_size,
-        }
-        if self.settings.mode is TransferMode.PULL:
-            out["remote_block_ids"] = list(block_ids)
-        return out
+        pull = self.settings.mode is TransferMode.PULL
+        params = KvTransferParams(
+            # do_remote_decode written as false: vLLM's proxies forward P's params to D as they are.
+            do_remote_prefill=True,
+            do_remote_decode=False,
+            transfer_id=transfer_id,
+            remote_request_id=transfer_id,
+            remote_engine_id=self.local.engine_id,
+            remote_host=self.local.host,
+            remote_port=self.local.port,
+            remote_tp_size=self.local.tp_size,
+            remote_pp_size=self.local.pp_size,
+            remote_block_ids=tuple(block_ids) if pull else None,
+        )
+        # vLLM hands the client a dict (the OpenAI server serializes it): the struct's JSON form.
+        return params.to_json()
 
     def take_ops(self) -> list[Op]:
         ops, self._ops = self._ops, []

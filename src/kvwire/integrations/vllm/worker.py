@@ -26,7 +26,7 @@ from kvwire.connector import (
 from kvwire.errors import KvwireError, TransportError
 from kvwire.handshake.types import EngineInfo, LocalRank
 from kvwire.integrations.vllm.memory import kv_from_vllm
-from kvwire.integrations.vllm.params import KvRole, Op, OpKind, Settings, secret
+from kvwire.integrations.vllm.params import KvRole, Op, OpKind, Settings, remote_engine, secret
 from kvwire.kv.regions import ExternalKV
 from kvwire.transport.base import Agent, make_agent_name
 from kvwire.transport.factory import create_agent
@@ -149,7 +149,7 @@ class WorkerSide:
             self._sends[op.transfer_id] = op.req_id
             self.producer.request_finished(op.transfer_id, op.block_ids, op.num_tokens)
         elif op.kind is OpKind.LOAD and self.consumer is not None and op.remote is not None:
-            remote = op.remote.remote()
+            remote = remote_engine(op.remote)
             self._loads[op.transfer_id] = op.req_id
             self.consumer.request_allocated(
                 op.transfer_id, op.block_ids, op.num_tokens, op.num_cached_tokens, remote

@@ -1,0 +1,91 @@
+"""``kv_transfer_params``: a request's disaggregation parameters, as one typed value (vLLM's names).
+
+The router, the reference engine and the vLLM connector all use ``KvTransferParams``: the router builds
+it for both legs, an engine parses it once where the request comes in (the HTTP body, vLLM's scheduler
+hook) and hands the typed value on, so nothing further in reads a dict.
+
+A field left at ``None`` was not given, and is not written back: ``to_json`` emits only the fields that
+are set, so the JSON on the wire is what each side wrote when it built its own dict (the prefill leg
+``{"do_remote_decode": true, "transfer_id": ...}``; P's answer with an explicit ``"do_remote_decode":
+false`` for vLLM). Keys this struct does not know are ignored, as vLLM ignores them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from kvwire.errors import InvalidRequest
+
+FIELD = "kv_transfer_params"  # the request body's key, and the parameter an error names
+
+
+class KvTransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    # P's leg: prefill here and keep the KV for a remote decoder.
+    do_remote_decode: bool | None = None
+    # D's leg: the prompt's KV comes from a remote prefiller (the remote_* fields say which).
+    do_remote_prefill: bool | None = None
+    transfer_id: str | None = None  # kvwire's id of the transfer, the same in both legs
+    remote_request_id: str | None = None  # vLLM's name for it (P's request id): read if transfer_id is not
+    remote_engine_id: str | None = None
+    remote_host: str | None = None  # where P's side channel listens
+    remote_port: int | None = None
+    remote_tp_size: int | None = None  # P's parallelism; not given: 1
+    remote_pp_size: int | None = None
+    remote_block_ids: tuple[int, ...] | None = None  # pull mode: P's blocks of the prompt, in token order
+    num_tokens: int | None = None  # P's answer (reference engine): the prompt's tokens
+
+    @property
+    def remote_decode(self) -> bool:
+        return self.do_remote_decode is True
+
+    @property
+    def remote_prefill(self) -> bool:
+        return self.do_remote_prefill is True
+
+    @property
+    def tp_size(self) -> int:
+        """P's TP size (1 when not given)."""
+        return self.remote_tp_size or 1
+
+    @property
+    def pp_size(self) -> int:
+        """P's PP size (1 when not given)."""
+        return self.remote_pp_size or 1
+
+    def remote_address(self) -> tuple[str, str, int]:
+        """(remote_engine_id, remote_host, remote_port), which a decode leg needs; ``InvalidRequest``
+        naming what is missing."""
+        if self.remote_engine_id is None or self.remote_host is None or self.remote_port is None:
+            missing = [
+                name
+                for name in ("remote_engine_id", "remote_host", "remote_port")
+                if getattr(self, name) is None
+            ]
+            raise InvalidRequest(f"{FIELD} with do_remote_prefill need {', '.join(missing)}", FIELD)
+        return self.remote_engine_id, self.remote_host, self.remote_port
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object: the fields that are set, under vLLM's names (plain JSON types: lists, not
+        tuples, so it compares equal to what a client decodes)."""
+        out: dict[str, Any] = msgspec.json.decode(msgspec.json.encode(self))
+        return out
+
+
+def parse_kv_params(raw: object, *, strict: bool = True) -> KvTransferParams | None:
+    """A request's ``kv_transfer_params`` (a decoded JSON object), typed; None when absent or empty.
+
+    ``InvalidRequest`` naming the field when malformed. ``strict=False`` takes numbers and booleans
+    written as strings too (vLLM's connector, whose params may come from any client library)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise InvalidRequest(f"{FIELD} must be an object", FIELD)
+    if not raw:
+        return None
+    try:
+        return msgspec.convert(dict(raw), KvTransferParams, strict=strict)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"{FIELD}: {exc}", FIELD) from exc
