@@ -166,10 +166,12 @@ class TransferAborted(RequestError):
 class KVLoadFailed(RequestError):
     """D could not obtain the request's KV: the reason says why (peer dead, write failed, fence expired)."""
 
-    def __init__(self, transfer_id: str, reason: str) -> None:
-        super().__init__(f"KV load for {transfer_id} failed: {reason}")
+    def __init__(self, transfer_id: str, reason: str, detail: str | None = None) -> None:
+        more = f" ({detail})" if detail else ""
+        super().__init__(f"KV load for {transfer_id} failed: {reason}{more}")
         self.transfer_id = transfer_id
         self.reason = reason
+        self.detail = detail
 
 
 class UnknownTransfer(RequestError):
