@@ -160,23 +160,33 @@ def load_file(path: Path) -> dict[str, Any]:
     return data
 
 
+def all_option_names() -> frozenset[str]:
+    """The option names of every role (a config file may hold any of them)."""
+    # Imported here, not at the top: the option tables import their roles' modules, which import this one.
+    from kvwire.engine.options import engine_options
+    from kvwire.router.cli import router_options
+
+    return frozenset(o.name for o in (*engine_options(), *router_options()))
+
+
 def file_values(
     data: Mapping[str, Any], options: Sequence[Option], command: Command, path: Path
 ) -> dict[str, Any]:
     """The file's values for ``command``: top-level keys, then its own ``[role]`` table over them."""
     known = {o.name: o for o in options}
+    everyone = all_option_names()
     roles = {c.value for c in Command}
     merged: dict[str, Any] = {}
     for scope in (data, data.get(command.value) or {}):
         if not isinstance(scope, dict):
             raise ConfigError(f"--config {path}: [{command.value}] must be a table")
         for key, value in scope.items():
-            if key in roles and scope is data:
-                continue
+            if key in roles and scope is data and isinstance(value, dict):
+                continue  # a role's own table (the router's prefill/decode options are lists)
             opt = known.get(key)
-            if opt is None:
+            if opt is None and key not in everyone:
                 raise ConfigError(f"--config {path}: unknown option {key!r} (keys are flag names with _)")
-            if command not in opt.commands:
+            if opt is None or command not in opt.commands:
                 continue  # another role's option: one file may describe the whole deployment
             try:
                 value = msgspec.convert(value, _type_of(opt))

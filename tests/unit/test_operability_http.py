@@ -1,0 +1,233 @@
+"""What an operator and a client see over HTTP: API keys, permanent misconfigurations the openai client does
+not retry, per-role metrics, JSON logs with transfer ids."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvwire.config import RouterConfig
+from kvwire.demo.procs import free_port
+from kvwire.engine.config import EngineConfig, Role, preset
+from kvwire.engine.engine import Engine
+from kvwire.engine.server import EngineServer, Identity, http_error
+from kvwire.errors import KVLoadFailed
+from kvwire.logsetup import configure, transfer_extra
+from kvwire.metrics import KvMetrics, MetricRole, posts_transfers
+from kvwire.options import LogFormat
+from kvwire.protocol.messages import TransferMode
+from kvwire.router.app import create_app
+from kvwire.router.engines import HealthInfo, pair_problem
+from kvwire.router.openai_api import ErrorType, engine_error_kind
+from kvwire.router.policy import Load
+from kvwire.testing.fake_engines import ServerThread
+
+pytestmark = pytest.mark.anyio
+P_PORT, D_PORT = 18_100, 18_200
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+# -- engines -----------------------------------------------------------------------------------------------
+
+
+async def test_engine_api_key_guards_v1_and_leaves_health_open() -> None:
+    engine = Engine(EngineConfig(preset("tiny"), num_blocks=16))
+    server = EngineServer(engine, Identity(Role.COLOCATED, "c", "i"), api_key="s3cret")
+    transport = httpx.ASGITransport(app=server.app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://engine") as c:
+        assert (await c.get("/health")).status_code == 200
+        assert (await c.get("/metrics")).status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
+            refused = await c.get("/v1/models", headers=headers)
+            assert refused.status_code == 401
+            assert refused.json()["error"]["type"] == "authentication_error"
+        assert (await c.get("/v1/models", headers={"Authorization": "Bearer s3cret"})).status_code == 200
+
+
+def test_permanent_kv_failures_are_not_503s() -> None:
+    status, body, headers = http_error(KVLoadFailed("t1", "incompatible"))
+    assert (status, headers) == (500, {"x-should-retry": "false"})
+    assert body["error"]["type"] == "configuration_error" and "--seed" in body["error"]["message"]
+    status, _, headers = http_error(KVLoadFailed("t1", "peer_dead"))  # transient: a retry may succeed
+    assert (status, headers) == (503, {})
+    assert engine_error_kind(500, "configuration_error") is ErrorType.MISCONFIGURED
+    assert engine_error_kind(401) is ErrorType.MISCONFIGURED  # an engine refused the router's key
+    assert engine_error_kind(503) is ErrorType.UNAVAILABLE
+
+
+# -- router ------------------------------------------------------------------------------------------------
+
+
+def _health(role: str, *, authenticated: bool, mode: str = "push", seed: int = 0) -> dict[str, Any]:
+    return {
+        "status": "ok", "role": role, "engine_id": f"{role}-0", "incarnation": "1",
+        "side_channel_host": "127.0.0.1", "side_channel_port": 5600, "tp_size": 1, "pp_size": 1,
+        "model": "kvwire-tiny", "seed": seed, "mode": mode, "authenticated": authenticated,
+        "load": {"running": 0, "waiting": 0, "free_blocks": 100},
+    }  # fmt: skip
+
+
+class Engines:
+    """The engines behind a router, as an httpx transport: their /health, and every request they got."""
+
+    def __init__(self, p_secret: bool, d_secret: bool) -> None:
+        self.health = {
+            P_PORT: _health("prefill", authenticated=p_secret),
+            D_PORT: _health("decode", authenticated=d_secret),
+        }
+        self.seen: list[httpx.Request] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.seen.append(request)
+        if request.url.path == "/health":
+            return httpx.Response(200, json=self.health[request.url.port or 0])
+        return httpx.Response(500, json={"error": {"message": "no leg expected", "type": "internal_error"}})
+
+
+@pytest.fixture
+def one_sided() -> Iterator[tuple[str, Engines]]:
+    """A router (keys: clients 'rk', engines 'ek') whose P has KVWIRE_SECRET and whose D has not."""
+    engines = Engines(p_secret=True, d_secret=False)
+    config = RouterConfig(
+        prefill_urls=(f"http://127.0.0.1:{P_PORT}",),
+        decode_urls=(f"http://127.0.0.1:{D_PORT}",),
+        api_key="rk",
+        engine_api_key="ek",
+        health_interval_s=60.0,
+    )
+    port = free_port()
+    with ServerThread([(create_app(config, httpx.MockTransport(engines)), port)]):
+        yield f"http://127.0.0.1:{port}", engines
+
+
+def test_secret_on_one_side_is_a_500_the_openai_client_does_not_retry(one_sided: tuple[str, Engines]) -> None:
+    url, engines = one_sided
+    sent: list[httpx.Request] = []
+    http = httpx.Client(event_hooks={"request": [sent.append]})
+    with (
+        openai.OpenAI(base_url=url + "/v1", api_key="rk", max_retries=3, http_client=http) as client,
+        pytest.raises(openai.InternalServerError) as exc,
+    ):
+        client.completions.create(model="kvwire", prompt="hello", max_tokens=2)
+    assert len(sent) == 1  # not retried
+    assert exc.value.response.headers["x-should-retry"] == "false"
+    message = str(exc.value)
+    assert (
+        "KVWIRE_SECRET is set on the prefill engine prefill-0 but not on the decode engine decode-0"
+        in message
+    )
+    assert "127.0.0.1" not in message  # no internal address in the client's error
+    assert all(r.url.path == "/health" for r in engines.seen)  # no leg was sent to a pair that cannot work
+    assert all(r.headers["authorization"] == "Bearer ek" for r in engines.seen)
+    health = httpx.get(url + "/health")
+    assert health.status_code == 503 and health.json()["status"] == "misconfigured"
+    assert "KVWIRE_SECRET" in health.json()["problems"][0]
+
+
+def test_router_api_key(one_sided: tuple[str, Engines]) -> None:
+    url, _ = one_sided
+    with (
+        openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0) as wrong,
+        pytest.raises(openai.AuthenticationError),
+    ):
+        wrong.models.list()
+    with openai.OpenAI(base_url=url + "/v1", api_key="rk") as right:
+        assert [m.id for m in right.models.list()]
+    assert httpx.get(url + "/metrics").status_code == 200  # scrapers need no key
+
+
+def test_pair_problems_name_what_differs() -> None:
+    def info(role: str, **kw: Any) -> HealthInfo:
+        base: dict[str, Any] = {"seed": 0, "mode": TransferMode.PUSH, "authenticated": True, **kw}
+        return HealthInfo(role, f"{role}-0", "1", "h", 1, 1, 1, "kvwire-tiny", Load(), **base)
+
+    p = info("prefill")
+    assert pair_problem(p, info("decode"), TransferMode.PUSH) is None
+    assert "--mode" in (pair_problem(p, info("decode", mode=TransferMode.PULL), TransferMode.PUSH) or "")
+    assert "seed 0" in (pair_problem(p, info("decode", seed=1), TransferMode.PUSH) or "")
+    assert "same KVWIRE_SECRET" in (
+        pair_problem(p, info("decode", authenticated=False), TransferMode.PUSH) or ""
+    )
+    # vLLM engines say none of it: nothing to compare.
+    assert (
+        pair_problem(p, info("decode", seed=None, mode=None, authenticated=None), TransferMode.PUSH) is None
+    )
+
+
+# -- metrics and logs --------------------------------------------------------------------------------------
+
+
+def _families(m: KvMetrics) -> set[str]:
+    names = set()
+    for family in text_string_to_metric_families(m.render().decode()):
+        names.add(family.name)
+        for s in family.samples:
+            assert (s.labels["role"], s.labels["model_name"]) == (m.role.value, "m")
+    return names
+
+
+def test_each_role_exports_only_the_families_it_fills() -> None:
+    def metrics(role: MetricRole, mode: TransferMode | None) -> set[str]:
+        return _families(KvMetrics(role, "m", transfers=posts_transfers(role, mode)))
+
+    p_push, d_push = (
+        metrics(MetricRole.PREFILL, TransferMode.PUSH),
+        metrics(MetricRole.DECODE, TransferMode.PUSH),
+    )
+    d_pull, router = metrics(MetricRole.DECODE, TransferMode.PULL), metrics(MetricRole.ROUTER, None)
+    colocated = metrics(MetricRole.COLOCATED, None)
+    assert "kvwire_transfer_seconds" in p_push and "kvwire_transfer_seconds" in d_pull
+    assert "kvwire_transfer_seconds" not in d_push  # P posts, P counts
+    assert "kvwire_handshakes" in d_push and "kvwire_handshakes" not in colocated
+    assert {"kvwire_inter_token_latency_seconds", "kvwire_e2e_request_latency_seconds"} <= router
+    assert not any(n.startswith(("kvwire_transfer", "kvwire_handshake", "kvwire_blocks")) for n in router)
+    assert "kvwire_inter_token_latency_seconds" not in p_push
+
+
+@pytest.fixture
+def root_logging() -> Iterator[None]:
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    levels = {name: logging.getLogger(name).level for name in ("httpx", "httpcore")}
+    try:
+        yield
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+
+
+def test_json_logs_carry_the_transfer_id_and_http_libraries_stay_quiet(
+    root_logging: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = io.StringIO()
+    monkeypatch.setattr("sys.stderr", out)
+    configure("debug", LogFormat.JSON)
+    logging.getLogger("kvwire.test").debug("request done", extra=transfer_extra("t-42"))
+    logging.getLogger("httpcore").debug("send_request_headers.started")  # one per request otherwise
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert lines == [
+        {
+            "ts": lines[0]["ts"],
+            "level": "debug",
+            "logger": "kvwire.test",
+            "msg": "request done",
+            "transfer_id": "t-42",
+        }
+    ]
+    configure("debug", LogFormat.TEXT, http=True)
+    logging.getLogger("httpcore").debug("asked for")
+    assert "asked for" in out.getvalue()
