@@ -63,8 +63,11 @@ typecheck: $(STAMP)
 test-vllm: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 $(VLLM)/bin/python -m pytest -q -p no:cacheprovider vllm_tests
 
+# Two pytest calls: pyproject's addopts leave out the tests marked slow (over ~20 s each: real benches, vLLM
+# engines on CPU, the long property run) so that a plain `pytest` stays quick; the second call runs them.
 test: lint typecheck $(VLLM_CPU_STAMP)
 	$(BIN)/pytest -q
+	$(BIN)/pytest -q -m slow
 	$(MAKE) test-vllm
 
 bench: $(STAMP)

@@ -56,6 +56,7 @@ def _run_chaos(tmp_path: Path, *args: str) -> tuple[int, str]:
 
 
 @pytest.mark.nixl
+@pytest.mark.slow  # kills and restarts engine servers: ~18 s
 def test_small_chaos_run_leaks_nothing_and_corrupts_nothing(tmp_path: Path) -> None:
     json_path = tmp_path / "chaos.json"
     rc, out = _run_chaos(

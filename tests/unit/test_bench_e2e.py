@@ -21,6 +21,7 @@ def test_plan_skips_waves_over_the_token_cap() -> None:
     assert plan((4096,), (16,), reps=2, max_wave_tokens=0) == ([Case(4096, 16, 16)], [])
 
 
+@pytest.mark.slow  # starts engine servers: ~20 s
 def test_bench_e2e_quick_json_shape(tmp_path: Path) -> None:
     out, png = tmp_path / "e2e.json", tmp_path / "e2e.png"
     args = ["bench", "e2e", "--quick", "--sizes", "48", "--json", str(out), "--plot", str(png)]

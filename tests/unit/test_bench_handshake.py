@@ -12,6 +12,7 @@ from kvwire.cli import main
 pytestmark = pytest.mark.nixl
 
 
+@pytest.mark.slow  # a real bench run: ~18 s
 def test_bench_handshake_quick_json_shape(tmp_path: Path) -> None:
     out, plot = tmp_path / "handshake.json", tmp_path / "handshake.png"
     assert main(["bench", "handshake", "--quick", "--json", str(out), "--plot", str(plot)]) == 0

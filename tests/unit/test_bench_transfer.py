@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from kvwire.cli import main
 
 
+@pytest.mark.slow  # a real bench run: ~20 s
 def test_bench_transfer_small_json_shape(tmp_path: Path) -> None:
     out, plot = tmp_path / "transfer.json", tmp_path / "transfer.png"
     assert main(["bench", "transfer", "--small", "--reps", "2", "--json", str(out), "--plot", str(plot)]) == 0

@@ -14,6 +14,7 @@ import random
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -225,6 +226,7 @@ def check(case: Case) -> None:
             assert writers == source_ranks(spec, case.src_tp, case.src_pp, layout)
 
 
+@pytest.mark.slow  # 3000 examples: ~35 s
 @settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_transfers_rebuild_p_cache_exactly_in_d(case: Case) -> None:

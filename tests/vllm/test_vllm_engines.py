@@ -24,7 +24,8 @@ from kvwire.testing.vllm_servers import (
     vllm_python,
 )
 
-pytestmark = pytest.mark.nixl
+# Three vLLM engines on CPU take minutes to start: slow (make test runs it in its second call).
+pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 LENGTHS = (8, 31, 32, 33, 200, 700, 2000)  # words; block size 32: partial, exact and multi-block prompts
 
