@@ -11,10 +11,15 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import httpx
 import pytest
 
+from kvwire.engine.config import EngineConfig, Role, preset
+from kvwire.engine.engine import Engine
+from kvwire.engine.model import Model
+from kvwire.engine.server import EngineServer, Identity
 from kvwire.errors import AgentBusy, HandshakeTimeout
-from kvwire.handshake.manager import HandshakeManager
+from kvwire.handshake.manager import HandshakeManager, stalled_reason
 from kvwire.handshake.server import SideChannelServer
 from kvwire.handshake.types import FailureReason
 from kvwire.kv.spec import KVSpec
@@ -41,6 +46,17 @@ async def _max_gap(stop: asyncio.Event, gaps: list[float]) -> None:
         now = time.monotonic()
         gaps.append(now - last)
         last = now
+
+
+async def _health(managers: list[HandshakeManager]) -> httpx.Response:
+    """GET /health of a reference engine whose health check is ``stalled_reason(managers)``."""
+    cfg = preset("tiny")
+    engine = Engine(EngineConfig(cfg, role=Role.DECODE, num_blocks=16), model=Model(cfg, seed=0))
+    server = EngineServer(engine, Identity(Role.DECODE, "D", "inc0", HOST, 0))
+    server.health_checks.append(lambda: stalled_reason(managers))
+    transport = httpx.ASGITransport(app=server.app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://engine") as client:
+        return await client.get("/health")
 
 
 def test_stuck_load_times_out_reports_and_refuses_while_the_loop_runs() -> None:
@@ -79,6 +95,9 @@ def test_stuck_load_times_out_reports_and_refuses_while_the_loop_runs() -> None:
             assert time.monotonic() - t1 < TIMEOUT_S
             assert stuck_mgr.stats.failures[FailureReason.TRANSPORT] == 1
             assert max(gaps) < 0.2, f"the loop stalled for {max(gaps):.3f} s"
+            # The engine's /health says so (503: the router stops sending it requests).
+            health = await _health([stuck_mgr, other_mgr])
+            assert health.status_code == 503 and stuck_agent.name in health.json()["problems"][0]
             # The network heals: the stuck call returns, nothing holds the agent any more.
             stalled.stall_loads_s = 0.0
             stuck_agent.unstall.set()
@@ -87,6 +106,8 @@ def test_stuck_load_times_out_reports_and_refuses_while_the_loop_runs() -> None:
                     break
                 await asyncio.sleep(0.01)
             assert stuck_mgr.stalled_s() == 0.0
+            assert stalled_reason([stuck_mgr, other_mgr]) is None
+            assert (await _health([stuck_mgr, other_mgr])).status_code == 200
             peer = await stuck_mgr.ensure(HOST, server.port, 0, 0, PeerMode.NOTIF_ONLY)
             assert stuck_agent.peer_mode(peer.agent_name) is PeerMode.NOTIF_ONLY
         finally:

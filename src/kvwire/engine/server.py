@@ -117,6 +117,9 @@ class EngineServer:
         self.loop = EngineLoop(engine)
         # Called before /metrics and /v1/kv_stats answer (e.g. to copy a connector's counters).
         self.scrape_hooks: list[Callable[[], None]] = []
+        # Each says why the engine cannot serve now (e.g. a connector agent stuck inside NIXL), or None;
+        # any reason makes /health answer 503, so that the router stops sending it requests.
+        self.health_checks: list[Callable[[], str | None]] = []
         self._started = False
         self.app = self._build_app()
 
@@ -133,8 +136,10 @@ class EngineServer:
     # -- views ---------------------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
         ident, load = self.identity, self.engine.load()
+        problems = [p for check in self.health_checks if (p := check()) is not None]
         return {
-            "status": "ok" if self.loop.alive else "starting",
+            "status": ("unhealthy" if problems else "ok") if self.loop.alive else "starting",
+            "problems": problems,
             "role": ident.role.value,
             "engine_id": ident.engine_id,
             "incarnation": ident.incarnation,
@@ -402,8 +407,9 @@ class EngineServer:
         app = FastAPI(title=f"kvwire {self.identity.role.value} engine", lifespan=lifespan)
 
         @app.get("/health")
-        async def health() -> dict[str, Any]:
-            return self.health()
+        async def health() -> JSONResponse:
+            body = self.health()
+            return JSONResponse(body, status_code=503 if body["problems"] else 200)
 
         @app.get("/metrics")
         async def metrics() -> Response:

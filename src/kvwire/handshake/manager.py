@@ -34,7 +34,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvwire.errors import (
@@ -444,6 +444,21 @@ def warm_up(agents: Sequence[Agent]) -> float:
     except TransportError as exc:
         log.debug("agent warm-up failed: %s", exc)
     return time.perf_counter() - t0
+
+
+def stalled_reason(managers: Iterable[HandshakeManager], now: float | None = None) -> str | None:
+    """Why an engine with these handshake managers cannot move KV now, or None (an engine's ``/health``).
+
+    An agent held by a NIXL call stuck past its handshake's deadline (a peer's UCX port unreachable)
+    refuses every handshake and moves nothing until the call returns, minutes later. Any thread."""
+    stuck = [(m.stalled_s(now), m.local.agent.name) for m in managers]
+    stalled_s, agent = max(stuck, default=(0.0, ""))
+    if stalled_s <= 0.0:
+        return None
+    return (
+        f"agent {agent} held for {stalled_s:.1f} s by a NIXL call stuck on the network (a peer whose UCX "
+        "port is unreachable): no KV moves and handshakes are refused until it returns"
+    )
 
 
 def max_mode(a: PeerMode, b: PeerMode) -> PeerMode:

@@ -1,0 +1,241 @@
+"""A peer whose UCX port drops every packet while its side channel answers (issue 11, finding 2).
+
+P (namespace A) serves its side channel; nftables in A drops every other TCP packet on the veth, so D
+(namespace B) fetches P's metadata fine, and NIXL's ``add_remote_agent`` then blocks inside UCX's blocking
+``connect()`` until the kernel gives up its SYN retries (~130 s). Before the fix that call ran on the
+handshake loop, which stopped for all that time (the engine's whole side channel with it) and
+``handshake_timeout_s`` bounded nothing.
+
+What is asserted, from inside D's process: the handshake fails with ``HandshakeTimeout`` within
+``handshake_timeout_s`` + slack; meanwhile D's loop never stops for long and D's own side channel answers
+each probe in under a second; the stuck load is reported (``stalled_s``, ``stuck_loads``) and a second
+handshake on that agent is refused at once (``AgentBusy``) instead of queueing behind it. On code that
+loads on the loop, D prints nothing for ~130 s, and the test fails at ``RESULT_WAIT_S``.
+
+This file is also the child program: ``python test_blocked_ucx_port.py p|d ...``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+
+HANDSHAKE_TIMEOUT_S = 2.0
+SLACK_S = 1.5
+PROBE_LIMIT_S = 1.0  # D's side channel must answer each probe within this, all along
+RESULT_WAIT_S = 25.0  # loading on the loop blocks ~130 s: fail here rather than wait that out
+READY_S = 60.0
+_TABLE = "kvwire_ucx_block"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The two processes (children)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _engine(engine_id: str) -> tuple[Any, list[Any]]:
+    from kvwire.kv.spec import KVSpec
+    from kvwire.testing.handshake_env import build_registered_engine
+    from kvwire.transport.nixl import NixlAgent
+
+    spec = KVSpec(num_layers=2, kv_heads=2, head_dim=8, block_size=4)
+    return build_registered_engine(engine_id, spec, 8, NixlAgent)
+
+
+async def _child_p(host: str) -> None:
+    """P: serve the side channel on ``host`` until stdin closes."""
+    from kvwire.handshake.server import SideChannelServer
+
+    info, ranks = _engine("P")
+    server = SideChannelServer(info, ranks, host=host, port=0)
+    port = await server.start()
+    print(f"READY {port}", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    os._exit(0)  # no teardown: nothing of P matters once the test has its figures
+
+
+async def _probe(port: int, compat: str, stop: asyncio.Event, lat: list[float], gaps: list[float]) -> None:
+    """Ask D's own side channel for its metadata every 50 ms (what a peer of D would do), and time it."""
+    from kvwire.handshake.client import fetch_metadata
+    from kvwire.handshake.types import PeerAddress
+
+    addr = PeerAddress("127.0.0.1", port, 0, 0)
+    last = time.monotonic()
+    while not stop.is_set():
+        t0 = time.monotonic()
+        gaps.append(t0 - last)  # from one probe's start to the next: 50 ms plus a round trip when all is well
+        last = t0
+        await fetch_metadata(addr, notif_only=True, compat_hash=compat, timeout_s=600.0)
+        lat.append(time.monotonic() - t0)
+        await asyncio.sleep(0.05)
+
+
+async def _handshake(mgr: Any, host: str, port: int) -> tuple[str, float, str]:
+    from kvwire.transport.base import PeerMode
+
+    t0 = time.monotonic()
+    try:
+        await mgr.ensure(host, port, 0, 0, PeerMode.NOTIF_ONLY)
+        error, message = "none", ""
+    except Exception as exc:
+        error, message = type(exc).__name__, str(exc)
+    return error, time.monotonic() - t0, message
+
+
+async def _child_d(p_host: str, p_port: int, timeout_s: float) -> None:
+    """D: handshake with P while probing its own side channel; print one RESULT line."""
+    from kvwire.handshake.manager import HandshakeManager
+    from kvwire.handshake.server import SideChannelServer, engine_compat_hash
+
+    info, ranks = _engine("D")
+    server = SideChannelServer(info, ranks, host="127.0.0.1", port=0)
+    d_port = await server.start()
+    mgr = HandshakeManager(info, ranks[0], timeout_s=timeout_s, retries=0, clock_samples=1)
+    stop, lat, gaps = asyncio.Event(), list[float](), list[float]()
+    prober = asyncio.create_task(_probe(d_port, engine_compat_hash(info), stop, lat, gaps))
+    await asyncio.sleep(0.3)  # a few probes on a quiet loop first
+    error, took, message = await _handshake(mgr, p_host, p_port)
+    stalled = float(getattr(mgr, "stalled_s", lambda: -1.0)())
+    second, second_took, _ = await _handshake(mgr, p_host, p_port)
+    await asyncio.sleep(0.5)  # probes while the load is still stuck
+    stop.set()
+    await prober
+    result = {
+        "error": error,
+        "message": message,
+        "took_s": took,
+        "stalled_s": stalled,
+        "stuck_loads": int(getattr(mgr, "stuck_loads", -1)),
+        "second_error": second,
+        "second_took_s": second_took,
+        "probes": len(lat),
+        "max_probe_s": max(lat),
+        "max_probe_gap_s": max(gaps),
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+    os._exit(0)  # the stuck load is still inside UCX: no agent teardown under it
+
+
+def _child(argv: list[str]) -> None:
+    if argv[0] == "p":
+        asyncio.run(_child_p(argv[1]))
+    else:
+        asyncio.run(_child_d(argv[1], int(argv[2]), float(argv[3])))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The test (parent, in the host namespace)
+# ---------------------------------------------------------------------------------------------------
+
+pytestmark = pytest.mark.nixl
+
+if __name__ != "__main__":
+    from kvwire.testing.netns import NetnsPair, Side, unavailable_reason
+
+
+@pytest.fixture(scope="module")
+def net() -> Iterator[NetnsPair]:
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"network namespaces unavailable: {reason}")
+    pytest.importorskip("nixl._api", reason="the NIXL backend is not installed")
+    with NetnsPair() as pair:
+        yield pair
+
+
+def _env(side: Side) -> dict[str, str]:
+    return {
+        **os.environ,
+        "UCX_TLS": "tcp",
+        "UCX_MODULES": "^ib*",
+        "UCX_NET_DEVICES": side.ifname,
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def _block_all_tcp_but(net: NetnsPair, port: int) -> None:
+    """In A, drop every TCP packet crossing the veth except those of A's side channel ``port``."""
+    a = net.a
+    rules = (
+        f"add table inet {_TABLE}\n"
+        f"add chain inet {_TABLE} in {{ type filter hook input priority 0; policy accept; }}\n"
+        f"add chain inet {_TABLE} out {{ type filter hook output priority 0; policy accept; }}\n"
+        f'add rule inet {_TABLE} in iifname "{a.ifname}" tcp dport != {port} counter drop\n'
+        f'add rule inet {_TABLE} out oifname "{a.ifname}" tcp sport != {port} counter drop\n'
+    )
+    done = subprocess.run(
+        net.command(a, ["nft", "-f", "-"]),
+        input=rules,
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def _line(proc: subprocess.Popen[bytes], tag: str, timeout_s: float, what: str) -> str:
+    """The rest of the first stdout line of ``proc`` that starts with ``tag``."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    deadline = time.monotonic() + timeout_s
+    buf = b""
+    while (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select([fd], [], [], min(left, 0.5))
+        chunk = os.read(fd, 65536) if ready else b""
+        if ready and not chunk:
+            raise AssertionError(f"{what} exited ({proc.wait(5)}) before printing {tag}")
+        buf += chunk
+        for line in buf.decode(errors="replace").splitlines():
+            if line.startswith(tag + " "):
+                return line[len(tag) + 1 :]
+    raise AssertionError(f"{what} printed no {tag} line within {timeout_s:.0f} s")
+
+
+def _start(net: NetnsPair, side: Side, args: list[str], log: IO[Any]) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, str(Path(__file__).resolve()), *args]
+    return net.popen(side, argv, env=_env(side), stderr=log)  # killed when the pair closes, too
+
+
+def test_unreachable_ucx_port_fails_the_handshake_in_time_and_never_stalls_the_loop(
+    net: NetnsPair, tmp_path: Path
+) -> None:
+    log = open(tmp_path / "children.log", "wb")  # noqa: SIM115 (closed in the finally below)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        procs.append(_start(net, net.a, ["p", net.a.addr], log))
+        p_port = int(_line(procs[0], "READY", READY_S, "P"))
+        _block_all_tcp_but(net, p_port)
+        args = ["d", net.a.addr, str(p_port), str(HANDSHAKE_TIMEOUT_S)]
+        procs.append(_start(net, net.b, args, log))
+        r = json.loads(_line(procs[1], "RESULT", READY_S / 2 + RESULT_WAIT_S, "D (its loop blocked?)"))
+        print(f"blocked UCX port: {json.dumps(r)}")
+        assert r["error"] == "HandshakeTimeout", r
+        assert HANDSHAKE_TIMEOUT_S * 0.8 <= r["took_s"] <= HANDSHAKE_TIMEOUT_S + SLACK_S, r
+        assert r["stuck_loads"] == 1 and r["stalled_s"] >= HANDSHAKE_TIMEOUT_S * 0.5, r
+        assert r["second_error"] == "AgentBusy" and r["second_took_s"] < PROBE_LIMIT_S, r
+        # The loop answered its own side channel all along: well over a probe per second, none slow.
+        assert r["max_probe_s"] < PROBE_LIMIT_S and r["max_probe_gap_s"] < PROBE_LIMIT_S, r
+        assert r["probes"] >= (HANDSHAKE_TIMEOUT_S + 0.8) / (0.05 + PROBE_LIMIT_S), r
+        listing = net.run(net.a, ["nft", "list", "table", "inet", _TABLE])
+        assert sum(int(n) for n in re.findall(r"counter packets (\d+)", listing)) > 0, listing
+    finally:
+        net.kill_processes()
+        subprocess.run(net.command(net.a, ["nft", "delete", "table", "inet", _TABLE]), check=False)
+        log.close()
+        print((tmp_path / "children.log").read_text(errors="replace")[-3000:])
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1:])
