@@ -20,6 +20,7 @@ blob does not tell a loader which one it got, and the peer mode must be known be
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -89,8 +90,11 @@ def _nixl() -> tuple[Any, Any, Any]:
     if not _has_infiniband():
         os.environ.setdefault("UCX_MODULES", "^ib*")
     try:
-        import nixl._api as api
-        import nixl._bindings as bindings
+        # NIXL configures its logger on import with a handler writing to the sys.stdout of that moment:
+        # imported with stdout pointed at stderr, even its import-time lines stay off stdout.
+        with contextlib.redirect_stdout(sys.stderr):
+            import nixl._api as api
+            import nixl._bindings as bindings
     except ImportError as exc:
         raise ConfigError(
             f"NIXL is not installed ({exc}): pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1 "
@@ -102,12 +106,13 @@ def _nixl() -> tuple[Any, Any, Any]:
 
 
 def _route_nixl_logging() -> None:
-    """NIXL's Python layer logs through its own handler on *stdout* (``nixl.logging``), mixing its lines
-    into whatever the process prints there: hand them to the application's logging (stderr) instead.
-    NIXL's C++ core and UCX already write to stderr themselves."""
+    """NIXL's Python layer logs through its own handler on *stdout* (``nixl.logging``'s "consoleHandler"),
+    mixing its lines into whatever the process prints there, in its own format: hand them to the
+    application's logging instead (logger ``nixl``). NIXL's C++ core (absl) and UCX write to stderr
+    themselves, from C, out of reach of Python's logging."""
     nixl_log = logging.getLogger("nixl")
     for handler in list(nixl_log.handlers):
-        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+        if handler.get_name() == "consoleHandler" or getattr(handler, "stream", None) is sys.stdout:
             nixl_log.removeHandler(handler)
     nixl_log.propagate = True
 
