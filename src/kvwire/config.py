@@ -26,15 +26,13 @@ from pathlib import Path
 from kvwire.errors import ConfigError
 from kvwire.protocol.messages import TransferMode
 
+# The transport backends' one enum (DemoConfig and the command modules name it from here too).
+from kvwire.transport.factory import Backend as Backend
+
 ENV_SECRET = "KVWIRE_SECRET"
 ENV_SIDE_CHANNEL_HOST = "KVWIRE_SIDE_CHANNEL_HOST"
 ENV_LOG_LEVEL = "KVWIRE_LOG_LEVEL"
 _LOG_LEVELS = ("debug", "info", "warning", "error")
-
-
-class Backend(enum.Enum):
-    NIXL = "nixl"
-    INPROC = "inproc"
 
 
 @dataclass(frozen=True)
