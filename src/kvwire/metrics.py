@@ -28,6 +28,8 @@ from kvwire.transport.base import PeerMode
 # Seconds. Transfers on one host run from ~0.1 ms (one small block) to seconds (GBs over TCP).
 _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _HANDSHAKE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# Bytes of one transfer: a few blocks of a tiny model (KiBs) to long prompts of a large one (GiBs).
+_SIZE_BUCKETS = tuple(float(4**k * 1024) for k in range(12))  # 1 KiB .. 4 GiB
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
 _REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # Recent handshakes kept for the JSON snapshot: bounded, a long-lived engine must not grow without end.
@@ -210,6 +212,7 @@ class KvMetrics:
         self.transfers: Counter | None = None
         self.transfer_bytes: Counter | None = None
         self.transfer_seconds: Histogram | None = None
+        self.transfer_size: Histogram | None = None
         if not on:
             return
         self.transfers = Counter(
@@ -226,6 +229,13 @@ class KvMetrics:
             buckets=_TRANSFER_BUCKETS,
             registry=r,
         )
+        self.transfer_size = Histogram(
+            "kvwire_transfer_size_bytes",
+            "KV bytes of each successful transfer",
+            [*base, "mode"],
+            buckets=_SIZE_BUCKETS,
+            registry=r,
+        )
 
     # -- updates (thread-safe: engines call them from worker threads) ----------------------------------
 
@@ -237,6 +247,8 @@ class KvMetrics:
                 count.labels(**base, mode=mode, outcome="ok").inc()
                 moved.labels(**base, mode=mode).inc(stats.num_bytes)
                 took.labels(**base, mode=mode).observe(stats.seconds)
+                if self.transfer_size is not None:
+                    self.transfer_size.labels(**base, mode=mode).observe(stats.num_bytes)
             else:
                 count.labels(**base, mode=mode, outcome="failed").inc()
         if not stats.ok and stats.reason is not None:

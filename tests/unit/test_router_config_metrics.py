@@ -72,6 +72,8 @@ def test_metrics_update_from_stats_and_render() -> None:
     assert s[("kvwire_transfers_total", (("mode", "push"), ("outcome", "ok")))] == 1
     assert s[("kvwire_transfers_total", (("mode", "push"), ("outcome", "failed")))] == 1
     assert s[("kvwire_transfer_bytes_total", (("mode", "push"),))] == 4096
+    assert s[("kvwire_transfer_size_bytes_sum", (("mode", "push"),))] == 4096  # one successful transfer
+    assert s[("kvwire_transfer_size_bytes_count", (("mode", "push"),))] == 1
     assert s[("kvwire_handshakes_total", (("mode", "notif_only"),))] == 1
     assert s[("kvwire_handshakes_total", (("mode", "full"),))] == 1
     assert s[("kvwire_failures_total", (("reason", "write_failed"),))] == 1
