@@ -456,8 +456,7 @@ def assert_d_decoded(d: Engine, rid: str, max_tokens: int, local_hit: int = 0) -
 def registration_reached_p(p: Engine, tid: str) -> bool:
     """P's producer holds a push_reg for ``tid`` (kvwire counts none it received: its table is read)."""
     producer = p.worker.producer
-    req = None if producer is None else producer._requests.get(tid)
-    return req is not None and bool(req.regs)
+    return producer is not None and producer.core.registrations(tid) > 0
 
 
 def load_and_abort_in_one_step(d: Engine, rid: str) -> list[int]:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from kvwire.connector.config import LoadFailurePolicy
+from kvwire.core.config import LoadFailurePolicy
 from kvwire.engine.config import EngineConfig, Role, preset
 from kvwire.engine.engine import Engine
 from kvwire.engine.hooks import (

@@ -22,21 +22,21 @@ from kvwire.protocol.states import (
     FAIL_REASONS,
     HANDSHAKE_TABLE,
     PRODUCER_TABLE,
-    ConsumerEvent,
     ConsumerRequest,
     ConsumerState,
+    ConsumerTrigger,
     HandshakeEvent,
     HandshakeState,
     PeerHandshake,
-    ProducerEvent,
     ProducerRegistration,
     ProducerState,
+    ProducerTrigger,
     TransitionTable,
 )
 from kvwire.protocol.tables_md import render_all
 
-CS, CE = ConsumerState, ConsumerEvent
-PS, PE = ProducerState, ProducerEvent
+CS, CE = ConsumerState, ConsumerTrigger
+PS, PE = ProducerState, ProducerTrigger
 HS, HE = HandshakeState, HandshakeEvent
 RANKS: list[RankKey] = [(pp, tp) for pp in range(2) for tp in range(2)]
 
@@ -159,7 +159,7 @@ def test_handshake_paths(events: list[HandshakeEvent], end: HandshakeState, noti
         ([PE.PREFILL_DONE, PE.PUSH_REG, PE.HANDSHAKE_FAILED, PE.RELEASE], PS.FREED),
     ],
 )
-def test_producer_paths(events: list[ProducerEvent], end: ProducerState) -> None:
+def test_producer_paths(events: list[ProducerTrigger], end: ProducerState) -> None:
     p = ProducerRegistration()
     for ev in events:
         p.handle(ev)

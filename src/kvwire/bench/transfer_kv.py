@@ -54,9 +54,10 @@ from kvwire.connector import (
     Producer,
     RemoteEngine,
 )
-from kvwire.connector._base import RankKey
+from kvwire.core.io import Action, Emit, Input, NotifIn
 from kvwire.errors import TransferFailed
 from kvwire.kv.spec import KVSpec
+from kvwire.protocol.codec import decode_notif
 from kvwire.protocol.messages import PushReg
 from kvwire.testing.buffer_peer import BufferPeer
 from kvwire.testing.child import spawn_child, stop_child
@@ -201,29 +202,30 @@ _FILL_SEED = 11
 
 
 class _StampedProducer(Producer):
-    def _setup(self) -> None:
-        super()._setup()
-        self.push_reg_at: dict[str, float] = {}
+    push_reg_at: dict[str, float]
 
-    def _on_push_reg(self, key: RankKey, sender: str, msg: PushReg, now: float) -> None:
-        self.push_reg_at.setdefault(msg.transfer_id, time.monotonic())
-        super()._on_push_reg(key, sender, msg, now)
+    def _apply(self, now: float, inp: Input) -> None:
+        if isinstance(inp, NotifIn):
+            msg = decode_notif(inp.raw)
+            if isinstance(msg, PushReg):
+                self.push_reg_at.setdefault(msg.transfer_id, time.monotonic())
+        super()._apply(now, inp)
 
 
 class _StampedConsumer(Consumer):
-    def _setup(self) -> None:
-        super()._setup()
-        self.ended_at: dict[str, float] = {}
+    ended_at: dict[str, float]
 
-    def _emit(self, event: ConsumerEvent) -> None:
-        self.ended_at.setdefault(event.transfer_id, time.monotonic())
-        super()._emit(event)
+    def _execute(self, action: Action) -> None:
+        if isinstance(action, Emit) and isinstance(action.event, ConsumerEvent):
+            self.ended_at.setdefault(action.event.transfer_id, time.monotonic())
+        super()._execute(action)
 
 
 def _consumer_child(conn: Connection, spec: KVSpec, num_blocks: int) -> None:
     """D: a Consumer on real NIXL; commands ``("push", tid, blocks, tokens, remote)``, ``("check", ...)``."""
     setup = build_engine("bench-D", spec, num_blocks=num_blocks, backend="nixl")
     consumer = _StampedConsumer(setup.engine, setup.ranks, ConnectorConfig())
+    consumer.ended_at = {}
     try:
         consumer.start()
         conn.send(("ready", None))
@@ -268,6 +270,7 @@ class ConnectorPush:
         self.req = req
         self.setup = build_engine("bench-P", req.spec, num_blocks=req.cache_blocks, backend="nixl")
         self.producer = _StampedProducer(self.setup.engine, self.setup.ranks, ConnectorConfig())
+        self.producer.push_reg_at = {}
         port = self.producer.start()
         self.remote = RemoteEngine(self.setup.engine.engine_id, "127.0.0.1", port)
         self._proc, self._conn = spawn_child(_consumer_child, req.spec, req.cache_blocks)

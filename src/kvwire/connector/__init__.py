@@ -3,16 +3,16 @@
 See ``docs/connector.md`` for the call sites, the events and the guarantees.
 """
 
-from kvwire.connector.config import ConnectorConfig, LoadFailurePolicy
 from kvwire.connector.consumer import Consumer, RemoteEngine
-from kvwire.connector.events import (
+from kvwire.connector.producer import Producer
+from kvwire.core.config import ConnectorConfig, LoadFailurePolicy
+from kvwire.core.events import (
     ConnectorStats,
     ConsumerEvent,
     ConsumerEventKind,
     ProducerEvent,
     ProducerOutcome,
 )
-from kvwire.connector.producer import Producer
 
 __all__ = [
     "ConnectorConfig",

@@ -1,4 +1,7 @@
-"""What the producer and the consumer share: the background loop, the notification pump, handshakes.
+"""The thin driver both sides share: it turns I/O into core inputs and core actions into I/O.
+
+Every protocol rule lives in a core (``kvwire.core``: ``(now, input) -> actions``); this module owns only
+the threads, the side-channel server, the handshake managers, the agents and the clock.
 
 Threading. Every call on an agent, on a handshake manager and on the connector's request state happens
 on ONE thread: the background asyncio loop's. The engine's call sites (``request_finished``,
@@ -23,31 +26,44 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
-from kvwire.connector.config import ConnectorConfig
-from kvwire.connector.events import ConnectorStats
-from kvwire.errors import ConfigError, KvwireError, PeerDisconnected, ProtocolError, TransportError
+from kvwire.core.base import CoreBase, Refused
+from kvwire.core.config import ConnectorConfig
+from kvwire.core.events import ConnectorStats
+from kvwire.core.io import (
+    Action,
+    Emit,
+    ForgetPeer,
+    HandshakeDone,
+    Input,
+    NotifIn,
+    Outcome,
+    PostRead,
+    PostWrite,
+    Reap,
+    Release,
+    Send,
+    StartHandshake,
+    Tick,
+    TouchPeer,
+    XferEnded,
+)
+from kvwire.errors import ConfigError, KvwireError, PeerDisconnected, TransportError
 from kvwire.handshake.loop import BackgroundLoop
 from kvwire.handshake.manager import HandshakeManager, warm_up
 from kvwire.handshake.server import SideChannelServer
 from kvwire.handshake.types import EngineInfo, LocalRank, PeerRank
-from kvwire.protocol.codec import decode_notif, encode_notif
-from kvwire.protocol.messages import Notification
-from kvwire.transport.base import PeerMode, Registration, XferHandle, XferStatus
+from kvwire.kv.mapping import RankLayout
+from kvwire.protocol.codec import encode_notif
+from kvwire.protocol.ranks import RankKey
+from kvwire.transport.base import Registration, XferHandle, XferOp, XferStatus
 
 log = logging.getLogger("kvwire.connector")
 
-RankKey = tuple[int, int]  # (pp_rank, tp_rank) of a local rank
 E = TypeVar("E")
 
-_TIMER_PERIOD_S = 0.005
 _HOT_TICKS = 4  # ticks at the busy rate after any activity (see ConnectorBase._interval)
 _START_TIMEOUT_S = 10.0
 _WILDCARDS = ("0.0.0.0", "::", "")
-
-
-def sender_matches(sender: str, engine_id: str, incarnation: str) -> bool:
-    """Whether a NIXL sender name belongs to the engine life a message claims (``make_agent_name``)."""
-    return sender.startswith(f"{engine_id}/{incarnation}/")
 
 
 class ConnectorBase(Generic[E]):
@@ -90,6 +106,12 @@ class ConnectorBase(Generic[E]):
         self._port = port
         self._secret = secret
         self._clock = clock
+        num_blocks = min(r.cache.num_blocks for r in ranks)
+        layouts = {
+            key: RankLayout.from_cache(r.cache, pp_size=engine.pp_size, pp_rank=key[0])
+            for key, r in self.ranks.items()
+        }
+        self.core = self._make_core(layouts, num_blocks)
         self._warm_up = warm_up
         self._own_loop = loop is None
         self._bg = loop
@@ -110,11 +132,15 @@ class ConnectorBase(Generic[E]):
         self._broken: set[RankKey] = set()
         self._started = False
         self._closed = False
-        self.stats = ConnectorStats()
-        self._setup()
+        self._handles: dict[int, tuple[RankKey, XferHandle, float]] = {}  # core token -> posted transfer
+        self._pending: collections.deque[Input] = collections.deque()
 
-    def _setup(self) -> None:
-        """Subclasses create their request table here."""
+    def _make_core(self, layouts: dict[RankKey, RankLayout], num_blocks: int) -> CoreBase:
+        raise NotImplementedError
+
+    @property
+    def stats(self) -> ConnectorStats:
+        return self.core.stats
 
     # -- lifecycle (engine thread) ---------------------------------------------------------------------
     def start(self) -> int:
@@ -138,6 +164,7 @@ class ConnectorBase(Generic[E]):
             self.engine, list(self.ranks.values()), self._bind_host, self._port, self._secret
         )
         self._port = self._bg.run(self._server.start(), _START_TIMEOUT_S)
+        self.core.port = self._port
         cfg = self.config
         self.managers = {
             key: HandshakeManager(
@@ -182,7 +209,8 @@ class ConnectorBase(Generic[E]):
         self._regs.clear()
 
     async def _shutdown(self) -> None:
-        self._on_shutdown()
+        for action in self.core.shutdown(self._clock()):
+            self._execute(action)
         if self._ticker is not None:
             self._ticker.cancel()
         for task in list(self._tasks):
@@ -201,17 +229,18 @@ class ConnectorBase(Generic[E]):
         self.close()
 
     # -- hand-off from the engine thread ---------------------------------------------------------------
-    def _call(self, fn: Callable[..., None], *args: Any) -> None:
+    def _call(self, inp: Input) -> None:
         if not self._started or self._closed or self._bg is None:
             raise ConfigError(f"the {self.role} is not running (call start() first)")
-        self._bg.loop.call_soon_threadsafe(self._handoff, fn, args)
+        self._bg.loop.call_soon_threadsafe(self._handoff, inp)
 
-    def _handoff(self, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
-        self._guarded(fn, args)
+    def _handoff(self, inp: Input) -> None:
+        self._guarded(self._apply, (self._clock(), inp))
         self._wake()
 
     def _guarded(self, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
-        # A bug in one handler must not stop the loop that every other request depends on.
+        """The one way work enters the loop thread (engine calls, ticks, handshake answers): a bug in one
+        handler must not stop the loop that every other request depends on."""
         try:
             fn(*args)
         except Exception:
@@ -222,10 +251,151 @@ class ConnectorBase(Generic[E]):
         has something new, so the engine can sleep instead of polling while it waits for KV."""
         self._on_event = callback
 
-    def _emit(self, event: E) -> None:
-        self._events.append(event)
-        if self._on_event is not None:
-            self._on_event()
+    # -- core <-> I/O (loop thread) --------------------------------------------------------------------
+    def _apply(self, now: float, inp: Input) -> None:
+        """Feed ``inp`` and then every ``Outcome``/``HandshakeDone`` its actions produce (the cores' contract:
+        an outcome is handled before any other input)."""
+        pending = self._pending
+        pending.append(inp)
+        if len(pending) > 1:
+            return  # re-entered from an action: the outer call drains the queue
+        while pending:
+            item = pending[0]
+            try:
+                actions = self.core.handle(now, item)
+            except Refused as exc:
+                self.stats.dropped_notifs[exc.reason.value] += 1
+                log.debug("%s: dropped %s", self.role, exc)
+                actions = []
+            except KvwireError as exc:
+                log.warning("%s: %s refused: %s", self.role, type(item).__name__, exc)
+                actions = []
+            except Exception:
+                # A bug in one handler must not stop the loop that every other request depends on.
+                log.exception("%s: %s failed", self.role, type(item).__name__)
+                actions = []
+            try:
+                for action in actions:
+                    self._execute(action)
+            except Exception:
+                log.exception("%s: executing the actions of %s failed", self.role, type(item).__name__)
+            finally:
+                pending.popleft()
+
+    def _execute(self, action: Action) -> None:
+        if isinstance(action, Send):
+            ok = self._send(action)
+            if action.token:
+                self._pending.append(Outcome(action.token, ok))
+        elif isinstance(action, PostWrite | PostRead):
+            self._post(action)
+        elif isinstance(action, Release):
+            entry = self._handles.pop(action.token, None)
+            if entry is not None:
+                with contextlib.suppress(TransportError):
+                    self.ranks[entry[0]].agent.release(entry[1])
+        elif isinstance(action, Emit):
+            self._events.append(action.event)  # type: ignore[arg-type]
+            if self._on_event is not None:
+                self._on_event()
+        elif isinstance(action, StartHandshake):
+            self._handshake(action)
+        elif isinstance(action, ForgetPeer):
+            for mgr in self.managers.values():
+                mgr.forget(action.engine_id, action.incarnation)
+        elif isinstance(action, TouchPeer):
+            for mgr in self.managers.values():
+                mgr.touch(action.engine_id, time.monotonic())  # the managers' own clock
+        elif isinstance(action, Reap):
+            self._reap(action.in_use)
+
+    def _send(self, action: Send) -> bool:
+        """Send one notification; False (logged) when the transport refuses."""
+        self._quiet = 0  # an answer may follow
+        try:
+            self.ranks[action.key].agent.send_notif(action.peer, encode_notif(action.msg))
+        except PeerDisconnected as exc:
+            log.debug("%s: %s to %s not sent: %s", self.role, type(action.msg).__name__, action.peer, exc)
+            self._forget_agent(action.peer)  # its process is gone: nothing of it stays loaded
+            return False
+        except TransportError as exc:
+            log.debug("%s: %s to %s not sent: %s", self.role, type(action.msg).__name__, action.peer, exc)
+            return False
+        return True
+
+    def _post(self, action: PostWrite | PostRead) -> None:
+        rank = self.ranks[action.key]
+        write = isinstance(action, PostWrite)
+        try:
+            # The plan's [n, 3] arrays go to the transport as they are: no Desc object per descriptor.
+            handle = rank.agent.post_array(
+                XferOp.WRITE if write else XferOp.READ,
+                action.src if write else action.dst,
+                action.dst if write else action.src,
+                action.peer,
+                notif=action.notif if isinstance(action, PostWrite) else None,
+                kind=rank.cache.mem_kind,
+            )
+        except TransportError as exc:
+            self._pending.append(Outcome(action.token, False, str(exc)))
+            return
+        self._handles[action.token] = (action.key, handle, self._clock())
+        self._pending.append(Outcome(action.token, True))
+        self._wake()  # poll it at the busy rate from now on
+
+    def _handshake(self, action: StartHandshake) -> None:
+        """Run ``ensure`` on the loop; its ``HandshakeDone`` comes back as an input when it ends."""
+        mgr = self.managers[action.key]
+        a = action
+        args = (a.host, a.port, a.remote[0], a.remote[1], a.mode)
+        try:
+            hit = mgr.cached(*args, engine_id=a.engine_id, incarnation=a.incarnation)
+        except KvwireError as exc:
+            self._later(HandshakeDone(a.token, None, str(exc)))
+            return
+        if hit is not None:
+            # Cached (the usual case): no task; the answer still comes later, never re-entrantly.
+            self._later(HandshakeDone(a.token, hit, ""))
+            return
+        task = asyncio.ensure_future(mgr.ensure(*args, engine_id=a.engine_id, incarnation=a.incarnation))
+        self._tasks.add(task)
+
+        def finished(t: asyncio.Future[PeerRank]) -> None:
+            self._tasks.discard(t)
+            if t.cancelled():
+                return
+            exc = t.exception()
+            if exc is not None and not isinstance(exc, KvwireError):
+                log.error("%s: handshake with %s:%d raised %r", self.role, a.host, a.port, exc)
+            done = HandshakeDone(a.token, None, str(exc)) if exc else HandshakeDone(a.token, t.result(), "")
+            self._guarded(self._apply, (self._clock(), done))
+            self._wake()
+
+        task.add_done_callback(finished)
+
+    def _later(self, inp: Input) -> None:
+        loop = asyncio.get_running_loop()
+        loop.call_soon(lambda: self._guarded(self._apply, (self._clock(), inp)))
+
+    def _forget_agent(self, agent_name: str) -> None:
+        for mgr in self.managers.values():
+            for peer in mgr.peers():
+                if peer.agent_name == agent_name:
+                    for m in self.managers.values():
+                        m.forget(peer.engine_id, peer.incarnation)
+                    return
+
+    def _reap(self, in_use: frozenset[str]) -> None:
+        """Refresh the peers live requests use, then unload those idle past ``engine_ttl_s`` (S1)."""
+        now = time.monotonic()  # the managers keep their own clock
+        for mgr in self.managers.values():
+            for engine_id in in_use:
+                mgr.touch(engine_id, now)
+            for engine_id in mgr.reap_idle(now, self.config.engine_ttl_s):
+                self.stats.peers_reaped += 1
+                log.info(
+                    "%s: peer %s idle past %.0f s: unloaded", self.role, engine_id, self.config.engine_ttl_s
+                )
 
     # -- the ticker (loop thread) ----------------------------------------------------------------------
     async def _run(self) -> None:
@@ -254,7 +424,7 @@ class ConnectorBase(Generic[E]):
         usually follows soon after activity, and NIXL has no descriptor to wait on: this catches it
         without polling fast all the time."""
         cfg = self.config
-        if self._busy():
+        if self.core.busy:
             self._quiet = 0
             return cfg.poll_interval_s
         self._quiet += 1
@@ -275,6 +445,8 @@ class ConnectorBase(Generic[E]):
         self._next = loop.call_soon(self._on_tick, loop)
 
     def _tick(self, now: float) -> None:
+        # Time first: a P that was frozen recalls its writes before anything progresses them.
+        self._apply(now, Tick())
         for key, rank in self.ranks.items():
             try:
                 inbox = rank.agent.drain_notifs()
@@ -288,152 +460,17 @@ class ConnectorBase(Generic[E]):
                 continue
             for sender, msgs in inbox.items():
                 for raw in msgs:
-                    self._receive(key, sender, raw, now)
+                    self._quiet = 0
+                    self._apply(now, NotifIn(key, sender, raw))
         self._poll_transfers(now)
-        if now >= self._next_timers:
-            self._next_timers = now + _TIMER_PERIOD_S
-            self._timers(now)
-
-    def _receive(self, key: RankKey, sender: str, raw: bytes, now: float) -> None:
-        try:
-            msg = decode_notif(raw)
-        except ProtocolError as exc:
-            self._drop("malformed", f"from {sender}: {exc}")
-            return
-        self._quiet = 0
-        if not sender_matches(sender, msg.engine_id, msg.incarnation):
-            self._drop(
-                "wrong_sender",
-                f"{type(msg).__name__} claims {msg.engine_id}/{msg.incarnation}, sent by {sender}",
-            )
-            return
-        self._on_notif(key, sender, msg, now)
-
-    def _drop(self, why: str, detail: str) -> None:
-        self.stats.dropped_notifs[why] += 1
-        log.debug("%s: dropped notification (%s): %s", self.role, why, detail)
-
-    def _poll_xfer(
-        self, key: RankKey, handle: XferHandle, posted_at: float, now: float
-    ) -> tuple[XferStatus, bool] | None:
-        """Poll one transfer of local rank ``key``: None while it runs within ``transfer_timeout_s``;
-        otherwise (DONE or not, whether it timed out), its handle already released and a DONE one counted."""
-        agent = self.ranks[key].agent
-        try:
-            state = agent.status(handle)
-        except TransportError:
-            state = XferStatus.FAILED
-        timed_out = state is XferStatus.IN_PROGRESS and now - posted_at > self.config.transfer_timeout_s
-        if state is XferStatus.IN_PROGRESS and not timed_out:
-            return None
-        agent.release(handle)  # first: a timed-out transfer is cancelled before it is reported
-        if state is XferStatus.DONE:
-            self.stats.bytes_moved += handle.nbytes
-            self.stats.record_duration(now - posted_at)
-        return state, timed_out
-
-    def _send(self, key: RankKey, peer: str, msg: Notification) -> bool:
-        """Send one notification; False (logged) when the transport refuses."""
-        self._quiet = 0  # an answer may follow
-        try:
-            self.ranks[key].agent.send_notif(peer, encode_notif(msg))
-        except PeerDisconnected as exc:
-            log.debug("%s: %s to %s not sent: %s", self.role, type(msg).__name__, peer, exc)
-            self._forget_agent(peer)  # its process is gone: nothing of it stays loaded
-            return False
-        except TransportError as exc:
-            log.debug("%s: %s to %s not sent: %s", self.role, type(msg).__name__, peer, exc)
-            return False
-        return True
-
-    def _handshake(
-        self,
-        key: RankKey,
-        host: str,
-        port: int,
-        remote: RankKey,
-        mode: PeerMode,
-        done: Callable[[PeerRank | None, BaseException | None], None],
-        engine_id: str | None = None,
-        incarnation: str | None = None,
-    ) -> None:
-        """Start ``ensure`` on the loop; ``done(peer, error)`` runs on the loop when it ends."""
-        self.stats.handshakes_started += 1
-        mgr = self.managers[key]
-        try:
-            hit = mgr.cached(
-                host, port, remote[0], remote[1], mode, engine_id=engine_id, incarnation=incarnation
-            )
-        except KvwireError as exc:
-            self.stats.handshakes_failed += 1
-            asyncio.get_running_loop().call_soon(self._guarded, done, (None, exc))
-            return
-        if hit is not None:
-            # Cached (the usual case): no task; ``done`` still runs later, as after a handshake, so callers
-            # never see it re-entrantly.
-            asyncio.get_running_loop().call_soon(self._guarded, done, (hit, None))
-            return
-        coro = mgr.ensure(
-            host, port, remote[0], remote[1], mode, engine_id=engine_id, incarnation=incarnation
-        )
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-
-        def finished(t: asyncio.Future[PeerRank]) -> None:
-            self._tasks.discard(t)
-            if t.cancelled():
-                return
-            exc = t.exception()
-            if exc is not None and not isinstance(exc, KvwireError):
-                log.error("%s: handshake with %s:%d raised %r", self.role, host, port, exc)
-            if exc is not None:
-                self.stats.handshakes_failed += 1
-            self._guarded(done, (None if exc is not None else t.result(), exc))
-
-        task.add_done_callback(finished)
-
-    def _forget_peer(self, engine_id: str, incarnation: str | None = None) -> None:
-        """Unload a peer's agents from every local rank (only that life of it, when ``incarnation``)."""
-        for mgr in self.managers.values():
-            mgr.forget(engine_id, incarnation)
-
-    def _forget_agent(self, agent_name: str) -> None:
-        for mgr in self.managers.values():
-            for peer in mgr.peers():
-                if peer.agent_name == agent_name:
-                    self._forget_peer(peer.engine_id, peer.incarnation)
-                    return
-
-    def _touch_peer(self, engine_id: str) -> None:
-        now = time.monotonic()  # the managers' scale, whatever clock the connector's timers use
-        for mgr in self.managers.values():
-            mgr.touch(engine_id, now)
-
-    def _reap(self, in_use: set[str]) -> None:
-        """Refresh the peers live requests use, then unload those idle past ``engine_ttl_s`` (S1)."""
-        # The managers keep time.monotonic(), whatever clock the connector's timers use.
-        now = time.monotonic()
-        for mgr in self.managers.values():
-            for engine_id in in_use:
-                mgr.touch(engine_id, now)
-            for engine_id in mgr.reap_idle(now, self.config.engine_ttl_s):
-                self.stats.peers_reaped += 1
-                log.info(
-                    "%s: peer %s idle past %.0f s: unloaded", self.role, engine_id, self.config.engine_ttl_s
-                )
-
-    # -- hooks -----------------------------------------------------------------------------------------
-    def _busy(self) -> bool:
-        return False
-
-    def _on_notif(self, key: RankKey, sender: str, msg: Notification, now: float) -> None:
-        raise NotImplementedError
 
     def _poll_transfers(self, now: float) -> None:
-        pass
-
-    def _timers(self, now: float) -> None:
-        pass
-
-    def _on_shutdown(self) -> None:
-        pass
+        for token, (key, handle, _posted) in list(self._handles.items()):
+            try:
+                state = self.ranks[key].agent.status(handle)
+            except TransportError:
+                state = XferStatus.FAILED
+            if state is XferStatus.IN_PROGRESS:
+                continue
+            reason = handle.failed_reason if isinstance(handle.failed_reason, str) else ""
+            self._apply(now, XferEnded(token, state is XferStatus.DONE, reason))

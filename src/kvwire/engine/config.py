@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from kvwire.connector.config import LoadFailurePolicy
+from kvwire.core.config import LoadFailurePolicy
 from kvwire.engine.tokenizer import VOCAB_SIZE
 from kvwire.errors import ConfigError
 from kvwire.kv.spec import KVSpec, Layout

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvwire.connector.events import ConsumerEvent, ConsumerEventKind, ProducerEvent, ProducerOutcome
+from kvwire.core.events import ConsumerEvent, ConsumerEventKind, ProducerEvent, ProducerOutcome
 from kvwire.kv_params import KvTransferParams
 
 __all__ = [

@@ -37,15 +37,15 @@ from kvwire.protocol.messages import (
 )
 from kvwire.protocol.ranks import RankEnd, RankKey, RankTracker
 from kvwire.protocol.states import (
-    ConsumerEvent,
     ConsumerRequest,
     ConsumerState,
+    ConsumerTrigger,
     HandshakeEvent,
     HandshakeState,
     PeerHandshake,
-    ProducerEvent,
     ProducerRegistration,
     ProducerState,
+    ProducerTrigger,
     TransitionTable,
 )
 
@@ -55,9 +55,9 @@ __all__ = [
     "VERSION",
     "Cancel",
     "CancelAck",
-    "ConsumerEvent",
     "ConsumerRequest",
     "ConsumerState",
+    "ConsumerTrigger",
     "Done",
     "ErrorCode",
     "ErrorReply",
@@ -72,9 +72,9 @@ __all__ = [
     "Metadata",
     "Notification",
     "PeerHandshake",
-    "ProducerEvent",
     "ProducerRegistration",
     "ProducerState",
+    "ProducerTrigger",
     "PushReg",
     "RankEnd",
     "RankKey",

@@ -210,7 +210,7 @@ class ConsumerState(enum.Enum):
     FAILED = "failed"
 
 
-class ConsumerEvent(enum.Enum):
+class ConsumerTrigger(enum.Enum):
     REGISTER = "register"  # start the handshakes
     PUSH_REG_SENT = "push_reg_sent"  # push: the last push_reg is sent
     READ_POSTED = "read_posted"  # pull: every READ is posted
@@ -227,9 +227,9 @@ class ConsumerEvent(enum.Enum):
     RELEASE = "release"  # the request is over (decoded) and its blocks go back
 
 
-_CS, _CE = ConsumerState, ConsumerEvent
+_CS, _CE = ConsumerState, ConsumerTrigger
 _RANK_EVENTS = (_CE.RANK_DONE, _CE.RANK_FAILED, _CE.RANK_CANCEL_ACKED, _CE.RANK_DEAD)
-_DRAIN_COMMON: list[tuple[ConsumerState, list[tuple[ConsumerEvent, ConsumerState]]]] = [
+_DRAIN_COMMON: list[tuple[ConsumerState, list[tuple[ConsumerTrigger, ConsumerState]]]] = [
     (
         drain,
         [(ev, drain) for ev in _RANK_EVENTS]
@@ -237,7 +237,7 @@ _DRAIN_COMMON: list[tuple[ConsumerState, list[tuple[ConsumerEvent, ConsumerState
     )
     for drain, end in ((_CS.CANCELLING, _CS.ABORTED), (_CS.FAILING, _CS.FAILED))
 ]
-_CONSUMER_COMMON: list[tuple[ConsumerState, list[tuple[ConsumerEvent, ConsumerState]]]] = [
+_CONSUMER_COMMON: list[tuple[ConsumerState, list[tuple[ConsumerTrigger, ConsumerState]]]] = [
     (
         _CS.ALLOCATED,
         [(_CE.REGISTER, _CS.REGISTERING), (_CE.CANCEL, _CS.ABORTED), (_CE.TIMEOUT, _CS.FAILED)],
@@ -288,7 +288,7 @@ _PULL_ROWS = [
 _CONSUMER_TERMINAL = frozenset({_CS.FINISHED, _CS.ABORTED, _CS.FAILED})
 
 
-def _consumer_table(mode: TransferMode) -> TransitionTable[ConsumerState, ConsumerEvent]:
+def _consumer_table(mode: TransferMode) -> TransitionTable[ConsumerState, ConsumerTrigger]:
     rows = _PUSH_ROWS if mode is TransferMode.PUSH else _PULL_ROWS
     drain = _DRAIN_COMMON
     if mode is TransferMode.PULL:  # pull drains read handles, not ranks' messages: only RANK_DEAD applies
@@ -296,14 +296,14 @@ def _consumer_table(mode: TransferMode) -> TransitionTable[ConsumerState, Consum
     return TransitionTable(
         role=f"consumer/{mode.value}",
         states=ConsumerState,
-        events=ConsumerEvent,
+        events=ConsumerTrigger,
         initial=_CS.ALLOCATED,
         terminal=_CONSUMER_TERMINAL,
         transitions=_table([*_CONSUMER_COMMON, *rows, *drain]),
     )
 
 
-CONSUMER_TABLES: dict[TransferMode, TransitionTable[ConsumerState, ConsumerEvent]] = {
+CONSUMER_TABLES: dict[TransferMode, TransitionTable[ConsumerState, ConsumerTrigger]] = {
     mode: _consumer_table(mode) for mode in TransferMode
 }
 
@@ -316,7 +316,7 @@ _RANK_END_EVENT = {
 _DRAINING = frozenset({_CS.CANCELLING, _CS.FAILING})
 
 
-class ConsumerRequest(_Machine[ConsumerState, ConsumerEvent]):
+class ConsumerRequest(_Machine[ConsumerState, ConsumerTrigger]):
     """D's view of one request. ``handle`` takes raw events; in push mode, prefer the rank-level methods
     (``push_reg_sent``, ``rank_ended``, ``cancel``, ``fail``), which keep the ``RankTracker`` and fire
     DONE_ALL / ENDED_ALL at the right moment."""
@@ -366,7 +366,7 @@ class ConsumerRequest(_Machine[ConsumerState, ConsumerEvent]):
         self.handle(_CE.CANCEL)
         return self._settle()
 
-    def fail(self, event: ConsumerEvent) -> ConsumerState:
+    def fail(self, event: ConsumerTrigger) -> ConsumerState:
         """TIMEOUT, HANDSHAKE_FAILED or READ_FAILED."""
         self.handle(event)
         return self._settle()
@@ -397,7 +397,7 @@ class ProducerState(enum.Enum):
     FREED = "freed"  # P's blocks freed
 
 
-class ProducerEvent(enum.Enum):
+class ProducerTrigger(enum.Enum):
     PUSH_REG = "push_reg"
     PREFILL_DONE = "prefill_done"
     WRITES_POSTED = "writes_posted"
@@ -412,13 +412,13 @@ class ProducerEvent(enum.Enum):
     RELEASE = "release"
 
 
-_PS, _PE = ProducerState, ProducerEvent
+_PS, _PE = ProducerState, ProducerTrigger
 # Ways to fail while nothing is in flight, shared by every pre-write state.
 _PRE_WRITE_FAILS = [(_PE.LEASE_EXPIRED, _PS.FAILED), (_PE.ABORT, _PS.FAILED)]
-PRODUCER_TABLE: TransitionTable[ProducerState, ProducerEvent] = TransitionTable(
+PRODUCER_TABLE: TransitionTable[ProducerState, ProducerTrigger] = TransitionTable(
     role="producer",
     states=ProducerState,
-    events=ProducerEvent,
+    events=ProducerTrigger,
     initial=_PS.PREFILLING,
     terminal=frozenset({_PS.FREED}),
     transitions=_table(
@@ -482,7 +482,7 @@ PRODUCER_TABLE: TransitionTable[ProducerState, ProducerEvent] = TransitionTable(
     ),
 )
 
-FAIL_REASONS: dict[ProducerEvent, FailReason] = {
+FAIL_REASONS: dict[ProducerTrigger, FailReason] = {
     _PE.WRITE_FAILED: FailReason.WRITE_FAILED,
     _PE.HANDSHAKE_FAILED: FailReason.HANDSHAKE_FAILED,
     _PE.FENCE_EXPIRED: FailReason.FENCE_EXPIRED,
@@ -492,7 +492,7 @@ FAIL_REASONS: dict[ProducerEvent, FailReason] = {
 }
 
 
-class ProducerRegistration(_Machine[ProducerState, ProducerEvent]):
+class ProducerRegistration(_Machine[ProducerState, ProducerTrigger]):
     def __init__(self, state: ProducerState | None = None) -> None:
         super().__init__(PRODUCER_TABLE, state)
 

@@ -15,8 +15,8 @@ from typing import Any
 import msgspec
 
 from kvwire.config import env_config
-from kvwire.connector.config import ConnectorConfig, LoadFailurePolicy
 from kvwire.connector.consumer import RemoteEngine
+from kvwire.core.config import ConnectorConfig, LoadFailurePolicy
 from kvwire.errors import ConfigError
 from kvwire.kv_params import KvTransferParams, parse_kv_params
 from kvwire.protocol.messages import TransferMode

@@ -1,7 +1,7 @@
 """The producer's registration bookkeeping: request and registration records, their checks, P's replies.
 
-Everything here is plain data and pure functions over it; ``producer.py`` drives the flow (notifications,
-handshakes, writes, timers) and calls these. Nothing here touches an agent.
+Everything here is plain data and pure functions over it; the producer cores drive the flow
+(notifications, handshakes, writes, timers) and call these. Nothing here touches an agent.
 """
 
 from __future__ import annotations
@@ -13,15 +13,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from kvwire.connector._base import RankKey
-from kvwire.connector.events import ProducerOutcome
+from kvwire.core.events import ProducerOutcome
 from kvwire.errors import BlockRangeError, LayoutError
 from kvwire.handshake.types import EngineInfo, PeerRank
 from kvwire.kv.mapping import tp_peers
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.messages import CancelAck, Failed, FailReason, Heartbeat, Notification, PushReg
+from kvwire.protocol.ranks import RankKey
 from kvwire.protocol.states import ProducerRegistration, ProducerState
-from kvwire.transport.base import XferHandle
 
 
 class Phase(enum.Enum):
@@ -44,7 +43,8 @@ class Reg:
     machine: ProducerRegistration = field(default_factory=ProducerRegistration)
     peer: PeerRank | None = None
     handshake_failed: bool = False
-    handle: XferHandle | None = None
+    token: int = 0  # the write in flight (0: none)
+    posting: bool = False  # a PostWrite / done Send awaits its Outcome
     posted_at: float = 0.0
     wrote: bool = False
     outbox: list[Notification] = field(default_factory=list)  # to send once D is loaded
@@ -65,6 +65,8 @@ class Request:
     d_tp_size: int | None = None
     aborted: bool = False
     outcome: ProducerOutcome | None = None
+    # (local rank, D agent) pairs whose cancel came before their push_reg: that push_reg is refused.
+    cancelled: set[tuple[RankKey, str]] = field(default_factory=set)
     forget_at: float = math.inf
 
 

@@ -1,35 +1,16 @@
 """The consumer's records: the P engine of a request, and per request its local parts and their links to
-P ranks; the liveness of a P life. Plain data; ``consumer.py`` drives them."""
+P ranks; the liveness of a P life. Plain data; the consumer core drives them."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-from kvwire.connector._base import RankKey
+from kvwire.core.io import RemoteEngine
 from kvwire.handshake.types import PeerRank
 from kvwire.protocol.messages import FailReason
+from kvwire.protocol.ranks import RankKey
 from kvwire.protocol.states import ConsumerRequest
-from kvwire.transport.base import XferHandle
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteEngine:
-    """The P engine of a request (the decode leg's ``kv_transfer_params``)."""
-
-    engine_id: str
-    host: str
-    port: int
-    tp_size: int = 1
-    pp_size: int = 1
-    block_ids: tuple[int, ...] = ()  # pull only: P's blocks for the request, in token order
-    # One side channel per P rank (one process per rank, as vLLM runs): rank (pp, tp) listens at
-    # ``port + pp * tp_size + tp``. False: one listener serves every rank (kvwire's own engine).
-    rank_ports: bool = False
-
-    def port_of(self, rank: tuple[int, int]) -> int:
-        """The side-channel port that serves P rank (pp, tp)."""
-        return self.port + rank[0] * self.tp_size + rank[1] if self.rank_ports else self.port
 
 
 @dataclass(eq=False)
@@ -41,7 +22,9 @@ class Link:
     registered_at: float = math.inf
     cancel_sent: bool = False
     dead_at: float | None = None
-    handle: XferHandle | None = None  # pull: the READ in flight
+    token: int = 0  # pull: the READ in flight (0: none)
+    posting: bool = False  # pull: a PostRead awaits its Outcome
+    sending: bool = False  # push: the push_reg Send awaits its Outcome
     posted_at: float = 0.0
     read_done: bool = False
     rehandshaked: bool = False  # a push_reg could not be sent: the handshake was redone once

@@ -1,0 +1,145 @@
+"""D's pull core: a full handshake with each P rank, one READ per rank (coalesced descriptors), and once
+every read of every local rank is over, ``done`` to each P rank (``failed`` after a failure or an abort,
+once no read is in flight), so P frees its blocks. D's own READs land in D's blocks, so posted reads are
+drained like P's writes in push: a draining part ends only when no READ of it is in flight."""
+
+from __future__ import annotations
+
+from kvwire.core.consumer import ConsumerCore
+from kvwire.core.consumer_records import Link, LocalPart, Request
+from kvwire.core.io import Input, Outcome, PostRead, Release, XferEnded
+from kvwire.errors import BlockRangeError, IllegalTransition, LayoutError
+from kvwire.handshake.types import PeerRank
+from kvwire.kv.descriptors import plan_transfer
+from kvwire.protocol.messages import Done, Failed, FailReason, Notification
+from kvwire.protocol.states import ConsumerState
+from kvwire.protocol.states import ConsumerTrigger as CT
+from kvwire.transport.base import PeerMode
+
+
+class PullConsumerCore(ConsumerCore):
+    peer_mode = PeerMode.FULL
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self._posting: dict[int, tuple[Request, LocalPart, Link, int]] = {}
+        self._reading: dict[int, tuple[Request, LocalPart, Link, int]] = {}
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._reading)
+
+    def _start(self, now: float, req: Request, part: LocalPart, link: Link, peer: PeerRank) -> None:
+        assert peer.layout is not None
+        try:
+            plan = plan_transfer(
+                self.engine.spec,
+                peer.layout,
+                self.layouts[part.key],
+                list(req.remote.block_ids),
+                req.block_ids,
+                num_tokens=req.num_tokens,
+                num_cached_tokens=req.num_cached_tokens,
+            )
+        except (BlockRangeError, LayoutError) as exc:
+            self._log_info("%s cannot read from %s: %s", req.transfer_id, peer.agent_name, exc)
+            self._fail(req, part, CT.HANDSHAKE_FAILED, FailReason.BAD_REGISTRATION)
+            return
+        if plan.empty:
+            link.read_done = True
+            self._posted(part)
+            return
+        token = self._new_token()
+        link.posting, link.posted_at = True, now
+        self._posting[token] = (req, part, link, plan.nbytes)
+        self.stats.descriptors_posted += plan.num_descs
+        self._do(PostRead(token, part.key, peer.agent_name, plan.src_array, plan.dst_array, plan.nbytes))
+
+    def _on_outcome(self, now: float, inp: Outcome) -> None:
+        req, part, link, nbytes = self._posting.pop(inp.token)
+        link.posting = False
+        if inp.ok:
+            link.token = inp.token
+            self._reading[inp.token] = (req, part, link, nbytes)
+            self.stats.transfers_started += 1
+            self._posted(part)
+        else:
+            self._log_info("READ %s not posted: %s", req.transfer_id, inp.detail)
+            self._fail(req, part, CT.HANDSHAKE_FAILED, FailReason.POST_FAILED)
+        self._settle(now, req)
+
+    def _posted(self, part: LocalPart) -> None:
+        if part.machine.state is not ConsumerState.REGISTERING:
+            return
+        if all(lk.token or lk.read_done for lk in part.links.values()):
+            part.machine.handle(CT.READ_POSTED)
+            self._reads_settled(part)
+
+    def _reads_settled(self, part: LocalPart) -> None:
+        if part.machine.state is ConsumerState.READING and all(lk.read_done for lk in part.links.values()):
+            part.machine.handle(CT.DONE_ALL)
+
+    def _on_transfer_input(self, now: float, inp: Input) -> None:
+        if not isinstance(inp, XferEnded):
+            raise IllegalTransition(self.role, "pull", type(inp).__name__)
+        req, part, link, nbytes = self._reading.pop(inp.token)
+        self._do(Release(inp.token))
+        self._read_ended(now, req, part, link, ok=inp.ok, nbytes=nbytes, reason=FailReason.WRITE_FAILED)
+
+    def _read_ended(
+        self,
+        now: float,
+        req: Request,
+        part: LocalPart,
+        link: Link,
+        *,
+        ok: bool,
+        nbytes: int,
+        reason: FailReason,
+    ) -> None:
+        link.token = 0
+        if ok:
+            link.read_done = True
+            self.stats.bytes_moved += nbytes
+            self.stats.record_duration(now - link.posted_at)
+            self._reads_settled(part)
+        else:
+            event = CT.READ_FAILED if part.machine.accepts(CT.READ_FAILED) else CT.HANDSHAKE_FAILED
+            self._fail(req, part, event, reason)
+        if self._requests.get(req.transfer_id) is req:
+            self._settle(now, req)
+
+    def _timers(self, now: float) -> None:
+        timeout = self.config.transfer_timeout_s
+        for token, (req, part, link, nbytes) in list(self._reading.items()):
+            if now - link.posted_at > timeout:
+                del self._reading[token]
+                self._do(Release(token))
+                self._read_ended(
+                    now, req, part, link, ok=False, nbytes=nbytes, reason=FailReason.TRANSFER_TIMEOUT
+                )
+        super()._timers(now)
+
+    def _drain(self, req: Request, part: LocalPart) -> None:
+        if not any(lk.token or lk.posting for lk in part.links.values()):
+            part.machine.handle(CT.ENDED_ALL)
+
+    def _ended(self, req: Request, reason: FailReason | None) -> None:
+        """Every read of the request is over: P may free its blocks."""
+        for part in req.parts.values():
+            for link in part.links.values():
+                if link.peer is None:
+                    continue
+                common = {
+                    "transfer_id": req.transfer_id,
+                    "engine_id": self.engine.engine_id,
+                    "incarnation": self.engine.incarnation,
+                    "tp_rank": part.key[1],
+                    "pp_rank": part.key[0],
+                }
+                msg: Notification = (
+                    Done(num_blocks=len(req.remote.block_ids), **common)  # type: ignore[arg-type]
+                    if reason is None
+                    else Failed(reason=reason, **common)  # type: ignore[arg-type]
+                )
+                self._send(part.key, link.peer.agent_name, msg)

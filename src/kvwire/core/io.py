@@ -1,0 +1,211 @@
+"""What goes into a core and what comes out: inputs (things that happened) and actions (things to do).
+
+A core is driven as ``actions = core.handle(now, input)``. The driver (threads, sockets, NIXL; or the
+simulator) executes the actions in order. The contract a driver keeps:
+
+* ``now`` never goes backwards, and is the same clock for every input of one core.
+* An action with a non-zero ``token`` (``Send`` that needs an answer, ``PostWrite``/``PostRead``) gets its
+  ``Outcome`` fed back before any other input: the driver queues the outcomes of a batch and handles them
+  right after it. Cores rely on this: between the action and its outcome nothing else happens.
+* Every ``PostWrite``/``PostRead`` that was posted ends with exactly one ``XferEnded`` (the driver polls
+  the transfer) unless the core released it first (``Release``); after ``Release`` none comes.
+* ``StartHandshake`` ends with exactly one ``HandshakeDone`` (success or error), never re-entrantly.
+* ``Tick`` is due at ``core.wake_at()`` at the latest; earlier ticks are harmless.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvwire.handshake.types import PeerRank
+from kvwire.protocol.messages import Notification
+from kvwire.protocol.ranks import RankKey
+from kvwire.transport.base import PeerMode
+
+# --- inputs -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Time passed: check fences, leases, liveness, heartbeats, tombstones (and, on P, pauses)."""
+
+
+@dataclass(frozen=True, slots=True)
+class NotifIn:
+    """A raw notification the transport delivered to local rank ``key`` from agent ``sender``."""
+
+    key: RankKey
+    sender: str
+    raw: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class XferEnded:
+    """A posted transfer is no longer in progress (``ok``: every byte landed)."""
+
+    token: int
+    ok: bool
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class HandshakeDone:
+    """A ``StartHandshake`` ended: ``peer`` on success, else ``error`` says why."""
+
+    token: int
+    peer: PeerRank | None
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """Whether a tokened ``Send``/``Post*`` was accepted by the transport (see the module's contract)."""
+
+    token: int
+    ok: bool
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """P: prefill of ``transfer_id`` is over; the connector holds ``block_ids`` (same on every rank)."""
+
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """The engine drops the request."""
+
+    transfer_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteEngine:
+    """The P engine of a request (the decode leg's ``kv_transfer_params``)."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int = 1
+    pp_size: int = 1
+    block_ids: tuple[int, ...] = ()  # pull only: P's blocks for the request, in token order
+    # One side channel per P rank (one process per rank, as vLLM runs): rank (pp, tp) listens at
+    # ``port + pp * tp_size + tp``. False: one listener serves every rank (kvwire's own engine).
+    rank_ports: bool = False
+
+    def port_of(self, rank: tuple[int, int]) -> int:
+        """The side-channel port that serves P rank (pp, tp)."""
+        return self.port + rank[0] * self.tp_size + rank[1] if self.rank_ports else self.port
+
+
+@dataclass(frozen=True, slots=True)
+class Allocated:
+    """D: the request's blocks are allocated (token order, prefix-hit blocks included)."""
+
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    num_cached_tokens: int
+    remote: RemoteEngine
+
+
+Input = Tick | NotifIn | XferEnded | HandshakeDone | Outcome | Finished | Abort | Allocated
+
+# --- actions ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Send ``msg`` from local rank ``key`` to agent ``peer``; ``token`` != 0: feed back an ``Outcome``."""
+
+    key: RankKey
+    peer: str
+    msg: Notification
+    token: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PostWrite:
+    """Post one WRITE of ``src`` (local) to ``dst`` (peer's) ``[n, 3]`` descriptor arrays; ``notif`` goes
+    with its last byte. Feed back an ``Outcome``; later an ``XferEnded`` (unless released first)."""
+
+    token: int
+    key: RankKey
+    peer: str
+    src: np.ndarray
+    dst: np.ndarray
+    notif: bytes
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PostRead:
+    """Post one READ of the peer's ``src`` into local ``dst``; as ``PostWrite``, without a notification."""
+
+    token: int
+    key: RankKey
+    peer: str
+    src: np.ndarray
+    dst: np.ndarray
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Release transfer ``token``'s handle (NIXL cancels it if still in progress); no ``XferEnded`` after."""
+
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class StartHandshake:
+    """Load the agent of ``(host, port)``'s rank ``remote`` on local rank ``key`` (``mode``); answer with
+    ``HandshakeDone``. ``engine_id``/``incarnation``: refuse (or do not reuse) any other engine life."""
+
+    token: int
+    key: RankKey
+    host: str
+    port: int
+    remote: RankKey
+    mode: PeerMode
+    engine_id: str | None = None
+    incarnation: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ForgetPeer:
+    """Unload a peer engine's agents from every local rank (only that life when ``incarnation``)."""
+
+    engine_id: str
+    incarnation: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Reap:
+    """Peers ``in_use`` are live; unload the ones idle past ``engine_ttl_s``."""
+
+    in_use: frozenset[str]
+
+
+@dataclass(frozen=True, slots=True)
+class TouchPeer:
+    """The peer engine spoke: it is not idle."""
+
+    engine_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Emit:
+    """Report ``event`` to the engine (``poll()``)."""
+
+    event: object
+
+
+Action = Send | PostWrite | PostRead | Release | StartHandshake | ForgetPeer | Reap | TouchPeer | Emit
+Actions = Sequence[Action]

@@ -1,0 +1,432 @@
+"""P's push core: writes finished requests' KV into the blocks D registered, as pure ``(now, input)`` rules.
+
+Per (request, local rank, D rank) a ``ProducerRegistration`` machine: ``push_reg`` and the end of prefill
+may come in either order. The full handshake with D starts as soon as the ``push_reg`` arrives (it
+overlaps the prefill); when both are in, the request is mapped (``plan_transfer``: coalesced descriptors,
+D's prefix hit trimmed) and ONE write is posted with ``done`` attached. Block ids are checked against D's
+block count from the handshake (``failed``/``bad_registration``, no write). No write starts more than
+``fence_ms`` after the ``push_reg`` was received (``failed``/``fence_expired``); a ``cancel`` is answered
+with ``cancel_ack`` only when no write of ours is in flight; a failed post or write sends ``failed`` at
+once; a write in progress past ``transfer_timeout_s`` is released, then reported failed. The request's
+blocks are freeable when every registration every local rank expects (from D's TP size) has ended, or
+when the lease runs out with no write in flight. An ended request is remembered ``tombstone_s`` so that a
+late ``push_reg`` or ``cancel`` gets the right answer at once.
+
+P watches D as D watches P (NIXL reports neither a frozen nor a partitioned D: a write to it just stays
+in progress): a D life silent past ``liveness_timeout_s`` while P holds something for it is dead. A P that
+was itself frozen recalls every write in flight at its first tick (see ``_on_tick``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from kvwire.core.base import DropReason
+from kvwire.core.events import ProducerOutcome
+from kvwire.core.io import (
+    ForgetPeer,
+    HandshakeDone,
+    Input,
+    Outcome,
+    PostWrite,
+    Reap,
+    Release,
+    StartHandshake,
+    XferEnded,
+)
+from kvwire.core.producer import ProducerCore
+from kvwire.core.producer_records import (
+    TOMB_REASON,
+    DLife,
+    Phase,
+    Reg,
+    Request,
+    all_ended,
+    check_d_blocks,
+    check_reg,
+    d_life,
+    engines_in_use,
+    holding,
+    live_registrations,
+    outcome,
+    silent_d_lives,
+)
+from kvwire.errors import BlockRangeError, IllegalTransition, LayoutError
+from kvwire.kv.descriptors import plan_transfer
+from kvwire.protocol.codec import encode_notif
+from kvwire.protocol.messages import Cancel, Done, FailReason, Heartbeat, Notification, PushReg
+from kvwire.protocol.ranks import RankKey
+from kvwire.protocol.states import FAIL_REASONS, ProducerState
+from kvwire.protocol.states import ProducerTrigger as PT
+from kvwire.transport.base import PeerMode
+
+
+class PushProducerCore(ProducerCore):
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self._inflight: dict[int, Reg] = {}  # write token -> registration
+        self._handshakes: dict[int, tuple[Request, Reg]] = {}
+        self._awaiting: dict[int, tuple[Request, Reg, bool]] = {}  # token -> (req, reg, is the write)
+        self._sizes: dict[int, int] = {}  # write token -> bytes
+        # When each D life (engine_id, incarnation) last said anything.
+        self._d_seen: dict[DLife, float] = {}
+        self._last_tick = math.inf  # no pause before the first tick
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._inflight)
+
+    # -- notifications ---------------------------------------------------------------------------------------
+    def _on_notif(self, now: float, key: RankKey, sender: str, msg: Notification) -> None:
+        self._d_seen[(msg.engine_id, msg.incarnation)] = now  # the sender was checked against these
+        if isinstance(msg, PushReg):
+            self._on_push_reg(now, key, sender, msg)
+        elif isinstance(msg, Cancel):
+            self._on_cancel(now, key, sender, msg)
+        elif isinstance(msg, Heartbeat):
+            self._on_heartbeat(now, msg)
+        else:
+            raise self._refuse(DropReason.UNEXPECTED, f"{type(msg).__name__} from {sender} in push mode")
+
+    def _on_push_reg(self, now: float, key: RankKey, sender: str, msg: PushReg) -> None:
+        known = self._requests.get(msg.transfer_id)
+        if known is None and self._early >= self.config.max_early_registrations:
+            detail = f"push_reg {msg.transfer_id}: {self._early} registrations wait for prefill"
+            raise self._refuse(DropReason.OVERLOAD, detail)
+        if known is not None and (key, sender) in known.regs:
+            raise self._refuse(DropReason.DUPLICATE, f"push_reg {msg.transfer_id} from {sender}")
+        if known is not None and (key, sender) in known.cancelled:
+            raise self._refuse(DropReason.CANCELLED, f"push_reg {msg.transfer_id} after its cancel")
+        req = self._request(msg.transfer_id)
+        fence_s = min(msg.fence_ms, self.config.fence_ms) / 1000.0
+        reg = req.regs[(key, sender)] = Reg(key, sender, msg, now + fence_s, received_at=now)
+        reg.machine.handle(PT.PUSH_REG)
+        bad = check_reg(self.engine, req, reg)
+        if req.phase is Phase.ENDED:
+            reason = TOMB_REASON.get(req.outcome or ProducerOutcome.EXPIRED, FailReason.LEASE_EXPIRED)
+            reg.machine.handle(PT.ABORT if reason is FailReason.ABORTED else PT.LEASE_EXPIRED)
+            reg.outbox.append(self._replies.failed(req.transfer_id, reg.key, reason))
+        elif bad is not None:
+            self._fail(req, reg, PT.ABORT, bad)
+        elif req.phase is Phase.HELD:
+            reg.machine.handle(PT.PREFILL_DONE)
+        # Overlap the full handshake with D with the prefill: it is needed to write, and to tell D anything.
+        token = self._new_token()
+        self._handshakes[token] = (req, reg)
+        self.stats.handshakes_started += 1
+        # A restarted D (same address, new life) must not be served from the old one's cache entry.
+        self._do(
+            StartHandshake(
+                token,
+                key,
+                msg.host,
+                msg.port,
+                (0, msg.tp_rank),
+                PeerMode.FULL,
+                msg.engine_id,
+                msg.incarnation,
+            )
+        )
+
+    def _on_cancel(self, now: float, key: RankKey, sender: str, msg: Cancel) -> None:
+        req = self._requests.get(msg.transfer_id)
+        reg = None if req is None else req.regs.get((key, sender))
+        if req is None:
+            # P never saw the transfer (or forgot it a tombstone period ago): nothing to answer for.
+            raise self._refuse(DropReason.UNKNOWN_TRANSFER, f"cancel {msg.transfer_id} from {sender}")
+        if reg is None:
+            # No registration from that D rank: nothing of ours writes for it. Remember the cancel, so a
+            # push_reg arriving after it is refused, not written.
+            req.cancelled.add((key, sender))
+            self._send(key, sender, self._replies.cancel_ack(msg.transfer_id, key, wrote=False))
+            return
+        if not reg.machine.accepts(PT.CANCEL):
+            raise self._refuse(DropReason.LATE, f"cancel {msg.transfer_id} in {reg.state.name}")
+        self.stats.cancels += 1
+        was_done = reg.state is ProducerState.DONE_SENT
+        reg.machine.handle(PT.CANCEL)
+        if was_done:
+            return  # a cancel that crossed our done: D counts the done, no cancel_ack
+        if reg.state is ProducerState.CANCELLED:
+            self._cancel_ack(req, reg, wrote=False)
+        self._settle(now, req)
+
+    # -- engine inputs ---------------------------------------------------------------------------------------
+    def _prefill_done(self, now: float, req: Request) -> None:
+        for reg in list(req.regs.values()):
+            if reg.machine.accepts(PT.PREFILL_DONE):
+                reg.machine.handle(PT.PREFILL_DONE)
+            self._advance(now, req, reg)
+
+    def _abort_regs(self, now: float, req: Request) -> None:
+        for reg in list(req.regs.values()):
+            self._fail(req, reg, PT.ABORT)
+
+    def _settle(self, now: float, req: Request) -> None:
+        """Emit the freeable event once nothing more can happen to a held request's blocks."""
+        if req.phase is Phase.PREFILLING:
+            if req.regs and all(r.machine.registration_ended for r in req.regs.values()):
+                self._end(now, req, outcome(req), emit=False)
+            return
+        if req.phase is not Phase.HELD:
+            return
+        if any(r.machine.writes_in_flight or r.posting for r in req.regs.values()):
+            return
+        if req.aborted:
+            self._end(now, req, ProducerOutcome.ABORTED, emit=True)
+        elif all_ended(self.engine, self.keys, req):
+            self._end(now, req, outcome(req), emit=True)
+        elif now >= req.lease_until:
+            for reg in list(req.regs.values()):
+                self._fail(req, reg, PT.LEASE_EXPIRED)
+            self._end(now, req, ProducerOutcome.EXPIRED, emit=True)
+
+    # -- transfer inputs -------------------------------------------------------------------------------------
+    def _on_transfer_input(self, now: float, inp: Input) -> None:
+        if isinstance(inp, HandshakeDone):
+            req, reg = self._handshakes.pop(inp.token)
+            self._on_d_handshake(now, req, reg, inp)
+        elif isinstance(inp, Outcome):
+            self._on_outcome(now, inp)
+        elif isinstance(inp, XferEnded):
+            self._on_xfer_ended(now, inp)
+        else:
+            raise IllegalTransition(self.role, "push", type(inp).__name__)
+
+    def _on_d_handshake(self, now: float, req: Request, reg: Reg, inp: HandshakeDone) -> None:
+        peer, error = inp.peer, inp.error
+        if peer is not None and (peer.incarnation != reg.msg.incarnation or peer.agent_name != reg.sender):
+            error = f"D at {reg.msg.host}:{reg.msg.port} is now {peer.agent_name}, not {reg.sender}"
+            peer = None
+        if peer is None:
+            self.stats.handshakes_failed += 1
+            self._log_info("handshake with D for %s failed: %s", req.transfer_id, error)
+            reg.handshake_failed = True
+            reg.outbox.clear()
+            self._fail(req, reg, PT.HANDSHAKE_FAILED)
+            self._settle(now, req)
+            return
+        reg.peer = peer
+        for msg in reg.outbox:
+            self._send(reg.key, reg.sender, msg)
+        reg.outbox.clear()
+        if not reg.machine.registration_ended:
+            try:
+                # Refuse a bad registration at once, not at write time: P writes only inside D's cache.
+                check_d_blocks(reg.msg.block_ids, peer.num_blocks)
+            except BlockRangeError as exc:
+                self._log_info("registration %s from %s refused: %s", req.transfer_id, reg.sender, exc)
+                self._fail(req, reg, PT.ABORT, FailReason.BAD_REGISTRATION)
+        self._advance(now, req, reg)
+        self._settle(now, req)
+
+    def _advance(self, now: float, req: Request, reg: Reg) -> None:
+        """Start the write when the registration is connecting, D is loaded, and the fence allows."""
+        if reg.state is not ProducerState.CONNECTING or reg.posting:
+            return
+        if reg.handshake_failed:
+            self._fail(req, reg, PT.HANDSHAKE_FAILED)
+        elif reg.peer is None:
+            return  # the handshake's answer comes back here
+        elif now > reg.fence_at:
+            self._fail(req, reg, PT.FENCE_EXPIRED)
+        else:
+            self._write(now, req, reg)
+
+    def _write(self, now: float, req: Request, reg: Reg) -> None:
+        msg, peer = reg.msg, reg.peer
+        assert peer is not None
+        if peer.layout is None or msg.num_tokens > req.num_tokens or msg.num_tokens <= 0:
+            self._fail(req, reg, PT.WRITE_FAILED, FailReason.BAD_REGISTRATION)
+            return
+        try:
+            plan = plan_transfer(
+                self.engine.spec,
+                self.layouts[reg.key],
+                peer.layout,
+                req.block_ids,
+                msg.block_ids,
+                num_tokens=msg.num_tokens,
+                num_cached_tokens=msg.num_cached_tokens,
+            )
+        except (BlockRangeError, LayoutError) as exc:
+            self._log_info("registration %s from %s refused: %s", req.transfer_id, reg.sender, exc)
+            self._fail(req, reg, PT.WRITE_FAILED, FailReason.BAD_REGISTRATION)
+            return
+        done = Done(
+            transfer_id=req.transfer_id,
+            engine_id=self.engine.engine_id,
+            incarnation=self.engine.incarnation,
+            tp_rank=reg.key[1],
+            pp_rank=reg.key[0],
+            num_blocks=len(msg.block_ids) - msg.num_cached_tokens // peer.layout.block_size,
+        )
+        reg.posting, reg.posted_at = True, now
+        if plan.empty:  # D's prefix hit covers all, or this rank holds nothing D needs: just say so
+            token = self._send(reg.key, reg.sender, done, answer=True)
+            self._awaiting[token] = (req, reg, False)
+            return
+        token = self._new_token()
+        self._awaiting[token] = (req, reg, True)
+        self.stats.descriptors_posted += plan.num_descs
+        self._sizes[token] = plan.nbytes
+        self._do(
+            PostWrite(
+                token, reg.key, reg.sender, plan.src_array, plan.dst_array, encode_notif(done), plan.nbytes
+            )
+        )
+
+    def _on_outcome(self, now: float, inp: Outcome) -> None:
+        req, reg, is_write = self._awaiting.pop(inp.token)
+        reg.posting = False
+        reg.machine.handle(PT.WRITES_POSTED)
+        if not is_write:  # the bare done of an empty plan
+            reg.machine.handle(PT.WRITES_COMPLETE if inp.ok else PT.WRITE_FAILED)
+        elif inp.ok:
+            reg.token = inp.token
+            self._inflight[inp.token] = reg
+            self.stats.transfers_started += 1
+        else:
+            self._sizes.pop(inp.token, None)
+            self._log_info("posting %s to %s failed: %s", req.transfer_id, reg.sender, inp.detail)
+            self._fail(req, reg, PT.WRITE_FAILED, FailReason.POST_FAILED, force=True)
+        self._settle(now, req)
+
+    def _on_xfer_ended(self, now: float, inp: XferEnded) -> None:
+        reg = self._inflight.pop(inp.token)
+        self._do(Release(inp.token))
+        nbytes = self._sizes.pop(inp.token, 0)
+        reg.token = 0
+        req = self._requests[reg.msg.transfer_id]
+        if inp.ok:
+            reg.wrote = True
+            self.stats.transfers_done += 1
+            self.stats.bytes_moved += nbytes
+            self.stats.record_duration(now - reg.posted_at)
+            cancelled = reg.state is ProducerState.CANCEL_PENDING
+            reg.machine.handle(PT.WRITES_COMPLETE)
+            if cancelled:
+                self._cancel_ack(req, reg, wrote=True)
+        else:
+            self._write_failed(req, reg, FailReason.WRITE_FAILED)
+            if inp.detail:
+                self._log_info("write %s to %s failed: %s", req.transfer_id, reg.sender, inp.detail)
+        self._settle(now, req)
+
+    def _write_failed(self, req: Request, reg: Reg, reason: FailReason) -> None:
+        if reg.state is ProducerState.CANCEL_PENDING:
+            reg.machine.handle(PT.WRITE_FAILED)
+            self._cancel_ack(req, reg, wrote=True)  # it may have landed in part
+        else:
+            self._fail(req, reg, PT.WRITE_FAILED, reason)
+
+    def _recall(self, req: Request, reg: Reg, reason: FailReason) -> None:
+        """Release a write in flight (NIXL cancels it) and end its registration: ``failed``, or
+        ``cancel_ack`` (wrote: part of it may have landed) when D had cancelled."""
+        self._do(Release(reg.token))
+        self._inflight.pop(reg.token, None)
+        self._sizes.pop(reg.token, None)
+        reg.token = 0
+        self._write_failed(req, reg, reason)
+
+    # -- replies ---------------------------------------------------------------------------------------------
+    def _fail(
+        self, req: Request, reg: Reg, event: PT, reason: FailReason | None = None, *, force: bool = False
+    ) -> None:
+        """End a registration in FAILED (if ``event`` applies now) and tell D, now or once D is loaded."""
+        if not reg.machine.accepts(event):
+            if force:
+                raise IllegalTransition(self.role, reg.state.name, event.name)
+            return
+        reg.machine.handle(event)
+        reason = reason or FAIL_REASONS[event]
+        self.stats.failures[reason] += 1
+        failed = self._replies.failed(req.transfer_id, reg.key, reason)
+        if reg.peer is not None:
+            self._send(reg.key, reg.sender, failed)
+        elif not reg.handshake_failed:
+            reg.outbox.append(failed)
+
+    def _cancel_ack(self, req: Request, reg: Reg, wrote: bool) -> None:
+        ack = self._replies.cancel_ack(req.transfer_id, reg.key, wrote)
+        if reg.peer is not None:
+            self._send(reg.key, reg.sender, ack)
+        elif not reg.handshake_failed:
+            reg.outbox.append(ack)
+
+    # -- time ------------------------------------------------------------------------------------------------
+    def _on_tick(self, now: float) -> None:
+        # A P that was frozen (SIGSTOP, a long pause) resumes its posted writes at its first progress
+        # call, and D may have declared it dead and reused their blocks meanwhile: past the point where
+        # D may have (silent for its liveness timeout), recall every write before anything progresses.
+        paused = now - self._last_tick
+        self._last_tick = now
+        cfg = self.config
+        if self._inflight and paused > cfg.liveness_timeout_s - cfg.heartbeat_interval_s:
+            self._log_warning("paused %.2f s with writes in flight: recalling them", paused)
+            for reg in list(self._inflight.values()):
+                req = self._requests[reg.msg.transfer_id]
+                self._recall(req, reg, FailReason.TRANSFER_TIMEOUT)
+                self._settle(now, req)
+        super()._on_tick(now)
+
+    def _timers(self, now: float) -> None:
+        for life in silent_d_lives(self._live_reqs, self._d_seen, now, self.config.liveness_timeout_s):
+            self._d_dead(now, life)
+        timeout = self.config.transfer_timeout_s
+        for reg in [r for r in self._inflight.values() if now - r.posted_at > timeout]:
+            self._recall(self._requests[reg.msg.transfer_id], reg, FailReason.TRANSFER_TIMEOUT)
+        for req in list(self._live_reqs.values()):
+            for reg in list(req.regs.values()):
+                if reg.state in (ProducerState.REGISTERED, ProducerState.CONNECTING) and now > reg.fence_at:
+                    if reg.posting or (
+                        reg.state is ProducerState.CONNECTING
+                        and reg.peer is None
+                        and not reg.handshake_failed
+                    ):
+                        continue  # the handshake is bounded; its answer applies the fence
+                    self._fail(req, reg, PT.FENCE_EXPIRED)
+            self._settle(now, req)
+        if self._heartbeat_due(now):
+            self._heartbeats()
+            self._do(Reap(frozenset(engines_in_use(self._live_reqs))))
+            held = {d_life(r) for q in self._live_reqs.values() for r in q.regs.values() if holding(r)}
+            for life in [k for k in self._d_seen if k not in held]:
+                del self._d_seen[life]
+
+    def _d_dead(self, now: float, life: DLife) -> None:
+        """D is silent past the liveness timeout: end everything P holds for it, then unload it.
+
+        A write in flight cannot be recalled, only released (which cancels it); its source blocks stay
+        quarantined until then, so the request's blocks become freeable only after the release."""
+        silent = now - self._d_seen.get(life, now)
+        self._log_warning("D %s/%s silent for %.1f s: declared dead", life[0], life[1], silent)
+        self.stats.peers_declared_dead += 1
+        touched: list[Request] = []
+        for req in list(self._live_reqs.values()):
+            for reg in list(req.regs.values()):
+                if d_life(reg) != life or not holding(reg):
+                    continue
+                touched.append(req)
+                if reg.token:
+                    self._recall(req, reg, FailReason.PEER_DEAD)
+                else:
+                    self._fail(req, reg, PT.PEER_DEAD)
+        self._do(ForgetPeer(*life))
+        self._d_seen.pop(life, None)
+        for req in touched:
+            self._settle(now, req)
+
+    def _heartbeats(self) -> None:
+        """Tell each D agent which of its registrations we still hold (a long prefill is alive)."""
+        for (key, sender), tids in live_registrations(self._live_reqs).items():
+            self._send(key, sender, self._replies.heartbeat(tids))
+            self.stats.heartbeats_sent += 1
+
+    def _on_shutdown(self, now: float) -> None:
+        for req in list(self._requests.values()):
+            for reg in list(req.regs.values()):
+                if not reg.machine.registration_ended and reg.peer is not None:
+                    failed = self._replies.failed(req.transfer_id, reg.key, FailReason.SHUTDOWN)
+                    self._send(reg.key, reg.sender, failed)
+        super()._on_shutdown(now)

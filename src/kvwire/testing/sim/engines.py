@@ -1,0 +1,350 @@
+"""Simulated engines: the real cores, real ``KVCache`` memory, a block allocator, and a driver that turns
+the cores' actions into simulated I/O (``World``) under the cores' contract (``kvwire.core.io``)."""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvwire.core.base import CoreBase, Refused
+from kvwire.core.config import ConnectorConfig
+from kvwire.core.io import (
+    Action,
+    Emit,
+    ForgetPeer,
+    HandshakeDone,
+    Input,
+    NotifIn,
+    Outcome,
+    PostRead,
+    PostWrite,
+    Release,
+    Send,
+    StartHandshake,
+    Tick,
+    XferEnded,
+)
+from kvwire.handshake.types import EngineInfo, PeerRank
+from kvwire.kv.cache import KVCache
+from kvwire.kv.mapping import RankLayout, layer_window
+from kvwire.kv.spec import KVSpec
+from kvwire.protocol.codec import encode_notif
+from kvwire.protocol.messages import TransferMode
+from kvwire.protocol.ranks import RankKey
+from kvwire.testing.sim.net import Region, World
+from kvwire.transport.base import PeerMode, make_agent_name
+
+CoreFactory = Callable[[EngineInfo, dict[RankKey, RankLayout], int, ConnectorConfig, str], CoreBase]
+
+
+@dataclass
+class _Xfer:
+    """One posted transfer: ``src`` rows are copied to ``dst`` rows (a WRITE's ``dst`` and a READ's ``dst``
+    are both D's memory: the C1 check looks there)."""
+
+    token: int
+    remote: SimEngine  # the peer engine (its life at post time)
+    peer_agent: str
+    sender_agent: str  # the posting rank's agent: a WRITE's notification comes from it
+    src: np.ndarray
+    dst: np.ndarray
+    notif: bytes | None
+    released: bool = False
+    ended: bool = False
+
+
+class SimEngine:
+    """One engine (all its ranks) across its lives: a crash starts a new incarnation at the same address."""
+
+    def __init__(
+        self,
+        world: World,
+        engine_id: str,
+        port: int,
+        spec: KVSpec,
+        *,
+        tp: int,
+        pp: int,
+        num_blocks: int,
+        mode: TransferMode,
+        config: ConnectorConfig,
+        make_core: CoreFactory,
+        on_event: Callable[[SimEngine, object], None],
+    ) -> None:
+        self.world, self.engine_id, self.port, self.spec = world, engine_id, port, spec
+        self.tp, self.pp, self.num_blocks, self.mode, self.config = tp, pp, num_blocks, mode, config
+        self._make_core, self._on_event = make_core, on_event
+        self.life = 0
+        self.graveyard: list[KVCache] = []  # old lives' memory stays mapped: late writes must not crash us
+        self._start_life()
+
+    # -- lives -------------------------------------------------------------------------------------------
+    def _start_life(self) -> None:
+        w = self.world
+        self.life += 1
+        self.incarnation = f"{self.engine_id}-life{self.life}"
+        self.info = EngineInfo(
+            self.engine_id, self.incarnation, "sim", self.spec, self.tp, self.pp, self.mode
+        )
+        self.caches: dict[RankKey, KVCache] = {}
+        self.agent_names: dict[RankKey, str] = {}
+        for p in range(self.pp):
+            window = layer_window(self.spec.num_layers, self.pp, p)
+            for t in range(self.tp):
+                cache = KVCache(
+                    self.spec, self.num_blocks, tp_size=self.tp, tp_rank=t,
+                    first_layer=window.start, num_layers=len(window),
+                )  # fmt: skip
+                self.caches[(p, t)] = cache
+                name = make_agent_name(self.engine_id, self.incarnation, p, t)
+                self.agent_names[(p, t)] = name
+                w.agents[name] = self
+                for r in cache.regions():
+                    w.memory.add(Region(r.base_addr, r.block_len, r.num_blocks), self)
+        self.layouts = {
+            key: RankLayout.from_cache(c, pp_size=self.pp, pp_rank=key[0]) for key, c in self.caches.items()
+        }
+        self.core = self._make_core(self.info, self.layouts, self.num_blocks, self.config, "sim")
+        self.core.port = self.port
+        w.addresses[("sim", self.port)] = self
+        self.free: list[int] = list(range(self.num_blocks))
+        self.owner: dict[int, str] = {}  # block -> transfer id that holds it
+        self.writable: set[str] = set()  # D: transfers whose blocks a peer may write now
+        self.loaded: dict[RankKey, set[str]] = {key: set() for key in self.caches}
+        self.xfers: dict[int, _Xfer] = {}
+        self.paused_until = 0.0
+        self.deferred: collections.deque[Input] = collections.deque()
+        self.alive = True
+        self._tick_at = math.inf
+        self._pending: collections.deque[Input] = collections.deque()
+
+    def crash(self) -> None:
+        """The process dies: every agent, transfer and request of this life is gone; restart at once."""
+        w = self.world
+        for name in self.agent_names.values():
+            w.agents.pop(name, None)
+        w.memory.remove(self)
+        self.graveyard.extend(self.caches.values())
+        self.alive = False
+        for x in self.xfers.values():
+            x.released = True
+        self._start_life()
+
+    def pause(self, seconds: float) -> None:
+        self.paused_until = max(self.paused_until, self.world.now + seconds)
+        self.world.at(self.paused_until, self._resume)
+
+    @property
+    def paused(self) -> bool:
+        return self.world.now < self.paused_until
+
+    def _resume(self) -> None:
+        if self.paused:
+            return
+        # A thawed process's loop runs its timers first (kvwire's driver ticks before it progresses).
+        self.feed(Tick())
+        while self.deferred and not self.paused:
+            self.feed(self.deferred.popleft())
+
+    # -- inputs --------------------------------------------------------------------------------------------
+    def feed(self, inp: Input) -> None:
+        if self.paused:
+            self.deferred.append(inp)
+            return
+        pending = self._pending
+        pending.append(inp)
+        if len(pending) > 1:
+            return
+        while pending:
+            item = pending[0]
+            try:
+                actions = self.core.handle(self.world.now, item)
+            except Refused:
+                actions = []
+            except Exception as exc:
+                self.world.violation(f"{self.engine_id}: {type(item).__name__} raised {exc!r}")
+                actions = []
+            for action in actions:
+                self._execute(action)
+            pending.popleft()
+        self._schedule_tick()
+
+    def notif_in(self, agent: str, sender: str, raw: bytes) -> None:
+        key = next(k for k, n in self.agent_names.items() if n == agent)
+        self.feed(NotifIn(key, sender, raw))
+
+    def _schedule_tick(self) -> None:
+        at = self.core.wake_at()
+        if at < self._tick_at:
+            self._tick_at = at
+            life = self.life
+            self.world.at(at, lambda: self._tick(life, at))
+
+    def _tick(self, life: int, at: float) -> None:
+        if life != self.life or at != self._tick_at:
+            return  # superseded by an earlier tick, or of a dead life
+        self._tick_at = math.inf
+        self.feed(Tick())
+
+    # -- actions -------------------------------------------------------------------------------------------
+    def _execute(self, action: Action) -> None:
+        if isinstance(action, Send):
+            ok = self._send(action)
+            if action.token:
+                self._pending.append(Outcome(action.token, ok))
+        elif isinstance(action, PostWrite | PostRead):
+            self._post(action)
+        elif isinstance(action, Release):
+            x = self.xfers.pop(action.token, None)
+            if x is not None:
+                x.released = True
+        elif isinstance(action, StartHandshake):
+            self._handshake(action)
+        elif isinstance(action, ForgetPeer):
+            prefix = f"{action.engine_id}/{action.incarnation or ''}"
+            for names in self.loaded.values():
+                for n in [n for n in names if n.startswith(prefix)]:
+                    names.discard(n)
+        elif isinstance(action, Emit):
+            self._on_event(self, action.event)
+
+    def _peer_engine(self, key: RankKey, peer: str) -> SimEngine | None:
+        if peer not in self.loaded[key]:
+            return None
+        return self.world.agents.get(peer)
+
+    def _send(self, action: Send) -> bool:
+        dst = self._peer_engine(action.key, action.peer)
+        if dst is None:
+            return False
+        self.world.deliver(self, action.peer, encode_notif(action.msg), self.agent_names[action.key])
+        return True
+
+    def _post(self, action: PostWrite | PostRead) -> None:
+        w, f = self.world, self.world.faults
+        dst = self._peer_engine(action.key, action.peer)
+        if dst is None or w.chance(f.failed_post, "failed_post"):
+            self._pending.append(Outcome(action.token, False, "post refused"))
+            return
+        x = _Xfer(
+            action.token,
+            dst,
+            action.peer,
+            self.agent_names[action.key],
+            action.src,
+            action.dst,
+            action.notif if isinstance(action, PostWrite) else None,
+        )
+        self.xfers[action.token] = x
+        self._pending.append(Outcome(action.token, True))
+        duration = 50e-6 + w.rng.random() * 200e-6
+        if w.chance(f.slow_write, "slow_write"):
+            duration += w.rng.random() * f.slow_write_max_s
+        if w.chance(f.stuck_write, "stuck_write"):
+            return  # never lands: the core's transfer timeout releases it
+        fail = w.chance(f.failed_write, "failed_write")
+        w.after(duration, lambda: self._land(x, fail))
+
+    def _land(self, x: _Xfer, fail: bool) -> None:
+        w = self.world
+        if x.released or x.ended or not self.alive:
+            return
+        if self.paused:  # no progress while frozen: it lands after the thaw, unless recalled first
+            w.at(self.paused_until, lambda: self._land(x, fail))
+            return
+        healed = w.partitions.get(frozenset((self.engine_id, x.remote.engine_id)), 0.0)
+        if healed > w.now:  # UCX retries until the link comes back
+            w.at(healed, lambda: self._land(x, fail))
+            return
+        if fail or w.agents.get(x.peer_agent) is not x.remote or not x.remote.alive:
+            x.ended = True
+            self.feed(XferEnded(x.token, False, "write failed" if fail else "peer gone"))
+            return
+        self._check_landing(x.dst)
+        w.copy(x.src, x.dst)
+        x.ended = True
+        if x.notif is not None:
+            w.deliver(self, x.peer_agent, x.notif, x.sender_agent)
+        self.feed(XferEnded(x.token, True))
+
+    def _check_landing(self, rows: np.ndarray) -> None:
+        """C1: every destination block must be registered to a live transfer of the receiving life."""
+        for addr, length, _ in rows.tolist():
+            hit = self.world.memory.blocks(addr, length)
+            if hit is None:
+                self.world.violation(f"write outside any live cache at {addr:#x}+{length}")
+                continue
+            engine, blocks = hit
+            for b in blocks:
+                tid = engine.owner.get(b)
+                if tid is None or tid not in engine.writable:
+                    what = "a free block" if tid is None else f"block of {tid} (not writable now)"
+                    self.world.violation(f"C1: bytes landed in {engine.engine_id} block {b}: {what}")
+                    return
+
+    def _handshake(self, a: StartHandshake) -> None:
+        w, f = self.world, self.world.faults
+        target = w.addresses.get((a.host, a.port))
+        delay = 200e-6 + w.rng.random() * 800e-6
+        error = ""
+        if target is None or target.paused or w.partitioned(self.engine_id, target.engine_id):
+            error, delay = "handshake timed out", self.config.handshake_timeout_s
+        elif w.chance(f.failed_handshake, "failed_handshake"):
+            error = "side channel refused"
+        elif a.engine_id is not None and target.engine_id != a.engine_id:
+            error = "another engine answered"
+        elif a.incarnation is not None and target.incarnation != a.incarnation:
+            error = f"{a.engine_id} is now {target.incarnation}"
+        elif a.remote not in target.caches:
+            error = f"no rank {a.remote}"
+        life, tlife = self.life, (target.life if target is not None else 0)
+        w.after(delay, lambda: self._handshake_done(life, a, target, tlife, error))
+
+    def _handshake_done(
+        self, life: int, a: StartHandshake, target: SimEngine | None, tlife: int, error: str
+    ) -> None:
+        if life != self.life:
+            return
+        if error or target is None or target.life != tlife:
+            self.feed(HandshakeDone(a.token, None, error or "peer gone"))
+            return
+        agent = target.agent_names[a.remote]
+        self.loaded[a.key].add(agent)
+        peer = PeerRank(
+            engine_id=target.engine_id,
+            incarnation=target.incarnation,
+            host=a.host,
+            port=a.port,
+            tp_size=target.tp,
+            tp_rank=a.remote[1],
+            pp_size=target.pp,
+            pp_rank=a.remote[0],
+            agent_name=agent,
+            mode=a.mode,
+            layout=target.layouts[a.remote] if a.mode is PeerMode.FULL else None,
+            num_blocks=target.num_blocks,
+            clock_offset_s=0.0,
+        )
+        self.feed(HandshakeDone(a.token, peer, ""))
+
+    # -- blocks --------------------------------------------------------------------------------------------
+    def allocate(self, tid: str, n: int) -> list[int] | None:
+        if len(self.free) < n:
+            return None
+        # The engine reuses the most recently freed blocks first: a late write finds them taken at once.
+        blocks = [self.free.pop() for _ in range(n)]
+        for b in blocks:
+            self.owner[b] = tid
+        return blocks
+
+    def release(self, tid: str, blocks: list[int]) -> None:
+        for b in blocks:
+            if self.owner.get(b) != tid:
+                self.world.violation(f"{self.engine_id}: block {b} freed twice or by {tid}, not its owner")
+                continue
+            del self.owner[b]
+            self.free.append(b)

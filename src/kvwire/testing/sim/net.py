@@ -1,0 +1,181 @@
+"""The simulated world: a virtual clock, an event queue, a network of agents with faults, and memory.
+
+Nothing here waits: ``World.run_until`` pops events in time order (ties broken by insertion order, so a
+seed replays byte for byte). Every engine lives on ``World``; agents are named as NIXL agents are
+(``engine/incarnation/ppX/tpY``), notifications are raw encoded bytes, and a write copies real bytes from
+one ``KVCache`` slab to another at the moment it lands (``ctypes.memmove``), after the invariant checks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import heapq
+import random
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from kvwire.testing.sim.engines import SimEngine
+
+
+@dataclass
+class Faults:
+    """Fault rates (per event) and magnitudes; all zero is a fault-free run."""
+
+    delay: float = 0.0  # a notification delayed by up to delay_max_s
+    delay_max_s: float = 0.05
+    duplicate: float = 0.0  # a notification delivered twice
+    reorder: float = 0.0  # a notification overtaken by later ones (large jitter)
+    drop: float = 0.0  # a notification lost (only inside partitions unless drop_anywhere)
+    slow_write: float = 0.0  # a write taking up to slow_write_max_s
+    slow_write_max_s: float = 0.5
+    failed_write: float = 0.0
+    stuck_write: float = 0.0  # a write that never completes (released by a timeout)
+    failed_post: float = 0.0
+    failed_handshake: float = 0.0
+    partition: float = 0.0  # per second of simulated time: a P-D pair partitioned for up to 8 s
+    pause: float = 0.0  # per second: an engine frozen for up to 10 s
+    crash: float = 0.0  # per second: an engine crashes and restarts with a new incarnation
+    abort: float = 0.0  # per request: aborted at a random moment on P or D
+
+    @classmethod
+    def chaos(cls) -> Faults:
+        return cls(
+            delay=0.05,
+            duplicate=0.02,
+            reorder=0.02,
+            slow_write=0.05,
+            failed_write=0.01,
+            stuck_write=0.002,
+            failed_post=0.01,
+            failed_handshake=0.01,
+            partition=0.02,
+            pause=0.02,
+            crash=0.01,
+            abort=0.05,
+        )
+
+
+@dataclass
+class Region:
+    addr: int
+    block_len: int
+    num_blocks: int
+
+
+class MemoryMap:
+    """Which engine block a destination address falls in (for the C1 check)."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._regions: list[tuple[Region, SimEngine]] = []
+
+    def add(self, region: Region, engine: SimEngine) -> None:
+        i = bisect.bisect(self._starts, region.addr)
+        self._starts.insert(i, region.addr)
+        self._regions.insert(i, (region, engine))
+
+    def remove(self, engine: SimEngine) -> None:
+        keep = [(r, e) for r, e in self._regions if e is not engine]
+        self._regions = keep
+        self._starts = [r.addr for r, _ in keep]
+
+    def blocks(self, addr: int, length: int) -> tuple[SimEngine, list[int]] | None:
+        i = bisect.bisect(self._starts, addr) - 1
+        if i < 0:
+            return None
+        region, engine = self._regions[i]
+        first = (addr - region.addr) // region.block_len
+        last = (addr + length - 1 - region.addr) // region.block_len
+        if last >= region.num_blocks:
+            return None
+        return engine, list(range(first, last + 1))
+
+
+@dataclass(order=True)
+class _Event:
+    at: float
+    seq: int
+    fn: Callable[[], None] = field(compare=False)
+
+
+class World:
+    """Clock, queue, RNG, agents, partitions and the record of what went wrong."""
+
+    def __init__(self, seed: int, faults: Faults) -> None:
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.faults = faults
+        self.now = 0.0
+        self._queue: list[_Event] = []
+        self._seq = 0
+        self.agents: dict[str, SimEngine] = {}  # agent name -> engine (its current life)
+        self.addresses: dict[tuple[str, int], SimEngine] = {}
+        self.memory = MemoryMap()
+        self.partitions: dict[frozenset[str], float] = {}  # engine ids -> healed at
+        self.violations: list[str] = []
+        self.fault_counts: Counter[str] = Counter()
+
+    # -- time --------------------------------------------------------------------------------------------
+    def at(self, when: float, fn: Callable[[], None]) -> None:
+        self._seq += 1
+        heapq.heappush(self._queue, _Event(max(when, self.now), self._seq, fn))
+
+    def after(self, delay: float, fn: Callable[[], None]) -> None:
+        self.at(self.now + delay, fn)
+
+    def run_until(self, end: float, stop: Callable[[], bool] | None = None) -> None:
+        queue = self._queue
+        while queue and queue[0].at <= end:
+            ev = heapq.heappop(queue)
+            self.now = ev.at
+            ev.fn()
+            if stop is not None and stop():
+                return
+        self.now = max(self.now, end)
+
+    def chance(self, p: float, kind: str) -> bool:
+        if p > 0 and self.rng.random() < p:
+            self.fault_counts[kind] += 1
+            return True
+        return False
+
+    def violation(self, what: str) -> None:
+        self.violations.append(f"t={self.now:.6f} {what}")
+
+    # -- network -----------------------------------------------------------------------------------------
+    def partitioned(self, a: str, b: str) -> bool:
+        healed = self.partitions.get(frozenset((a, b)))
+        return healed is not None and healed > self.now
+
+    def deliver(self, src: SimEngine, dst_agent: str, raw: bytes, sender: str) -> None:
+        """Carry one notification; latency, delay, reorder, duplicate and drop faults apply here."""
+        f = self.faults
+        latency = 20e-6 + self.rng.random() * 80e-6
+        if self.chance(f.delay, "delay"):
+            latency += self.rng.random() * f.delay_max_s
+        if self.chance(f.reorder, "reorder"):
+            latency += self.rng.random() * 0.01
+        copies = 2 if self.chance(f.duplicate, "duplicate") else 1
+        dst = self.agents.get(dst_agent)
+        if dst is None:
+            return
+        if self.partitioned(src.engine_id, dst.engine_id) or self.chance(f.drop, "drop"):
+            self.fault_counts["dropped_in_partition"] += 1
+            return
+        for i in range(copies):
+            self.after(latency * (1 + i), lambda: self._arrive(dst, dst_agent, sender, raw))
+
+    def _arrive(self, dst: SimEngine, dst_agent: str, sender: str, raw: bytes) -> None:
+        if self.agents.get(dst_agent) is dst:  # the life it was sent to is still there
+            dst.notif_in(dst_agent, sender, raw)
+
+    def copy(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Land a write's bytes: ``[n, 3]`` (addr, len, dev) rows, local source to remote destination."""
+        for (s_addr, length, _), (d_addr, _, _) in zip(src.tolist(), dst.tolist(), strict=True):
+            ctypes.memmove(d_addr, s_addr, length)

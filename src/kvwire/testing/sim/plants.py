@@ -1,0 +1,86 @@
+"""Bugs planted in the real cores, to show the simulator finds each (``kvwire sim --plant NAME``).
+
+Each is a subclass that changes one rule of a real core, the kind of change a well-meant refactor makes.
+``PLANTS`` maps a name to the ``Plant`` and to the fault mix that exposes it; ``tests/unit/test_sim.py``
+runs each and asserts the invariant it breaks is reported (and that the real cores report nothing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import msgspec
+
+from kvwire.core.io import Action, HandshakeDone, Input, StartHandshake
+from kvwire.core.producer import ProducerCore
+from kvwire.core.producer_push import PushProducerCore
+from kvwire.core.producer_records import Reg, Request
+from kvwire.protocol.messages import Cancel
+from kvwire.protocol.ranks import RankKey
+from kvwire.protocol.states import ProducerState, ProducerTrigger
+from kvwire.testing.sim.net import Faults
+from kvwire.testing.sim.run import Plant
+
+
+class AckBeforeWritesEnd(PushProducerCore):
+    """P answers a cancel with ``cancel_ack`` while its write is still in flight (the rule it breaks: a
+    posted write cannot be recalled, so the ack waits in CANCEL_PENDING). D frees the blocks on the ack."""
+
+    def _on_cancel(self, now: float, key: RankKey, sender: str, msg: Cancel) -> None:
+        req = self._requests.get(msg.transfer_id)
+        reg = None if req is None else req.regs.get((key, sender))
+        if req is not None and reg is not None and reg.state is ProducerState.WRITING:
+            reg.machine.handle(ProducerTrigger.CANCEL)
+            self._cancel_ack(req, reg, wrote=False)
+            return
+        super()._on_cancel(now, key, sender, msg)
+
+
+class AcceptStaleIncarnation(PushProducerCore):
+    """P serves a ``push_reg`` of an earlier D life with whatever life now answers at D's address (the
+    rule it breaks: a registration belongs to one incarnation)."""
+
+    def handle(self, now: float, inp: Input) -> list[Action]:
+        out = super().handle(now, inp)
+        return [replace(a, incarnation=None) if isinstance(a, StartHandshake) else a for a in out]
+
+    def _on_d_handshake(self, now: float, req: Request, reg: Reg, inp: HandshakeDone) -> None:
+        if inp.peer is not None:
+            reg.sender = inp.peer.agent_name
+            reg.msg = msgspec.structs.replace(reg.msg, incarnation=inp.peer.incarnation)
+        super()._on_d_handshake(now, req, reg, inp)
+
+
+class NoRecallAfterPause(PushProducerCore):
+    """P does not recall its writes after a long pause (the rule it breaks: D may have declared a silent P
+    dead and reused the blocks meanwhile, so a thawed P must not let its old writes land)."""
+
+    def _on_tick(self, now: float) -> None:
+        self._last_tick = now
+        ProducerCore._on_tick(self, now)
+
+
+@dataclass(frozen=True)
+class Planted:
+    plant: Plant
+    faults: Faults
+    breaks: str  # a substring of the violation it must cause
+
+
+PLANTS: dict[str, Planted] = {
+    "ack-before-writes-end": Planted(
+        Plant(producer=AckBeforeWritesEnd),
+        Faults(abort=0.3, slow_write=0.5, slow_write_max_s=0.05),
+        "C1",
+    ),
+    "accept-stale-incarnation": Planted(
+        Plant(producer=AcceptStaleIncarnation),
+        Faults(delay=0.5, delay_max_s=0.05, crash=2.0),
+        "C1",
+    ),
+    "no-recall-after-pause": Planted(
+        Plant(producer=NoRecallAfterPause),
+        Faults(pause=1.0, slow_write=0.5, slow_write_max_s=0.2),
+        "C1",
+    ),
+}

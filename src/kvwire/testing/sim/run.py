@@ -1,0 +1,363 @@
+"""A deterministic simulation of P and D engines running kvwire's real cores, with a seeded fault schedule.
+
+``simulate(requests, seed)`` builds two P engines (TP1/PP1 and TP2/PP2) and two D engines (TP1, TP2),
+sends ``requests`` through them (each from one P to one D), injects the faults of ``Faults`` and checks,
+on every step and at the end:
+
+* C1: no byte lands in a block not registered to that transfer at that moment (``SimEngine._check_landing``);
+* every request reaches a terminal state within its bound;
+* every block is freed exactly once, and none is leaked at quiescence (cores empty, blocks all free);
+* no event twice (D: READY | FAILED, RELEASED | RELEASED; P: one freeable event per ``Finished``);
+* a READY request's bytes are P's bytes (compared byte for byte);
+* no core raises.
+
+A failing seed replays byte for byte: everything random comes from one ``random.Random(seed)``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvwire.core.base import CoreBase
+from kvwire.core.config import ConnectorConfig
+from kvwire.core.consumer import PushConsumerCore
+from kvwire.core.consumer_pull import PullConsumerCore
+from kvwire.core.events import ConsumerEvent, ConsumerEventKind, ProducerEvent
+from kvwire.core.io import Abort, Allocated, Finished, RemoteEngine
+from kvwire.core.producer import PullProducerCore
+from kvwire.core.producer_push import PushProducerCore
+from kvwire.handshake.types import EngineInfo, LocalRank
+from kvwire.kv.mapping import RankLayout
+from kvwire.kv.spec import KVSpec
+from kvwire.protocol.messages import TransferMode
+from kvwire.protocol.ranks import RankKey
+from kvwire.testing.engines import gather_tokens, scatter_tokens
+from kvwire.testing.sim.engines import SimEngine
+from kvwire.testing.sim.net import Faults, World
+
+SPEC = KVSpec(num_layers=4, kv_heads=4, head_dim=4, dtype="float8", block_size=4)
+MAX_TOKENS = 48
+CONFIG = ConnectorConfig(
+    kv_lease_duration_s=10.0,
+    fence_ms=5_000,
+    transfer_timeout_s=10.0,
+    tombstone_s=20.0,
+    handshake_timeout_s=2.0,
+)
+
+CoreKind = type[CoreBase]
+
+
+@dataclass
+class Plant:
+    """Core classes to run instead of the real ones (a planted bug), by side."""
+
+    producer: CoreKind | None = None
+    consumer: CoreKind | None = None
+
+
+@dataclass
+class Report:
+    requests: int
+    seed: int
+    mode: str
+    violations: list[str]
+    faults: dict[str, int]
+    outcomes: dict[str, int]
+    wall_seconds: float
+    simulated_seconds: float
+    events: int = 0
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "requests": self.requests,
+            "seed": self.seed,
+            "mode": self.mode,
+            "violations": self.violations,
+            "faults": self.faults,
+            "outcomes": self.outcomes,
+            "wall_seconds": round(self.wall_seconds, 3),
+            "simulated_seconds": round(self.simulated_seconds, 3),
+        }
+
+
+@dataclass
+class _Req:
+    tid: str
+    number: int
+    p: SimEngine
+    d: SimEngine
+    tokens: int
+    cached: int
+    started: float
+    p_blocks: list[int] = field(default_factory=list)
+    d_blocks: list[int] = field(default_factory=list)
+    p_life: int = 0
+    d_life: int = 0
+    finished: bool = False  # P told its core
+    p_aborted: bool = False
+    p_freed: bool = False
+    d_events: list[ConsumerEventKind] = field(default_factory=list)
+    d_done: float | None = None
+    p_done: float | None = None
+
+
+def _ranks(engine: SimEngine) -> list[LocalRank]:
+    # The gather/scatter helpers only read ``cache``; the sim's engines have no agent objects.
+    return [LocalRank(k[0], k[1], None, c) for k, c in engine.caches.items()]  # type: ignore[arg-type]
+
+
+class Simulation:
+    def __init__(self, seed: int, faults: Faults, mode: TransferMode, plant: Plant | None = None) -> None:
+        self.world = World(seed, faults)
+        self.mode = mode
+        self.plant = plant or Plant()
+        rng = np.random.default_rng(seed)
+        self._base = rng.integers(0, 256, size=(SPEC.num_layers, 2, SPEC.kv_heads, MAX_TOKENS, SPEC.head_dim))
+        self.reqs: dict[str, _Req] = {}
+        self.outcomes: Counter[str] = Counter()
+        self.engines: list[SimEngine] = []
+        self.ps = [self._engine("P0", 1, 1, producer=True), self._engine("P1", 2, 2, producer=True)]
+        self.ds = [self._engine("D0", 1, 1, producer=False), self._engine("D1", 2, 1, producer=False)]
+
+    def _engine(self, name: str, tp: int, pp: int, *, producer: bool) -> SimEngine:
+        push = self.mode is TransferMode.PUSH
+        if producer:
+            kind = self.plant.producer or (PushProducerCore if push else PullProducerCore)
+        else:
+            kind = self.plant.consumer or (PushConsumerCore if push else PullConsumerCore)
+
+        def make(
+            info: EngineInfo, layouts: dict[RankKey, RankLayout], n: int, cfg: ConnectorConfig, host: str
+        ) -> CoreBase:
+            return kind(info, layouts, n, cfg, host=host)
+
+        handler: Callable[[SimEngine, object], None] = self._p_event if producer else self._d_event
+        engine = SimEngine(
+            self.world, name, 9000 + len(self.engines), SPEC, tp=tp, pp=pp, num_blocks=256,
+            mode=self.mode, config=CONFIG, make_core=make, on_event=handler,
+        )  # fmt: skip
+        self.engines.append(engine)
+        return engine
+
+    def kv(self, req: _Req) -> np.ndarray:
+        out: np.ndarray = (self._base[:, :, :, : req.tokens, :] ^ (req.number % 251)).astype(np.uint8)
+        return out
+
+    # -- requests ------------------------------------------------------------------------------------------
+    def submit(self, number: int) -> None:
+        w = self.world
+        tokens = w.rng.randint(1, MAX_TOKENS)
+        cached = 0
+        if tokens > SPEC.block_size and w.rng.random() < 0.2:
+            cached = SPEC.block_size * w.rng.randint(1, (tokens - 1) // SPEC.block_size)
+        p, d = w.rng.choice(self.ps), w.rng.choice(self.ds)
+        req = _Req(f"r{number}", number, p, d, tokens, cached, w.now, p_life=p.life, d_life=d.life)
+        n = math.ceil(tokens / SPEC.block_size)
+        p_blocks = p.allocate(req.tid, n)
+        if p_blocks is None:
+            self.outcomes["no_p_blocks"] += 1
+            return
+        d_blocks = d.allocate(req.tid, n)
+        if d_blocks is None:
+            p.release(req.tid, p_blocks)
+            self.outcomes["no_d_blocks"] += 1
+            return
+        req.p_blocks, req.d_blocks = p_blocks, d_blocks
+        self.reqs[req.tid] = req
+        prefill = 0.5e-3 + w.rng.random() * 10e-3
+        w.after(prefill, lambda: self._prefilled(req))
+        if self.mode is TransferMode.PUSH:
+            w.after(w.rng.random() * 2e-3, lambda: self._allocate_d(req))
+        if w.chance(w.faults.abort, "abort"):
+            side = w.rng.choice(("p", "d"))
+            w.after(w.rng.random() * 20e-3, lambda: self._abort(req, side))
+
+    def _remote(self, req: _Req) -> RemoteEngine:
+        blocks = tuple(req.p_blocks) if self.mode is TransferMode.PULL else ()
+        return RemoteEngine(req.p.engine_id, "sim", req.p.port, req.p.tp, req.p.pp, blocks)
+
+    def _allocate_d(self, req: _Req) -> None:
+        if req.d.life != req.d_life:
+            return
+        req.d.writable.add(req.tid)
+        remote = self._remote(req)
+        req.d.feed(Allocated(req.tid, tuple(req.d_blocks), req.tokens, req.cached, remote))
+
+    def _prefilled(self, req: _Req) -> None:
+        p = req.p
+        if p.life != req.p_life or req.p_aborted:
+            return
+        scatter_tokens(_ranks(p), req.p_blocks, self.kv(req))
+        req.finished = True
+        p.feed(Finished(req.tid, tuple(req.p_blocks), req.tokens))
+        if self.mode is TransferMode.PULL:
+            self.world.after(self.world.rng.random() * 2e-3, lambda: self._allocate_d(req))
+
+    def _abort(self, req: _Req, side: str) -> None:
+        if side == "p" and req.p.life == req.p_life and not req.p_freed:
+            if not req.finished:  # still prefilling: the engine frees its own blocks
+                req.p_aborted = True
+                self._free_p(req)
+            req.p.feed(Abort(req.tid))
+        elif side == "d" and req.d.life == req.d_life and req.d_done is None:
+            req.d.feed(Abort(req.tid))
+
+    # -- events ----------------------------------------------------------------------------------------------
+    def _p_event(self, engine: SimEngine, event: object) -> None:
+        assert isinstance(event, ProducerEvent)
+        req = self.reqs.get(event.transfer_id)
+        if req is None or req.p_freed or not req.finished:
+            self.world.violation(f"{engine.engine_id}: freeable event {event} unexpected or twice")
+            return
+        self.outcomes[f"p_{event.outcome.value}"] += 1
+        self._free_p(req)
+
+    def _free_p(self, req: _Req) -> None:
+        req.p_freed, req.p_done = True, self.world.now
+        req.p.release(req.tid, req.p_blocks)
+
+    def _d_event(self, engine: SimEngine, event: object) -> None:
+        assert isinstance(event, ConsumerEvent)
+        req = self.reqs.get(event.transfer_id)
+        kind = event.kind
+        if req is None or req.d_done is not None or (kind is ConsumerEventKind.READY and req.d_events):
+            self.world.violation(
+                f"{engine.engine_id}: {kind.value} for {event.transfer_id} unexpected or twice"
+            )
+            return
+        req.d_events.append(kind)
+        if kind is ConsumerEventKind.FAILED:
+            return
+        req.d_done = self.world.now
+        engine.writable.discard(req.tid)
+        self.outcomes[f"d_{kind.value}" + (f"_{event.reason.value}" if event.reason else "")] += 1
+        if kind is ConsumerEventKind.READY:
+            self._verify(req)
+            # Decoding holds the blocks a while, then the engine frees them (and reuses them at once).
+            self.world.after(1e-3 + self.world.rng.random() * 4e-3, lambda: self._free_d(req))
+        else:
+            self._free_d(req)
+
+    def _free_d(self, req: _Req) -> None:
+        if req.d.life == req.d_life:
+            req.d.release(req.tid, req.d_blocks)
+
+    def _verify(self, req: _Req) -> None:
+        span = range(req.cached, req.tokens)
+        if not span:
+            return
+        got = gather_tokens(_ranks(req.d), req.d_blocks, span)
+        want = self.kv(req)[:, :, :, span.start : span.stop, :]
+        if not np.array_equal(got.view(np.uint8), want):
+            self.world.violation(f"{req.tid}: READY with bytes that are not P's")
+
+    # -- faults over time ------------------------------------------------------------------------------------
+    def _chaos_step(self, period: float) -> None:
+        """Once per ``period`` of simulated time: maybe partition a pair, pause or crash an engine."""
+        w, f = self.world, self.world.faults
+        if w.chance(f.partition * period, "partition"):
+            p, d = w.rng.choice(self.ps), w.rng.choice(self.ds)
+            w.partitions[frozenset((p.engine_id, d.engine_id))] = w.now + w.rng.random() * 8.0
+        if w.chance(f.pause * period, "pause"):
+            w.rng.choice(self.engines).pause(w.rng.random() * 10.0)
+        if w.chance(f.crash * period, "crash"):
+            self._crash(w.rng.choice(self.engines))
+
+    def _crash(self, engine: SimEngine) -> None:
+        # The requests of the dead life are gone from this side; the other side must still end them.
+        for req in self.reqs.values():
+            if req.p is engine and req.p_life == engine.life and not req.p_freed:
+                req.p_freed, req.p_done = True, self.world.now
+            if req.d is engine and req.d_life == engine.life and req.d_done is None:
+                req.d_done = self.world.now
+                req.d_events.append(ConsumerEventKind.RELEASED)
+        self.outcomes["crash"] += 1
+        engine.crash()
+
+    # -- the run ---------------------------------------------------------------------------------------------
+    def bound_s(self) -> float:
+        """How long any request may take to reach a terminal state, faults included."""
+        c = CONFIG
+        stalls = 10.0 + 8.0  # the longest pause and partition
+        return (
+            2 * c.handshake_timeout_s + c.fence_ms / 1e3 + c.transfer_timeout_s + c.kv_lease_duration_s
+            + c.liveness_timeout_s + c.dead_peer_grace_s + 2 * c.heartbeat_interval_s + stalls
+        )  # fmt: skip
+
+    def run(self, requests: int, rate: float = 2000.0) -> None:
+        w = self.world
+        t = 0.0
+        period = 0.1
+        next_chaos = 0.0
+        for number in range(requests):
+            t += w.rng.expovariate(rate)
+            while next_chaos <= t:
+                w.at(next_chaos, lambda: self._chaos_step(period))
+                next_chaos += period
+            w.at(t, lambda n=number: self.submit(n))  # type: ignore[misc]
+            if number % 256 == 255:
+                w.run_until(t)  # keep the queue short
+        w.run_until(t)
+        bound = self.bound_s()
+        w.run_until(t + bound, stop=self._all_ended)
+        self._check_bounds(bound)
+        # Quiescence: past every timer (tombstones, leases), nothing may stay held.
+        w.run_until(w.now + CONFIG.tombstone_s + CONFIG.kv_lease_duration_s + 5.0)
+        self._check_quiescent()
+
+    def _all_ended(self) -> bool:
+        return all(r.p_done is not None and r.d_done is not None for r in self.reqs.values())
+
+    def _check_bounds(self, bound: float) -> None:
+        w = self.world
+        for req in self.reqs.values():
+            for side, done in (("P", req.p_done), ("D", req.d_done)):
+                if done is None:
+                    w.violation(
+                        f"{req.tid}: {side} side not terminal {w.now - req.started:.1f} s after start"
+                    )
+                elif done - req.started > bound:
+                    w.violation(
+                        f"{req.tid}: {side} side ended after {done - req.started:.1f} s > {bound:.0f}"
+                    )
+
+    def _check_quiescent(self) -> None:
+        for engine in self.engines:
+            live = getattr(engine.core, "live_requests", 0)
+            if live:
+                self.world.violation(f"{engine.engine_id}: {live} requests still live at quiescence")
+            if engine.owner:
+                held = sorted(set(engine.owner.values()))[:5]
+                self.world.violation(f"{engine.engine_id}: {len(engine.owner)} blocks leaked ({held} ...)")
+
+
+def simulate(
+    requests: int,
+    seed: int,
+    *,
+    faults: Faults | None = None,
+    mode: TransferMode = TransferMode.PUSH,
+    plant: Plant | None = None,
+) -> Report:
+    """Run ``requests`` simulated requests under ``faults`` (default: ``Faults.chaos()``)."""
+    started = time.perf_counter()
+    sim = Simulation(seed, Faults.chaos() if faults is None else faults, mode, plant)
+    sim.run(requests)
+    w = sim.world
+    return Report(
+        requests=requests,
+        seed=seed,
+        mode=mode.value,
+        violations=w.violations,
+        faults=dict(w.fault_counts),
+        outcomes=dict(sim.outcomes),
+        wall_seconds=time.perf_counter() - started,
+        simulated_seconds=w.now,
+    )
