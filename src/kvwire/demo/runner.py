@@ -46,10 +46,17 @@ class Cluster:
 def _engine_args(cfg: DemoConfig, role: str, port: int, tp: int) -> list[str]:
     args = [
         "serve", role, "--host", "127.0.0.1", "--port", str(port), "--preset", cfg.preset,
-        "--seed", str(cfg.seed), "--backend", cfg.backend.value, "--tp", str(tp),
+        "--seed", str(cfg.seed), "--tp", str(tp),
     ]  # fmt: skip
-    if role != "colocated":
-        args += ["--side-channel-port", str(free_port()), "--mode", cfg.mode.value]
+    if role != "colocated":  # the colocated engine has no connector: no backend, side channel or mode
+        args += [
+            "--backend",
+            cfg.backend.value,
+            "--side-channel-port",
+            str(free_port()),
+            "--mode",
+            cfg.mode.value,
+        ]
     if role == "prefill":
         args += ["--pp", str(cfg.p_pp)]
     return args
