@@ -156,6 +156,17 @@ class KvMetrics:
         for family in (self.ttft_seconds, self.itl_seconds, self.e2e_seconds):
             if family is not None:
                 family.labels(**self._base)  # exported (at zero) from the start, not after the first request
+        self.kv_wait_seconds: Histogram | None = None
+        if role is MetricRole.DECODE:
+            self.kv_wait_seconds = Histogram(
+                "kvwire_kv_wait_seconds",
+                "D: time from allocating a request's blocks to its KV being complete (registration, P's "
+                "prefill if still running, the transfer)",
+                base,
+                buckets=_REQUEST_BUCKETS,
+                registry=r,
+            )
+            self.kv_wait_seconds.labels(**self._base)
         self._engine_families(role in _ENGINES, base)
         self._kv_families(role in _CONNECTED, base)
         self._transfer_families(transfers and role in _CONNECTED, base)
@@ -305,6 +316,10 @@ class KvMetrics:
                 self.itl_seconds.labels(**base).observe(gap)
         if self.e2e_seconds is not None and outcome is Outcome.OK:
             self.e2e_seconds.labels(**base).observe(seconds)
+
+    def record_kv_wait(self, seconds: float) -> None:
+        if self.kv_wait_seconds is not None:
+            self.kv_wait_seconds.labels(**self._base).observe(seconds)
 
     # -- exposition ------------------------------------------------------------------------------------
 

@@ -288,6 +288,14 @@ async def test_disaggregated_with_the_real_connector_inproc() -> None:
             assert {h["notif_only"] for h in stats["handshakes"]} == {False}
             d_stats = (await dc.get("/v1/kv_stats")).json()
             assert d_stats["transfers"] == 0 and {h["notif_only"] for h in d_stats["handshakes"]} == {True}
+            # D posts nothing in push mode, but says how long each request waited for its KV.
+            waits = [
+                s.value
+                for f in text_string_to_metric_families((await dc.get("/metrics")).text)
+                for s in f.samples
+                if s.name == "kvwire_kv_wait_seconds_count"
+            ]
+            assert waits == [2.0]
             for c in (pc, dc):
                 assert (await c.get("/health")).json()["load"]["free_blocks"] == 64
     finally:

@@ -190,6 +190,7 @@ def test_each_role_exports_only_the_families_it_fills() -> None:
     colocated = metrics(MetricRole.COLOCATED, None)
     assert "kvwire_transfer_seconds" in p_push and "kvwire_transfer_seconds" in d_pull
     assert "kvwire_transfer_seconds" not in d_push  # P posts, P counts
+    assert "kvwire_kv_wait_seconds" in d_push and "kvwire_kv_wait_seconds" not in p_push
     assert "kvwire_handshakes" in d_push and "kvwire_handshakes" not in colocated
     assert {"kvwire_inter_token_latency_seconds", "kvwire_e2e_request_latency_seconds"} <= router
     assert not any(n.startswith(("kvwire_transfer", "kvwire_handshake", "kvwire_blocks")) for n in router)

@@ -251,13 +251,17 @@ class EngineServer:
             "kv_bytes": self.kv_bytes(len(creq.prompt)) if remote and kv_ms is not None else None,
         }
 
-    def _record(self, exc: BaseException | None, started: float, ttft_s: float | None) -> None:
+    def _record(
+        self, exc: BaseException | None, started: float, ttft_s: float | None, kv_wait_s: float | None = None
+    ) -> None:
         if exc is None:
             outcome = Outcome.OK
         else:
             status, _ = error_status(exc)
             outcome = {400: Outcome.BAD_REQUEST, 503: Outcome.UNAVAILABLE}.get(status, Outcome.ENGINE_ERROR)
         self.metrics.record_request(outcome, time.monotonic() - started, ttft_s)
+        if kv_wait_s is not None:
+            self.metrics.record_kv_wait(kv_wait_s)
 
     async def completions(self, http: Request) -> Response:
         started = time.monotonic()
@@ -305,7 +309,7 @@ class EngineServer:
         tokens = tuple(t for o in outs for t in o.new_token_ids)
         entries = tuple(e for o in outs for e in o.logprobs)
         text, logprobs = TextBuilder(creq, self.engine.tokenizer).chunk(tokens, entries, final=True)
-        self._record(None, started, last.ttft_s)
+        self._record(None, started, last.ttft_s, last.kv_transfer_s)
         self._log_done(creq, len(tokens), started)
         return JSONResponse(
             completion_body(
@@ -357,7 +361,7 @@ class EngineServer:
                     chunk["usage"] = None
                 yield _sse(chunk)
                 if out.finished:
-                    self._record(None, started, out.ttft_s)
+                    self._record(None, started, out.ttft_s, out.kv_transfer_s)
                     self._log_done(creq, out.num_output_tokens, started)
                     yield b"data: [DONE]\n\n"
                     return
