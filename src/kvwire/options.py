@@ -98,6 +98,8 @@ def parse_text(opt: Option, text: str, source: str) -> Any:
             value: Any = low in _TRUE
         elif opt.kind is list:
             value = [part.strip() for part in text.split(",") if part.strip()]
+        elif opt.choices is not None:
+            value = text.strip().lower()  # KVWIRE_LOG_LEVEL=DEBUG as well as debug
         else:
             value = opt.kind(text)
     except ValueError as exc:

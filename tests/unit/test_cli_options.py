@@ -84,6 +84,10 @@ def test_precedence_is_flag_then_environment_then_file_then_default(tmp_path: Pa
     assert _values("decode", ["--config", str(path)])["fence_ms"] == 150  # [decode] over the top level
     assert _values("prefill", ["--config", str(path)])["fence_ms"] == 100
     assert _values("decode", [], {"KVWIRE_CONFIG": str(path)})["fence_ms"] == 150
+    assert (
+        _values("router", ["--prefill", "p", "--decode", "d"], {"KVWIRE_LOG_LEVEL": "DEBUG"})["log_level"]
+        == "debug"
+    )
 
 
 def test_a_config_file_sets_every_connector_knob(tmp_path: Path) -> None:

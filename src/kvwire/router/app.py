@@ -56,7 +56,6 @@ _OUTCOME = {
     ErrorType.UNAVAILABLE: Outcome.UNAVAILABLE,
     ErrorType.TIMEOUT: Outcome.TIMEOUT,
     ErrorType.MISCONFIGURED: Outcome.ENGINE_ERROR,
-    ErrorType.UNAUTHORIZED: Outcome.BAD_REQUEST,
 }
 
 

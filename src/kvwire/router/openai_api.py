@@ -34,7 +34,6 @@ class ErrorType(enum.Enum):
     # A configuration no retry can cure (engines that disagree, a refused API key): answered with
     # ``x-should-retry: false``, which the openai client obeys (it retries every other 5xx).
     MISCONFIGURED = ("configuration_error", 500)
-    UNAUTHORIZED = ("authentication_error", 401)
 
     @property
     def type_name(self) -> str:
