@@ -34,7 +34,7 @@ import pytest
 HANDSHAKE_TIMEOUT_S = 2.0
 SLACK_S = 1.5
 PROBE_LIMIT_S = 1.0  # D's side channel must answer each probe within this, all along
-RESULT_WAIT_S = 25.0  # loading on the loop blocks ~130 s: fail here rather than wait that out
+RESULT_WAIT_S = 15.0  # from D's READY; loading on the loop blocks ~130 s: fail here, not wait it out
 READY_S = 60.0
 _TABLE = "kvwire_ucx_block"
 
@@ -105,6 +105,7 @@ async def _child_d(p_host: str, p_port: int, timeout_s: float) -> None:
     stop, lat, gaps = asyncio.Event(), list[float](), list[float]()
     prober = asyncio.create_task(_probe(d_port, engine_compat_hash(info), stop, lat, gaps))
     await asyncio.sleep(0.3)  # a few probes on a quiet loop first
+    print("READY", flush=True)
     error, took, message = await _handshake(mgr, p_host, p_port)
     stalled = float(getattr(mgr, "stalled_s", lambda: -1.0)())
     second, second_took, _ = await _handshake(mgr, p_host, p_port)
@@ -185,22 +186,31 @@ def _block_all_tcp_but(net: NetnsPair, port: int) -> None:
     assert done.returncode == 0, done.stderr
 
 
+_unread: dict[int, bytes] = {}  # per child pid: what was read past the line a _line call returned
+
+
 def _line(proc: subprocess.Popen[bytes], tag: str, timeout_s: float, what: str) -> str:
-    """The rest of the first stdout line of ``proc`` that starts with ``tag``."""
+    """The rest of the next stdout line of ``proc`` that starts with the word ``tag``."""
     assert proc.stdout is not None
     fd = proc.stdout.fileno()
     deadline = time.monotonic() + timeout_s
-    buf = b""
-    while (left := deadline - time.monotonic()) > 0:
+    buf = _unread.pop(proc.pid, b"")
+    while True:
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            words = line.decode(errors="replace").split(" ", 1)
+            if words[0] == tag:
+                _unread[proc.pid] = buf
+                return words[1] if len(words) > 1 else ""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"{what} printed no {tag} line within {timeout_s:.0f} s")
         ready, _, _ = select.select([fd], [], [], min(left, 0.5))
-        chunk = os.read(fd, 65536) if ready else b""
-        if ready and not chunk:
-            raise AssertionError(f"{what} exited ({proc.wait(5)}) before printing {tag}")
-        buf += chunk
-        for line in buf.decode(errors="replace").splitlines():
-            if line.startswith(tag + " "):
-                return line[len(tag) + 1 :]
-    raise AssertionError(f"{what} printed no {tag} line within {timeout_s:.0f} s")
+        if ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise AssertionError(f"{what} exited ({proc.wait(5)}) before printing {tag}")
+            buf += chunk
 
 
 def _start(net: NetnsPair, side: Side, args: list[str], log: IO[Any]) -> subprocess.Popen[bytes]:
@@ -219,7 +229,8 @@ def test_unreachable_ucx_port_fails_the_handshake_in_time_and_never_stalls_the_l
         _block_all_tcp_but(net, p_port)
         args = ["d", net.a.addr, str(p_port), str(HANDSHAKE_TIMEOUT_S)]
         procs.append(_start(net, net.b, args, log))
-        r = json.loads(_line(procs[1], "RESULT", READY_S / 2 + RESULT_WAIT_S, "D (its loop blocked?)"))
+        _line(procs[1], "READY", READY_S, "D")
+        r = json.loads(_line(procs[1], "RESULT", RESULT_WAIT_S, "D (its loop blocked?)"))
         print(f"blocked UCX port: {json.dumps(r)}")
         assert r["error"] == "HandshakeTimeout", r
         assert HANDSHAKE_TIMEOUT_S * 0.8 <= r["took_s"] <= HANDSHAKE_TIMEOUT_S + SLACK_S, r
