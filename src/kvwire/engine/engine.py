@@ -26,6 +26,8 @@ from kvwire.engine.sampling import GREEDY, SamplingParams, sample, token_logprob
 from kvwire.engine.scheduler import Scheduler
 from kvwire.engine.tokenizer import EOS, ByteTokenizer
 from kvwire.errors import EngineOverloaded, InvalidRequest, KVLoadFailed, KvwireError, UnknownTransfer
+from kvwire.handshake import refusals
+from kvwire.protocol.messages import FailReason
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,22 @@ class Load:
     running: int
     waiting: int
     free_blocks: int
+
+
+def _load_failed(req: Request, reason: str) -> KVLoadFailed:
+    """The request's error; a failed handshake with an incompatible P says what differs (the connector
+    reports a reason code only, the handshake layer kept the words: ``handshake.refusals``)."""
+    assert req.transfer_id is not None
+    params = req.kv_transfer_params
+    host, port = (params.remote_host, params.remote_port) if params is not None else (None, None)
+    if reason in _HANDSHAKE_REASONS and host is not None and port is not None:
+        detail = refusals.incompatibility(host, port)
+        if detail is not None:
+            return KVLoadFailed(req.transfer_id, FailReason.INCOMPATIBLE.value, detail)
+    return KVLoadFailed(req.transfer_id, reason)
+
+
+_HANDSHAKE_REASONS = frozenset({FailReason.HANDSHAKE_FAILED.value, FailReason.INCOMPATIBLE.value})
 
 
 class Engine:
@@ -247,12 +265,12 @@ class Engine:
             req = self.scheduler.kv_failed(tid, recompute=recompute)
             log.warning("KV load of %s failed (%s)%s", tid, reason, "; recomputing" if recompute else "")
             if not recompute:
-                req.state, req.error = RequestState.FINISHED_ERROR, KVLoadFailed(tid, reason)
+                req.state, req.error = RequestState.FINISHED_ERROR, _load_failed(req, reason)
                 outputs.append((req, req.output(())))
         else:
             released = self.scheduler.kv_released(tid, recompute=recompute)
             if released is not None and released.state is RequestState.WAITING_FOR_KV:
-                released.state, released.error = RequestState.FINISHED_ERROR, KVLoadFailed(tid, reason)
+                released.state, released.error = RequestState.FINISHED_ERROR, _load_failed(released, reason)
                 outputs.append((released, released.output(())))
 
     def _advance(self, req: Request, outputs: list[tuple[Request, RequestOutput]]) -> None:
