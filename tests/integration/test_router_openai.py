@@ -6,6 +6,7 @@ The fakes deadlock unless the router sends both legs at the same time (see
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -253,6 +254,16 @@ def test_pull_mode_sends_prefill_first_then_decode_with_block_ids(stack: Stack, 
     tid = pull.prefill_bodies[-1]["kv_transfer_params"]["transfer_id"]
     assert pull.order == [f"prefill:{tid}", f"decode:{tid}"]
     assert pull.decode_bodies[-1]["kv_transfer_params"]["remote_block_ids"] == [3, 4]
+
+
+def test_per_request_debug_lines_carry_the_transfer_id(
+    stack: Stack, cluster: FakeCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="kvwire.router.app")
+    client(stack.router).completions.create(model="kvwire", prompt="trace me", max_tokens=2)
+    tid = cluster.decode_bodies[-1]["kv_transfer_params"]["transfer_id"]
+    lines = [r for r in caplog.records if getattr(r, "transfer_id", None) == tid]
+    assert len(lines) >= 2 and all(r.levelno == logging.DEBUG and tid in r.getMessage() for r in lines)
 
 
 def _router_samples(url: str) -> dict[tuple[str, str], float]:

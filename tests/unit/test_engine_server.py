@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 
 import httpx
@@ -187,8 +188,10 @@ async def test_metrics_and_kv_stats(client: tuple[httpx.AsyncClient, EngineServe
     assert models["data"][0]["id"] == "kvwire-tiny"
 
 
-async def test_disaggregated_legs_over_http() -> None:
-    """P and D servers in one process, wired by the loopback hooks: D's answer equals colocated."""
+async def test_disaggregated_legs_over_http(caplog: pytest.LogCaptureFixture) -> None:
+    """P and D servers in one process, wired by the loopback hooks: D's answer equals colocated; each
+    leg's debug lines carry the transfer id."""
+    caplog.set_level(logging.DEBUG, logger="kvwire.engine.server")
     hub = LoopbackHub()
     p, d = make_server(Role.PREFILL), make_server(Role.DECODE)
     p.engine.set_hooks(hub.producer(p.engine.kv))
@@ -230,6 +233,8 @@ async def test_disaggregated_legs_over_http() -> None:
             assert got["choices"][0]["token_ids"] == reference(prompt, 6)
             assert got["timings"]["kv_bytes"] == 3 * 16 * TINY.kv_spec().bytes_per_token()
             assert got["timings"]["kv_transfer_ms"] >= 0
+            traced = [r.getMessage() for r in caplog.records if getattr(r, "transfer_id", None) == "tx1"]
+            assert sum("accepted" in m for m in traced) == 2 and sum("done" in m for m in traced) == 2
     finally:
         p.stop()
         d.stop()
