@@ -139,6 +139,6 @@ def test_stop_string_not_matched_releases_held_tokens() -> None:
 
 def test_stop_strings_wait_for_min_tokens() -> None:
     full = colocated("stop here", 8, SamplingParams())
-    req, outs = _run(TOK.encode("stop here"), 8, SamplingParams(stop=((full[0],),), min_tokens=3))
+    req, _ = _run(TOK.encode("stop here"), 8, SamplingParams(stop=((full[0],),), min_tokens=3))
     # the stop matches the first token, but is only looked for from the third on
     assert len(req.output_ids) >= 3 and req.output_ids[0] == full[0]
