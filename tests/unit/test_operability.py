@@ -58,14 +58,17 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 # -- misconfigurations as real processes: one line on stderr naming cause and fix, exit status 2 -------------
 
 
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("KVWIRE_")}
+
+
 def _kvwire(
     *args: str, env: dict[str, str] | None = None, timeout_s: float = 60.0
 ) -> subprocess.CompletedProcess[str]:
     """``kvwire ARGS`` as a child process, with no KVWIRE_* variable of this environment."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVWIRE_")}
     return subprocess.run(
         [sys.executable, "-m", "kvwire.cli", *args],
-        env={**clean, **(env or {})},
+        env={**_clean_env(), **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout_s,
@@ -187,8 +190,7 @@ def test_engine_start_up_summary_and_json_logs() -> None:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvwire.cli", "serve", "decode", "--backend", "inproc",
              "--port", str(port), "--log-format", "json", "--api-key", "k"],
-            env={k: v for k, v in os.environ.items() if not k.startswith("KVWIRE_")},
-            stderr=subprocess.PIPE, text=True,
+            env=_clean_env(), stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         try:
             assert proc.stderr is not None
@@ -206,3 +208,35 @@ def test_engine_start_up_summary_and_json_logs() -> None:
     assert warning["level"] == "warning" and "KVWIRE_SECRET" in warning["msg"]
     for line in rest.splitlines():
         json.loads(line)  # nothing else prints plain text on stderr
+
+
+def test_router_start_up_summary() -> None:
+    with _listener() as (sock, port):
+        sock.close()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvwire.cli", "serve", "router", "--port", str(port),
+             "--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:10"],
+            env={**_clean_env(), "KVWIRE_API_KEY": "e"},
+            stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert proc.stderr is not None
+            first = proc.stderr.readline()
+            _wait_healthy_or_503(f"http://127.0.0.1:{port}")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.communicate(timeout=30)
+    assert "INFO kvwire.router: router serving http://127.0.0.1:" in first
+    for part in ("prefill http://127.0.0.1:9", "mode push", "api key not set", "engine api key set"):
+        assert part in first
+
+
+def _wait_healthy_or_503(url: str, timeout_s: float = 30.0) -> None:
+    """Until the server answers /health at all (a router without healthy engines answers 503)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.get(url + "/health", timeout=1.0)
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{url} never answered")
