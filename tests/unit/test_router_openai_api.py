@@ -203,7 +203,8 @@ def test_leg_bodies_follow_the_serving_api() -> None:
     p = prefill_body(base, "t1")
     assert p["max_tokens"] == 1 and p["stream"] is False
     assert p["kv_transfer_params"] == {"do_remote_decode": True, "transfer_id": "t1"}
-    health = {"status": "ok", "role": "prefill", "engine_id": "P", "incarnation": "i", "model": "tiny"}
+    health: dict[str, object] = {"status": "ok", "role": "prefill", "engine_id": "P", "incarnation": "i"}
+    health["model"] = "tiny"
     health.update(side_channel_host="10.0.0.1", side_channel_port=7000, tp_size=2, pp_size=1)
     info = HealthInfo.parse(health)
     d = decode_body(base, "t1", info)
