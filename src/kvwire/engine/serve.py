@@ -28,6 +28,7 @@ from kvwire.engine.engine import Engine
 from kvwire.engine.options import connector_config, engine_options
 from kvwire.engine.server import EngineServer, Identity
 from kvwire.errors import ConfigError, KvwireError
+from kvwire.handshake.manager import stalled_reason
 from kvwire.logsetup import configure
 from kvwire.options import Command, LogFormat, add_options, resolve
 from kvwire.protocol.messages import TransferMode
@@ -110,6 +111,8 @@ def build_server(values: dict[str, Any], role: Role, env: EnvConfig) -> EngineSe
     server = EngineServer(engine, identity, api_key=values["api_key"])
     if connector is not None:
         server.scrape_hooks.append(ConnectorMetrics(connector, server.metrics).sync)
+        conn = connector  # /health: 503 while an agent is held by a NIXL call stuck on the network
+        server.health_checks.append(lambda: stalled_reason(conn.managers.values()))
     return server
 
 
