@@ -136,9 +136,28 @@ class KvMetrics:
             buckets=_REQUEST_BUCKETS,
             registry=r,
         )
+        self._router_families(role is MetricRole.ROUTER, base)
+        for family in (self.ttft_seconds, self.itl_seconds, self.e2e_seconds):
+            if family is not None:
+                family.labels(**self._base)  # exported (at zero) from the start, not after the first request
+        self._decode_families(role is MetricRole.DECODE, base)
+        self._engine_families(role in _ENGINES, base)
+        self._kv_families(role in _CONNECTED, base)
+        self._transfer_families(transfers and role in _CONNECTED, base)
+        # The JSON snapshot keeps exact sums (histograms only expose them through the registry).
+        self._lock = threading.Lock()
+        self._recent: deque[HandshakeStats] = deque(maxlen=_RECENT_HANDSHAKES)
+        self._ok_transfers = 0
+        self._ok_bytes = 0
+        self._ok_seconds = 0.0
+        self._failed_transfers = 0
+        self._blocks = BlockStats(in_use=0, quarantined=0)
+
+    def _router_families(self, on: bool, base: list[str]) -> None:
+        r = self.registry
         self.itl_seconds: Histogram | None = None
         self.e2e_seconds: Histogram | None = None
-        if role is MetricRole.ROUTER:
+        if on:
             self.itl_seconds = Histogram(
                 "kvwire_inter_token_latency_seconds",
                 "Time between consecutive output tokens of a request, as the client sees them",
@@ -153,11 +172,11 @@ class KvMetrics:
                 buckets=_REQUEST_BUCKETS,
                 registry=r,
             )
-        for family in (self.ttft_seconds, self.itl_seconds, self.e2e_seconds):
-            if family is not None:
-                family.labels(**self._base)  # exported (at zero) from the start, not after the first request
+
+    def _decode_families(self, on: bool, base: list[str]) -> None:
+        r = self.registry
         self.kv_wait_seconds: Histogram | None = None
-        if role is MetricRole.DECODE:
+        if on:
             self.kv_wait_seconds = Histogram(
                 "kvwire_kv_wait_seconds",
                 "D: time from allocating a request's blocks to its KV being complete (registration, P's "
@@ -167,17 +186,6 @@ class KvMetrics:
                 registry=r,
             )
             self.kv_wait_seconds.labels(**self._base)
-        self._engine_families(role in _ENGINES, base)
-        self._kv_families(role in _CONNECTED, base)
-        self._transfer_families(transfers and role in _CONNECTED, base)
-        # The JSON snapshot keeps exact sums (histograms only expose them through the registry).
-        self._lock = threading.Lock()
-        self._recent: deque[HandshakeStats] = deque(maxlen=_RECENT_HANDSHAKES)
-        self._ok_transfers = 0
-        self._ok_bytes = 0
-        self._ok_seconds = 0.0
-        self._failed_transfers = 0
-        self._blocks = BlockStats(in_use=0, quarantined=0)
 
     def _engine_families(self, on: bool, base: list[str]) -> None:
         r = self.registry

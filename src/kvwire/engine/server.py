@@ -224,6 +224,11 @@ class EngineServer:
             on_output=deliver,
         )
         self.engine.submit(req)
+        log.debug(
+            "request %s accepted: transfer %s, role %s, %d prompt tokens, max_tokens %d",
+            req.request_id, creq.transfer_id, creq.role.value, len(creq.prompt), creq.max_tokens,
+            extra=transfer_extra(creq.transfer_id),
+        )  # fmt: skip
         return req, queue
 
     def _kv_params_out(self, creq: CompletionRequest, req: EngineRequest) -> KvTransferParams | None:
@@ -274,11 +279,6 @@ class EngineServer:
             req, queue = self._submit(creq)
         except (InvalidRequest, EngineOverloaded) as exc:
             return self._error(exc, started)
-        log.debug(
-            "request %s accepted: transfer %s, role %s, %d prompt tokens, max_tokens %d",
-            req.request_id, creq.transfer_id, creq.role.value, len(creq.prompt), creq.max_tokens,
-            extra=transfer_extra(creq.transfer_id),
-        )  # fmt: skip
         try:
             first = await self._next(http, queue)
         except (asyncio.CancelledError, ClientGone) as exc:
