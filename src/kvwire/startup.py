@@ -58,14 +58,16 @@ def is_loopback(host: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(str(i[4][0])).is_loopback for i in infos)
 
 
-def check_exposure(host: str, secret: bytes | None, insecure: bool) -> None:
+def check_exposure(
+    host: str, secret: bytes | None, insecure: bool, where: str = "--host", override: str = "pass --insecure"
+) -> None:
     """Without a shared secret the side channel answers anyone with the cache's region map, and a peer
     holding that map can write into D's KV: such an engine binds a loopback address only, unless told."""
     if secret is None and not insecure and not is_loopback(host):
         raise ConfigError(
-            f"--host {host} without KVWIRE_SECRET would let anyone who reaches it read the KV layout and "
-            "write into the decode engine's KV: set KVWIRE_SECRET (the same on every engine), or pass "
-            "--insecure on a trusted network"
+            f"{where} {host} without KVWIRE_SECRET would let anyone who reaches it read the KV layout and "
+            f"write into the decode engine's KV: set KVWIRE_SECRET (the same on every engine), or {override} "
+            "on a trusted network"
         )
 
 

@@ -240,3 +240,16 @@ def _wait_healthy_or_503(url: str, timeout_s: float = 30.0) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"{url} never answered")
+
+
+def test_vllm_connector_refuses_an_exposed_side_channel_without_secret(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvwire.integrations.vllm.params import settings_from_extra
+
+    monkeypatch.delenv("KVWIRE_SECRET", raising=False)
+    with pytest.raises(ConfigError, match='set "insecure": true'):
+        settings_from_extra({"side_channel_host": "10.0.0.1"})
+    assert settings_from_extra({"side_channel_host": "10.0.0.1", "insecure": True}).insecure
+    monkeypatch.setenv("KVWIRE_SECRET", "s3cret")
+    assert settings_from_extra({"side_channel_host": "10.0.0.1"}).side_channel_host == "10.0.0.1"

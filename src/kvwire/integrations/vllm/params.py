@@ -20,6 +20,7 @@ from kvwire.core.config import ConnectorConfig, LoadFailurePolicy
 from kvwire.errors import ConfigError
 from kvwire.kv_params import KvTransferParams, parse_kv_params
 from kvwire.protocol.messages import TransferMode
+from kvwire.startup import check_exposure
 
 DEFAULT_SIDE_CHANNEL_PORT = 5700  # vLLM's NIXL connector uses 5600: both can run on one host
 _DEFAULTS = ConnectorConfig()  # the knobs below default to the connector's own defaults
@@ -50,6 +51,9 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # side_channel_port + pp * tp_size + tp. The host is also what D is told to connect to.
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT
+    # Without KVWIRE_SECRET a non-loopback side_channel_host is refused unless this is set (trusted network):
+    # anyone who reaches an unauthenticated side channel gets the region map, and can write into D's KV.
+    insecure: bool = False
     model_id: str | None = None  # default: served name, revision and dtype (identity.vllm_model_id)
     incarnation: str | None = None  # default: derived from this vLLM config's instance id
     kv_lease_duration_s: float = _DEFAULTS.kv_lease_duration_s
@@ -87,6 +91,8 @@ def settings_from_extra(extra: Mapping[str, Any] | None) -> Settings:
     s.connector_config()  # validate the knobs now, in the engine's start-up, not at the first request
     if not 0 < s.side_channel_port < 65536:
         raise ConfigError(f"kv_connector_extra_config: side_channel_port {s.side_channel_port} out of range")
+    where, override = "kv_connector_extra_config side_channel_host", 'set "insecure": true'
+    check_exposure(s.side_channel_host, secret(), s.insecure, where, override)
     return s
 
 
