@@ -167,6 +167,8 @@ class NixlAgent(PeerTableAgent[PeerEntry]):
         self._calls = CallWorker(name, busy_grace_s)
         self._md_full: bytes | None = None  # cached: the side channel must answer while a load is stuck
         self._md_conn: bytes | None = None
+        with suppress(TransportError):
+            self.conn_metadata()  # now, while nothing can hold the agent
         self.skipped_progress = 0  # progress calls skipped because a stuck call held the agent
 
     @property
@@ -214,7 +216,7 @@ class NixlAgent(PeerTableAgent[PeerEntry]):
                 raw = self._agent.register_memory(_desc_array([desc]), kind.value)
             except Exception as exc:
                 raise RegistrationError(f"register {length} B of {kind.value} failed: {exc}") from exc
-            self._md_full = None
+            self._refresh_metadata()
         reg = Registration(addr, length, kind, device_id, next(self._tokens))
         self._regs[reg.token] = (reg, raw, owner)
         return reg
@@ -225,11 +227,20 @@ class NixlAgent(PeerTableAgent[PeerEntry]):
         if entry is None:
             raise RegistrationError(f"not registered here: {reg}")
         with self._calls.hold("deregister_memory"):
-            self._md_full = None
             try:
                 self._agent.deregister_memory(entry[1])
             except Exception as exc:
                 raise RegistrationError(f"deregister failed: {exc}") from exc
+            finally:
+                self._refresh_metadata()
+
+    def _refresh_metadata(self) -> None:
+        """Recompute the full metadata (lock held) when registrations change rather than when a peer asks:
+        the side channel then answers even while a stuck load holds the agent."""
+        try:
+            self._md_full = wrap_metadata(bytes(self._agent.get_agent_metadata()), PeerMode.FULL)
+        except Exception:
+            self._md_full = None  # computed on demand instead
 
     # -- metadata and peers --------------------------------------------------------------------------
     def metadata(self) -> bytes:
