@@ -60,8 +60,9 @@ def test_permanent_kv_failures_are_not_503s() -> None:
     status, body, headers = http_error(KVLoadFailed("t1", "incompatible"))
     assert (status, headers) == (500, {"x-should-retry": "false"})
     assert body["error"]["type"] == "configuration_error" and "--seed" in body["error"]["message"]
-    status, _, headers = http_error(KVLoadFailed("t1", "peer_dead"))  # transient: a retry may succeed
+    status, body, headers = http_error(KVLoadFailed("t1", "peer_dead"))  # transient: a retry may succeed
     assert (status, headers) == (503, {})
+    assert "KVWIRE_SECRET" in body["error"]["message"]  # one of the causes a client cannot see otherwise
     assert engine_error_kind(500, "configuration_error") is ErrorType.MISCONFIGURED
     assert engine_error_kind(401) is ErrorType.MISCONFIGURED  # an engine refused the router's key
     assert engine_error_kind(503) is ErrorType.UNAVAILABLE
@@ -232,3 +233,33 @@ def test_json_logs_carry_the_transfer_id_and_http_libraries_stay_quiet(
     configure("debug", LogFormat.TEXT, http=True)
     logging.getLogger("httpcore").debug("asked for")
     assert "asked for" in out.getvalue()
+
+
+async def test_secret_on_prefill_only_names_the_secret_in_the_decode_legs_error() -> None:
+    """Real connectors (in-process transport): P has KVWIRE_SECRET, D has none; P refuses D's handshake
+    and D's client is told what may be wrong, not only 'handshake_failed'."""
+    from kvwire.connector import ConnectorConfig
+    from kvwire.engine.connector_hooks import ConnectorSettings, attach_connector
+
+    tiny = preset("tiny")
+    p_eng = Engine(EngineConfig(tiny, role=Role.PREFILL, num_blocks=32))
+    p_hooks = attach_connector(p_eng, ConnectorSettings("p-sec", "i1", "m", backend="inproc", secret=b"s3"))
+    d_eng = Engine(EngineConfig(tiny, role=Role.DECODE, num_blocks=32))
+    cfg = ConnectorConfig(handshake_retries=0)
+    d_hooks = attach_connector(d_eng, ConnectorSettings("d-open", "i1", "m", backend="inproc", config=cfg))
+    d = EngineServer(d_eng, Identity(Role.DECODE, "d-open", "i1", mode=TransferMode.PUSH))
+    d.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=d.app), base_url="http://d") as dc:
+            params = {
+                "do_remote_prefill": True, "transfer_id": "t-sec", "remote_engine_id": "p-sec",
+                "remote_host": "127.0.0.1", "remote_port": p_hooks.connector.port,
+            }  # fmt: skip
+            r = await dc.post("/v1/completions", json={"prompt": "x", "kv_transfer_params": params})
+        assert r.status_code == 503, r.text
+        assert "handshake_failed" in r.json()["error"]["message"]
+        assert "KVWIRE_SECRET" in r.json()["error"]["message"]
+    finally:
+        d.stop()
+        for hooks in (d_hooks, p_hooks):
+            hooks.close()

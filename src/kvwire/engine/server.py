@@ -62,6 +62,15 @@ _PERMANENT_KV = {
     FailReason.BAD_REGISTRATION: "the prefill engine refused this engine's block registration (its log "
     "says why): check that both run the same kvwire version and --preset",
 }
+# KV load failures a retry may cure, with what else can cause them: D cannot tell a P that is down from
+# one that refuses it, so the client's message names both (the engines' logs say which it was).
+_TRANSIENT_KV = {
+    FailReason.HANDSHAKE_FAILED: "this engine could not complete its handshake with the prefill engine: it "
+    "is down or unreachable, or it refused this engine (a different KVWIRE_SECRET, or a secret on one "
+    "side only; this engine's log names the cause)",
+    FailReason.PEER_DEAD: "the prefill engine stopped answering: it crashed or is unreachable, or it could "
+    "not handshake back with this engine (e.g. KVWIRE_SECRET set on this side only; its log names it)",
+}
 RETRY_HEADER = "x-should-retry"
 
 
@@ -77,6 +86,9 @@ def http_error(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]
         if fix is not None:
             body["error"].update(message=f"{exc}: {fix}", type="configuration_error", code=500)
             return 500, body, {RETRY_HEADER: "false"}
+        hint = _TRANSIENT_KV.get(reason) if reason is not None else None
+        if hint is not None:
+            body["error"]["message"] = f"{exc}: {hint}"
     return status, body, {}
 
 
