@@ -143,7 +143,8 @@ def add_options(parser: argparse.ArgumentParser, options: Sequence[Option], comm
 def _metavar(opt: Option) -> str:
     if opt.choices is not None:
         return "{" + ",".join(opt.choices) + "}"
-    return {int: "N", float: "SECONDS" if opt.name.endswith("_s") else "X"}.get(opt.kind, "TEXT")
+    seconds = opt.name.endswith("_s") or any(w in opt.name for w in ("timeout", "interval"))
+    return {int: "N", float: "SECONDS" if seconds else "X"}.get(opt.kind, "TEXT")
 
 
 def load_file(path: Path) -> dict[str, Any]:
