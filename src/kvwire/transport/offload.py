@@ -99,11 +99,13 @@ class CallWorker:
             with job.guard:
                 job.finished = True
                 abandoned = job.abandoned
+                was_stuck = self._stuck is job
+                if was_stuck:
+                    self._stuck = None  # the next load queues behind the undo below: this thread runs it
             if abandoned and error is None and job.undo is not None:
                 self._undo(job, result)
             self._current = None
-        if self._stuck is job:
-            self._stuck = None
+        if was_stuck:
             log.warning(
                 "agent %s: the stuck %s returned after %.1f s (%s); the agent is usable again",
                 self.name,
@@ -143,7 +145,7 @@ class CallWorker:
         try:
             return await asyncio.wait_for(asyncio.shield(waiter), max(timeout_s, 0.0))
         except TimeoutError:
-            abandoned = self._abandon(job)
+            abandoned = self._abandon(job, stuck=True)
             if not abandoned and not job.future.cancelled():
                 return await waiter  # it finished just now: its result stands
             # Nobody will read the waiter: cancelled, it is never given the late result, so no "exception
@@ -152,25 +154,27 @@ class CallWorker:
             waiter.cancel()
             if not abandoned:
                 raise AgentStalled(f"{what} on agent {self.name}: no time left to start it") from None
-            self._stuck = job
-            self.stuck_calls += 1
             raise AgentStalled(
                 f"{what} on agent {self.name} did not return within {timeout_s:.3g} s (a peer whose "
                 "UCX port drops packets); abandoned, the agent is held until it returns"
             ) from None
         except asyncio.CancelledError:
-            self._abandon(job)
+            self._abandon(job, stuck=False)
             waiter.cancel()
             raise
 
-    def _abandon(self, job: _Job[Any]) -> bool:
-        """Whether ``job`` was abandoned while running (False: never started, or already finished)."""
+    def _abandon(self, job: _Job[Any], *, stuck: bool) -> bool:
+        """Whether ``job`` was abandoned while running (False: never started, or already finished); if
+        ``stuck``, it holds the agent from now on, until the worker sees it return."""
         if job.future.cancel():
             return False
-        with job.guard:
+        with job.guard:  # the worker marks it finished under the same lock: one side decides
             if job.finished:
                 return False
             job.abandoned = True
+            if stuck:
+                self._stuck = job
+                self.stuck_calls += 1
             return True
 
     def _describe(self, job: _Job[Any]) -> str:
