@@ -53,7 +53,11 @@ class PullConsumerCore(ConsumerCore):
         link.posting, link.posted_at = True, now
         self._posting[token] = (req, part, link, plan.nbytes)
         self.stats.descriptors_posted += plan.num_descs
-        self._do(PostRead(token, part.key, peer.agent_name, plan.src_array, plan.dst_array, plan.nbytes))
+        self._do(
+            PostRead(
+                token, part.key, peer.agent_name, plan.src_array, plan.dst_array, plan.nbytes, req.transfer_id
+            )
+        )
 
     def _on_outcome(self, now: float, inp: Outcome) -> None:
         req, part, link, nbytes = self._posting.pop(inp.token)

@@ -142,6 +142,7 @@ class PostWrite:
     dst: np.ndarray
     notif: bytes
     nbytes: int
+    transfer_id: str = ""  # for logs and checks: whose blocks the bytes are for
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +155,7 @@ class PostRead:
     src: np.ndarray
     dst: np.ndarray
     nbytes: int
+    transfer_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)

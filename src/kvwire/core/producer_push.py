@@ -71,6 +71,9 @@ class PushProducerCore(ProducerCore):
         # When each D life (engine_id, incarnation) last said anything.
         self._d_seen: dict[DLife, float] = {}
         self._last_tick = math.inf  # no pause before the first tick
+        # Set by a tick that found P was frozen (see _on_tick) until the next tick: what arrives in between
+        # was queued during the freeze, of unknown age.
+        self._thawing = False
 
     @property
     def busy(self) -> bool:
@@ -78,6 +81,9 @@ class PushProducerCore(ProducerCore):
 
     # -- notifications ---------------------------------------------------------------------------------------
     def _on_notif(self, now: float, key: RankKey, sender: str, msg: Notification) -> None:
+        if self._thawing:
+            self._on_stale_notif(now, key, sender, msg)
+            return
         self._d_seen[(msg.engine_id, msg.incarnation)] = now  # the sender was checked against these
         if isinstance(msg, PushReg):
             self._on_push_reg(now, key, sender, msg)
@@ -127,6 +133,23 @@ class PushProducerCore(ProducerCore):
                 msg.incarnation,
             )
         )
+
+    def _on_stale_notif(self, now: float, key: RankKey, sender: str, msg: Notification) -> None:
+        """A notification queued while P was frozen: D may have declared P dead meanwhile and reused the
+        blocks a push_reg names (found by the simulator: P thawed, served such a push_reg, and wrote into
+        blocks D had freed). Such a push_reg is answered ``failed`` (D ends that rank, or ignores it when
+        it ended already); a heartbeat proves nothing about D's view of P now; cancels are served."""
+        if isinstance(msg, PushReg):
+            req = self._requests.get(msg.transfer_id)
+            if req is None or (key, sender) not in req.regs:
+                self.stats.failures[FailReason.FENCE_EXPIRED] += 1
+                failed = self._replies.failed(msg.transfer_id, key, FailReason.FENCE_EXPIRED)
+                self._send(key, sender, failed)  # sent if D is loaded; else D's liveness ends that rank
+            raise self._refuse(DropReason.LATE, f"push_reg {msg.transfer_id} queued while P was frozen")
+        if isinstance(msg, Cancel):
+            self._on_cancel(now, key, sender, msg)
+        elif not isinstance(msg, Heartbeat):
+            raise self._refuse(DropReason.UNEXPECTED, f"{type(msg).__name__} from {sender} in push mode")
 
     def _on_cancel(self, now: float, key: RankKey, sender: str, msg: Cancel) -> None:
         req = self._requests.get(msg.transfer_id)
@@ -272,7 +295,14 @@ class PushProducerCore(ProducerCore):
         self._sizes[token] = plan.nbytes
         self._do(
             PostWrite(
-                token, reg.key, reg.sender, plan.src_array, plan.dst_array, encode_notif(done), plan.nbytes
+                token,
+                reg.key,
+                reg.sender,
+                plan.src_array,
+                plan.dst_array,
+                encode_notif(done),
+                plan.nbytes,
+                req.transfer_id,
             )
         )
 
@@ -362,7 +392,8 @@ class PushProducerCore(ProducerCore):
         paused = now - self._last_tick
         self._last_tick = now
         cfg = self.config
-        if self._inflight and paused > cfg.liveness_timeout_s - cfg.heartbeat_interval_s:
+        self._thawing = paused > cfg.liveness_timeout_s - cfg.heartbeat_interval_s
+        if self._inflight and self._thawing:
             self._log_warning("paused %.2f s with writes in flight: recalling them", paused)
             for reg in list(self._inflight.values()):
                 req = self._requests[reg.msg.transfer_id]

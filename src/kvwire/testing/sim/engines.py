@@ -53,6 +53,7 @@ class _Xfer:
     src: np.ndarray
     dst: np.ndarray
     notif: bytes | None
+    transfer_id: str
     released: bool = False
     ended: bool = False
 
@@ -115,6 +116,8 @@ class SimEngine:
         self.owner: dict[int, str] = {}  # block -> transfer id that holds it
         self.writable: set[str] = set()  # D: transfers whose blocks a peer may write now
         self.loaded: dict[RankKey, set[str]] = {key: set() for key in self.caches}
+        # As HandshakeManager caches: a peer rank loaded once is answered at once while it stays loaded.
+        self.hs_cache: dict[tuple[RankKey, int, RankKey, PeerMode], tuple[PeerRank, int, SimEngine]] = {}
         self.xfers: dict[int, _Xfer] = {}
         self.paused_until = 0.0
         self.deferred: collections.deque[Input] = collections.deque()
@@ -153,7 +156,8 @@ class SimEngine:
     # -- inputs --------------------------------------------------------------------------------------------
     def feed(self, inp: Input) -> None:
         if self.paused:
-            self.deferred.append(inp)
+            if not isinstance(inp, Tick):  # a frozen process does not tick: its thaw does, once
+                self.deferred.append(inp)
             return
         pending = self._pending
         pending.append(inp)
@@ -238,6 +242,7 @@ class SimEngine:
             action.src,
             action.dst,
             action.notif if isinstance(action, PostWrite) else None,
+            action.transfer_id,
         )
         self.xfers[action.token] = x
         self._pending.append(Outcome(action.token, True))
@@ -264,15 +269,15 @@ class SimEngine:
             x.ended = True
             self.feed(XferEnded(x.token, False, "write failed" if fail else "peer gone"))
             return
-        self._check_landing(x.dst)
+        self._check_landing(x.transfer_id, x.dst)
         w.copy(x.src, x.dst)
         x.ended = True
         if x.notif is not None:
             w.deliver(self, x.peer_agent, x.notif, x.sender_agent)
         self.feed(XferEnded(x.token, True))
 
-    def _check_landing(self, rows: np.ndarray) -> None:
-        """C1: every destination block must be registered to a live transfer of the receiving life."""
+    def _check_landing(self, tid: str, rows: np.ndarray) -> None:
+        """C1: every destination block must be registered to this transfer, in the receiving life, now."""
         for addr, length, _ in rows.tolist():
             hit = self.world.memory.blocks(addr, length)
             if hit is None:
@@ -280,14 +285,23 @@ class SimEngine:
                 continue
             engine, blocks = hit
             for b in blocks:
-                tid = engine.owner.get(b)
-                if tid is None or tid not in engine.writable:
-                    what = "a free block" if tid is None else f"block of {tid} (not writable now)"
-                    self.world.violation(f"C1: bytes landed in {engine.engine_id} block {b}: {what}")
+                owner = engine.owner.get(b)
+                if owner != tid or tid not in engine.writable:
+                    what = "a free block" if owner is None else f"a block of {owner}"
+                    state = "" if owner != tid else " (no longer writable)"
+                    self.world.violation(f"C1: {tid}'s bytes landed in {engine.engine_id} {what}{state}")
                     return
 
     def _handshake(self, a: StartHandshake) -> None:
         w, f = self.world, self.world.faults
+        hit = self.hs_cache.get((a.key, a.port, a.remote, a.mode))
+        if hit is not None:
+            peer, tlife, known = hit
+            fresh = known.life == tlife and peer.agent_name in self.loaded[a.key]
+            if fresh and a.incarnation in (None, peer.incarnation):
+                life = self.life
+                w.after(0.0, lambda: self._cached(life, a, peer))
+                return
         target = w.addresses.get((a.host, a.port))
         delay = 200e-6 + w.rng.random() * 800e-6
         error = ""
@@ -303,6 +317,10 @@ class SimEngine:
             error = f"no rank {a.remote}"
         life, tlife = self.life, (target.life if target is not None else 0)
         w.after(delay, lambda: self._handshake_done(life, a, target, tlife, error))
+
+    def _cached(self, life: int, a: StartHandshake, peer: PeerRank) -> None:
+        if life == self.life:
+            self.feed(HandshakeDone(a.token, peer, ""))
 
     def _handshake_done(
         self, life: int, a: StartHandshake, target: SimEngine | None, tlife: int, error: str
@@ -329,6 +347,7 @@ class SimEngine:
             num_blocks=target.num_blocks,
             clock_offset_s=0.0,
         )
+        self.hs_cache[(a.key, a.port, a.remote, a.mode)] = (peer, tlife, target)
         self.feed(HandshakeDone(a.token, peer, ""))
 
     # -- blocks --------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import heapq
 import random
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -54,9 +54,9 @@ class Faults:
             stuck_write=0.002,
             failed_post=0.01,
             failed_handshake=0.01,
-            partition=0.02,
-            pause=0.02,
-            crash=0.01,
+            partition=0.05,
+            pause=0.05,
+            crash=0.02,
             abort=0.05,
         )
 
@@ -97,13 +97,6 @@ class MemoryMap:
         return engine, list(range(first, last + 1))
 
 
-@dataclass(order=True)
-class _Event:
-    at: float
-    seq: int
-    fn: Callable[[], None] = field(compare=False)
-
-
 class World:
     """Clock, queue, RNG, agents, partitions and the record of what went wrong."""
 
@@ -112,7 +105,7 @@ class World:
         self.rng = random.Random(seed)
         self.faults = faults
         self.now = 0.0
-        self._queue: list[_Event] = []
+        self._queue: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = 0
         self.agents: dict[str, SimEngine] = {}  # agent name -> engine (its current life)
         self.addresses: dict[tuple[str, int], SimEngine] = {}
@@ -124,17 +117,16 @@ class World:
     # -- time --------------------------------------------------------------------------------------------
     def at(self, when: float, fn: Callable[[], None]) -> None:
         self._seq += 1
-        heapq.heappush(self._queue, _Event(max(when, self.now), self._seq, fn))
+        heapq.heappush(self._queue, (max(when, self.now), self._seq, fn))
 
     def after(self, delay: float, fn: Callable[[], None]) -> None:
         self.at(self.now + delay, fn)
 
     def run_until(self, end: float, stop: Callable[[], bool] | None = None) -> None:
-        queue = self._queue
-        while queue and queue[0].at <= end:
-            ev = heapq.heappop(queue)
-            self.now = ev.at
-            ev.fn()
+        queue, pop = self._queue, heapq.heappop
+        while queue and queue[0][0] <= end:
+            self.now, _, fn = pop(queue)
+            fn()
             if stop is not None and stop():
                 return
         self.now = max(self.now, end)

@@ -15,7 +15,7 @@ from kvwire.core.io import Action, HandshakeDone, Input, StartHandshake
 from kvwire.core.producer import ProducerCore
 from kvwire.core.producer_push import PushProducerCore
 from kvwire.core.producer_records import Reg, Request
-from kvwire.protocol.messages import Cancel
+from kvwire.protocol.messages import Cancel, Notification
 from kvwire.protocol.ranks import RankKey
 from kvwire.protocol.states import ProducerState, ProducerTrigger
 from kvwire.testing.sim.net import Faults
@@ -60,6 +60,15 @@ class NoRecallAfterPause(PushProducerCore):
         ProducerCore._on_tick(self, now)
 
 
+class ServeQueuedPushRegsAfterFreeze(PushProducerCore):
+    """P serves the push_regs that queued up while it was frozen (what kvwire did before the simulator
+    found it: D had declared the frozen P dead and reused the blocks those push_regs name)."""
+
+    def _on_stale_notif(self, now: float, key: RankKey, sender: str, msg: Notification) -> None:
+        self._thawing = False
+        self._on_notif(now, key, sender, msg)
+
+
 @dataclass(frozen=True)
 class Planted:
     plant: Plant
@@ -76,6 +85,11 @@ PLANTS: dict[str, Planted] = {
     "accept-stale-incarnation": Planted(
         Plant(producer=AcceptStaleIncarnation),
         Faults(delay=0.5, delay_max_s=0.05, crash=2.0),
+        "C1",
+    ),
+    "serve-queued-push-regs-after-freeze": Planted(
+        Plant(producer=ServeQueuedPushRegsAfterFreeze),
+        Faults(pause=1.0),
         "C1",
     ),
     "no-recall-after-pause": Planted(

@@ -16,6 +16,8 @@ A failing seed replays byte for byte: everything random comes from one ``random.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 import time
 from collections import Counter
@@ -139,9 +141,10 @@ class Simulation:
             return kind(info, layouts, n, cfg, host=host)
 
         handler: Callable[[SimEngine, object], None] = self._p_event if producer else self._d_event
+        config = dataclasses.replace(CONFIG, mode=self.mode)
         engine = SimEngine(
-            self.world, name, 9000 + len(self.engines), SPEC, tp=tp, pp=pp, num_blocks=256,
-            mode=self.mode, config=CONFIG, make_core=make, on_event=handler,
+            self.world, name, 9000 + len(self.engines), SPEC, tp=tp, pp=pp, num_blocks=4096,
+            mode=self.mode, config=config, make_core=make, on_event=handler,
         )  # fmt: skip
         self.engines.append(engine)
         return engine
@@ -179,6 +182,13 @@ class Simulation:
             side = w.rng.choice(("p", "d"))
             w.after(w.rng.random() * 20e-3, lambda: self._abort(req, side))
 
+    def _no_decode_leg(self, req: _Req) -> None:
+        """Pull: the prefill leg failed, so the router never sends the decode leg: D frees its blocks."""
+        if self.mode is TransferMode.PULL and req.d_done is None:
+            req.d_done = self.world.now
+            req.d_events.append(ConsumerEventKind.RELEASED)
+            self._free_d(req)
+
     def _remote(self, req: _Req) -> RemoteEngine:
         blocks = tuple(req.p_blocks) if self.mode is TransferMode.PULL else ()
         return RemoteEngine(req.p.engine_id, "sim", req.p.port, req.p.tp, req.p.pp, blocks)
@@ -193,6 +203,7 @@ class Simulation:
     def _prefilled(self, req: _Req) -> None:
         p = req.p
         if p.life != req.p_life or req.p_aborted:
+            self._no_decode_leg(req)
             return
         scatter_tokens(_ranks(p), req.p_blocks, self.kv(req))
         req.finished = True
@@ -205,6 +216,7 @@ class Simulation:
             if not req.finished:  # still prefilling: the engine frees its own blocks
                 req.p_aborted = True
                 self._free_p(req)
+                self._no_decode_leg(req)
             req.p.feed(Abort(req.tid))
         elif side == "d" and req.d.life == req.d_life and req.d_done is None:
             req.d.feed(Abort(req.tid))
@@ -291,8 +303,9 @@ class Simulation:
             + c.liveness_timeout_s + c.dead_peer_grace_s + 2 * c.heartbeat_interval_s + stalls
         )  # fmt: skip
 
-    def run(self, requests: int, rate: float = 2000.0) -> None:
+    def run(self, requests: int, rate: float = 500.0, *, stop_at_first: bool = False) -> None:
         w = self.world
+        stopped = (lambda: bool(w.violations)) if stop_at_first else None
         t = 0.0
         period = 0.1
         next_chaos = 0.0
@@ -303,10 +316,14 @@ class Simulation:
                 next_chaos += period
             w.at(t, lambda n=number: self.submit(n))  # type: ignore[misc]
             if number % 256 == 255:
-                w.run_until(t)  # keep the queue short
-        w.run_until(t)
+                w.run_until(t, stop=stopped)  # keep the queue short
+                if w.violations and stop_at_first:
+                    return
+        w.run_until(t, stop=stopped)
         bound = self.bound_s()
-        w.run_until(t + bound, stop=self._all_ended)
+        w.run_until(t + bound, stop=lambda: self._all_ended() or bool(stopped and stopped()))
+        if w.violations and stop_at_first:
+            return
         self._check_bounds(bound)
         # Quiescence: past every timer (tombstones, leases), nothing may stay held.
         w.run_until(w.now + CONFIG.tombstone_s + CONFIG.kv_lease_duration_s + 5.0)
@@ -345,11 +362,19 @@ def simulate(
     faults: Faults | None = None,
     mode: TransferMode = TransferMode.PUSH,
     plant: Plant | None = None,
+    stop_at_first: bool = False,
 ) -> Report:
-    """Run ``requests`` simulated requests under ``faults`` (default: ``Faults.chaos()``)."""
+    """Run ``requests`` simulated requests under ``faults`` (default: ``Faults.chaos()``); with
+    ``stop_at_first``, stop at the first violation (a planted bug's hunt)."""
     started = time.perf_counter()
     sim = Simulation(seed, Faults.chaos() if faults is None else faults, mode, plant)
-    sim.run(requests)
+    kvwire_log = logging.getLogger("kvwire")
+    level = kvwire_log.level
+    kvwire_log.setLevel(logging.ERROR)  # the cores' warnings (peers declared dead...) are expected here
+    try:
+        sim.run(requests, stop_at_first=stop_at_first)
+    finally:
+        kvwire_log.setLevel(level)
     w = sim.world
     return Report(
         requests=requests,
