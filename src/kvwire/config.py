@@ -88,6 +88,21 @@ class Policy(enum.Enum):
     LEAST_LOADED = "least_loaded"
 
 
+class Disaggregation(enum.Enum):
+    """Whether the router sends every request through a P (``always``), or lets D prefill a request itself
+    when a remote prefill would not pay (``conditional``: a short prompt, or P's prefill queue longer than
+    D's; ``kvwire.router.policy.decide_prefill``), as Dynamo's disaggregated router does."""
+
+    ALWAYS = "always"
+    CONDITIONAL = "conditional"
+
+
+# Prompts of at most this many tokens are prefilled on D under ``conditional``. Measured on the reference
+# engine (docs/benchmarks.md, "Conditional disaggregation"): below it a local prefill costs D less time than
+# the fixed overhead a disaggregated request adds to its own TTFT (router leg to P, push_reg, notification).
+LOCAL_PREFILL_MAX_TOKENS = 256
+
+
 class EngineKind(enum.Enum):
     """What the router's engines are: kvwire's own (their ``/health`` names P's side channel), or vLLM
     servers running KvwireConnector (P's side channel is given in its URL's fragment:
@@ -118,6 +133,8 @@ class RouterConfig:
     prefill_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]
     policy: Policy = Policy.ROUND_ROBIN
+    disaggregation: Disaggregation = Disaggregation.ALWAYS
+    local_prefill_max_tokens: int = LOCAL_PREFILL_MAX_TOKENS  # only read under CONDITIONAL
     # PUSH: both legs at once. PULL: P's leg first, then D's with P's block ids (D reads them).
     mode: TransferMode = TransferMode.PUSH
     host: str = "127.0.0.1"
@@ -148,6 +165,8 @@ class RouterConfig:
         for name in ("request_timeout_s", "connect_timeout_s", "health_interval_s", "health_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
+        if self.local_prefill_max_tokens < 0:
+            raise ConfigError("local_prefill_max_tokens must be at least 0")
 
 
 @dataclass(frozen=True)

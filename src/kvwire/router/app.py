@@ -1,6 +1,8 @@
 """The OpenAI-compatible router: a thin FastAPI app over ``Router``.
 
-Per request: pick a P and a D (``policy``), choose a transfer id, and send both legs **at the same time**
+Per request: pick a P and a D (``policy``); under conditional disaggregation, a short prompt (or one arriving
+while P's prefill queue is longer than D's) goes to D alone as an ordinary request, prefilled there as on a
+colocated engine. Otherwise choose a transfer id, and send both legs **at the same time**
 (push mode: D registers its blocks with P while P prefills; in pull mode D needs P's block ids, so P's
 leg goes first). The client gets D's answer; P's one-token answer is only
 checked. A failure of either leg before D produced its first token cancels the other leg and is answered
@@ -14,7 +16,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -22,10 +24,10 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge
 
 from kvwire.apikey import ApiKeyMiddleware, bearer
-from kvwire.config import RouterConfig
+from kvwire.config import EngineKind, RouterConfig
 from kvwire.logsetup import transfer_extra
 from kvwire.metrics import CONTENT_TYPE, KvMetrics, MetricRole, Outcome
 from kvwire.protocol.messages import TransferMode
@@ -40,7 +42,15 @@ from kvwire.router.legs import (
     pull_params,
 )
 from kvwire.router.openai_api import ApiError, ApiKind, ErrorType, ParsedRequest
-from kvwire.router.policy import NoHealthyEngine, Picker, Role
+from kvwire.router.policy import (
+    EngineView,
+    NoHealthyEngine,
+    Picker,
+    PrefillSite,
+    Role,
+    decide_prefill,
+    prompt_tokens,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +58,9 @@ log = logging.getLogger(__name__)
 _EXTRA_EVENTS = 16
 # How long a cancelled leg may take to close its connection before the router stops waiting for it.
 _CANCEL_WAIT_S = 2.0
+# UTF-8 bytes per prompt token, to size a text prompt: exact for kvwire's byte-level engines; for vLLM's
+# tokenizers, which the router does not load, a rough average for English text.
+_BYTES_PER_TOKEN = {EngineKind.KVWIRE: 1.0, EngineKind.VLLM: 4.0}
 _OUTCOME = {
     ErrorType.INVALID_REQUEST: Outcome.BAD_REQUEST,
     ErrorType.NOT_FOUND: Outcome.BAD_REQUEST,
@@ -57,6 +70,13 @@ _OUTCOME = {
     ErrorType.TIMEOUT: Outcome.TIMEOUT,
     ErrorType.MISCONFIGURED: Outcome.ENGINE_ERROR,
 }
+
+
+@dataclass
+class _Trace:
+    """What a failed request's log line names: its transfer id, once it has one."""
+
+    transfer_id: str | None = None
 
 
 def error_response(exc: ApiError) -> JSONResponse:
@@ -114,6 +134,12 @@ class Router:
             ["role", "model_name", "engine_role", "url"],
             registry=self.metrics.registry,
         )
+        self._prefills = Counter(
+            "kvwire_router_prefill_decisions",
+            "Requests by where their prompt was prefilled (remote: on P; local: on D) and why",
+            ["role", "model_name", "site", "reason"],
+            registry=self.metrics.registry,
+        )
         self.created = int(time.time())
         self._stop = asyncio.Event()
         self._poller: asyncio.Task[None] | None = None
@@ -158,31 +184,10 @@ class Router:
 
     async def serve(self, raw: bytes, kind: ApiKind) -> Response:
         start = time.monotonic()
-        transfer_id: str | None = None  # known once engines are chosen (for the log lines)
+        trace = _Trace()
         try:
             req = api.parse_request(api.decode_json_object(raw), kind, frozenset(self.served_models()))
-            p_url, d_url, p_info = await self._choose()
-            rid = ("cmpl-" if kind is ApiKind.COMPLETION else "chatcmpl-") + uuid.uuid4().hex
-            transfer_id = uuid.uuid4().hex
-            base = req.engine_body()
-            legs = (prefill_body(base, transfer_id), decode_body(base, transfer_id, p_info))
-            log.debug(
-                "request %s: transfer %s, prefill %s, decode %s, stream %s",
-                rid, transfer_id, p_url, d_url, req.stream, extra=transfer_extra(transfer_id),
-            )  # fmt: skip
-            self.registry.begin(p_url, d_url)
-            try:
-                prefilled = None
-                if self.config.mode is TransferMode.PULL:
-                    # D reads P's blocks, so it needs their ids: P answers first (vLLM's order).
-                    prefilled = await self._prefill_first(p_url, legs[0])
-                    legs[1]["kv_transfer_params"].update(pull_params(p_url, prefilled))
-                if req.stream:
-                    return await self._stream(req, rid, p_url, d_url, legs, start, prefilled)
-                response, latency = await self._unary(req, rid, (p_url, d_url), legs, prefilled, start)
-            finally:
-                if not req.stream:
-                    self.registry.end(p_url, d_url)
+            response, latency = await self._route(req, start, trace)
         except Exception as exc:
             if not isinstance(exc, ApiError):
                 log.exception("router error")
@@ -191,18 +196,59 @@ class Router:
             self._record(_OUTCOME[exc.kind], start)
             where = f" ({exc.url})" if isinstance(exc, LegError) else ""
             level = logging.WARNING if exc.status >= 500 else logging.DEBUG
-            tid = transfer_extra(transfer_id)
+            tid = transfer_extra(trace.transfer_id)
             log.log(level, "request failed (%d): %s%s", exc.status, exc.message, where, extra=tid)
             return error_response(exc)
-        self._record(Outcome.OK, start, latency)
-        log.debug("transfer %s answered", transfer_id, extra=transfer_extra(transfer_id))
+        if latency is not None:  # a stream records itself when it ends
+            self._record(Outcome.OK, start, latency)
+        if trace.transfer_id is not None:
+            log.debug("transfer %s answered", trace.transfer_id, extra=transfer_extra(trace.transfer_id))
         return response
+
+    async def _route(
+        self, req: ParsedRequest, start: float, trace: _Trace
+    ) -> tuple[Response, Latency | None]:
+        """Serve one parsed request: on D alone, or disaggregated. ``(response, None)`` for a stream."""
+        p, d = await self._pick()
+        tokens = self._tokens(req)
+        cfg = self.config
+        decision = decide_prefill(cfg.disaggregation, tokens, p, d, cfg.local_prefill_max_tokens)
+        self._prefills.labels("router", cfg.model, decision.site.value, decision.reason.value).inc()
+        rid = ("cmpl-" if req.kind is ApiKind.COMPLETION else "chatcmpl-") + uuid.uuid4().hex
+        if decision.site is PrefillSite.LOCAL:
+            log.debug("request %s: prefilled on decode %s (%s)", rid, d.url, decision.reason.value)
+            return await self._local(req, rid, d.url, tokens, start)
+        p_url, d_url = p.url, d.url
+        p_info = await self._pair_info(p_url, d_url)
+        trace.transfer_id = transfer_id = uuid.uuid4().hex
+        base = req.engine_body()
+        legs = (prefill_body(base, transfer_id), decode_body(base, transfer_id, p_info))
+        log.debug(
+            "request %s: transfer %s, prefill %s, decode %s, stream %s",
+            rid, transfer_id, p_url, d_url, req.stream, extra=transfer_extra(transfer_id),
+        )  # fmt: skip
+        self.registry.begin(p_url, d_url)
+        try:
+            prefilled = None
+            if cfg.mode is TransferMode.PULL:
+                # D reads P's blocks, so it needs their ids: P answers first (vLLM's order).
+                prefilled = await self._prefill_first(p_url, legs[0], tokens)
+                legs[1]["kv_transfer_params"].update(pull_params(p_url, prefilled))
+            if req.stream:
+                return await self._stream(req, rid, p_url, d_url, legs, start, prefilled), None
+            return await self._unary(req, rid, (p_url, d_url), legs, prefilled, start)
+        finally:
+            if not req.stream:
+                self.registry.end(p_url, d_url)
+
+    def _tokens(self, req: ParsedRequest) -> int:
+        return prompt_tokens(req.prompt, _BYTES_PER_TOKEN[self.config.engines])
 
     def _record(self, outcome: Outcome, start: float, latency: Latency | None = None) -> None:
         lat = latency or Latency()
         self.metrics.record_request(outcome, time.monotonic() - start, lat.ttft_s, lat.token_gaps_s)
 
-    async def _choose(self) -> tuple[str, str, HealthInfo]:
+    async def _pick(self) -> tuple[EngineView, EngineView]:
         picks = []
         for role in (Role.PREFILL, Role.DECODE):
             try:
@@ -214,7 +260,10 @@ class Router:
                     picks.append(self.picker.pick(role, self.registry.views(role)))
                 except NoHealthyEngine as exc:
                     raise ApiError(ErrorType.UNAVAILABLE, str(exc)) from exc
-        p_url, d_url = picks[0].url, picks[1].url
+        return picks[0], picks[1]
+
+    async def _pair_info(self, p_url: str, d_url: str) -> HealthInfo:
+        """P's identity for D's leg, once P and D are known to be able to work together."""
         info = await self.registry.info_of(p_url)
         if info is None:
             log.warning("prefill engine %s is not healthy", p_url)
@@ -223,7 +272,7 @@ class Router:
         problem = pair_problem(info, d_info, self.config.mode) if d_info is not None else None
         if problem is not None:
             raise ApiError(ErrorType.MISCONFIGURED, problem)
-        return p_url, d_url, info
+        return info
 
     def _leg_failed(self, exc: LegError) -> None:
         if exc.unreachable or exc.status >= 500:
@@ -275,10 +324,18 @@ class Router:
         elif exc is not None:
             log.error("prefill leg crashed", exc_info=exc)
 
-    async def _prefill_first(self, p_url: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _prefill_leg(self, p_url: str, body: dict[str, Any], tokens: int) -> dict[str, Any]:
+        """P's leg, counted in P's prefill queue until P answers (its answer follows its prefill)."""
+        self.registry.prefill_begin(p_url, tokens)
+        try:
+            return await post_completion(self.client, Role.PREFILL, p_url, body)
+        finally:
+            self.registry.prefill_end(p_url, tokens)
+
+    async def _prefill_first(self, p_url: str, body: dict[str, Any], tokens: int) -> dict[str, Any]:
         try:
             async with asyncio.timeout(self.config.request_timeout_s):
-                return await post_completion(self.client, Role.PREFILL, p_url, body)
+                return await self._prefill_leg(p_url, body, tokens)
         except TimeoutError as exc:
             log.warning("prefill engine %s: no answer in time", p_url)
             raise ApiError(ErrorType.TIMEOUT, "prefill engine: no answer in time") from exc
@@ -287,11 +344,11 @@ class Router:
             raise
 
     def _prefill_task(
-        self, p_url: str, body: dict[str, Any], prefilled: dict[str, Any] | None
+        self, p_url: str, body: dict[str, Any], prefilled: dict[str, Any] | None, tokens: int
     ) -> asyncio.Task[dict[str, Any]]:
         """P's leg as a task: running (push), or already answered (pull)."""
         if prefilled is None:
-            return asyncio.create_task(post_completion(self.client, Role.PREFILL, p_url, body))
+            return asyncio.create_task(self._prefill_leg(p_url, body, tokens))
 
         async def answered() -> dict[str, Any]:
             return prefilled
@@ -308,7 +365,7 @@ class Router:
         start: float,
     ) -> tuple[Response, Latency]:
         p_url, d_url = urls
-        p_task = self._prefill_task(p_url, legs[0], prefilled)
+        p_task = self._prefill_task(p_url, legs[0], prefilled, self._tokens(req))
         sent_s = time.monotonic() - start
         d_task = asyncio.create_task(post_completion(self.client, Role.DECODE, d_url, legs[1]))
         result = await self._legs(p_task, d_task, self.config.request_timeout_s)
@@ -336,7 +393,7 @@ class Router:
             await stream.open()
             return await stream.next_event()
 
-        p_task = self._prefill_task(p_url, legs[0], prefilled)
+        p_task = self._prefill_task(p_url, legs[0], prefilled, self._tokens(req))
         d_task = asyncio.create_task(first_event())
         try:
             first = await self._legs(p_task, d_task, self.config.request_timeout_s)
@@ -349,6 +406,60 @@ class Router:
         body = self._relay(req, rid, stream, first, deadline, start, (p_url, d_url))
         return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
+    async def _local(
+        self, req: ParsedRequest, rid: str, d_url: str, tokens: int, start: float
+    ) -> tuple[Response, Latency | None]:
+        """The request to D alone, without kv_transfer_params: D prefills it as a colocated engine would."""
+        body = req.engine_body()
+        self.registry.begin(d_url)
+        self.registry.prefill_begin(d_url, tokens)
+        prefilling = True
+        try:
+            if req.stream:
+                deadline = time.monotonic() + self.config.request_timeout_s
+                stream = DecodeStream(self.client, d_url, body)
+                try:
+                    first = await self._bounded(self._first_event(stream))
+                except BaseException:
+                    await stream.aclose()
+                    raise
+                self.registry.prefill_end(d_url, tokens)
+                prefilling = False
+                relay = self._relay(req, rid, stream, first, deadline, start, (d_url,))
+                headers = {"Cache-Control": "no-cache"}
+                return StreamingResponse(relay, media_type="text/event-stream", headers=headers), None
+            sent_s = time.monotonic() - start
+            result = await self._bounded(post_completion(self.client, Role.DECODE, d_url, body))
+        except BaseException:
+            self.registry.end(d_url)
+            raise
+        finally:
+            if prefilling:
+                self.registry.prefill_end(d_url, tokens)
+        self.registry.end(d_url)
+        latency = unary_latency(result, sent_s, time.monotonic() - start)
+        return JSONResponse(api.completion_response(result, req, rid, self.created_now())), latency
+
+    @staticmethod
+    async def _first_event(stream: DecodeStream) -> dict[str, Any]:
+        await stream.open()
+        first = await stream.next_event()
+        if first is None:
+            raise LegError(Role.DECODE, stream.url, ErrorType.ENGINE_ERROR, "stream ended before any token")
+        return first
+
+    async def _bounded(self, leg: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+        """One leg within the request timeout; its failure marks its engine suspect."""
+        timeout_s = self.config.request_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await leg
+        except TimeoutError as exc:
+            raise ApiError(ErrorType.TIMEOUT, f"no answer within {timeout_s:.0f} s") from exc
+        except LegError as exc:
+            self._leg_failed(exc)
+            raise
+
     async def _relay(
         self,
         req: ParsedRequest,
@@ -357,7 +468,7 @@ class Router:
         first: dict[str, Any],
         deadline: float,
         start: float,
-        urls: tuple[str, str],
+        urls: tuple[str, ...],
     ) -> AsyncGenerator[bytes, None]:
         created = self.created_now()
         last_token = time.monotonic()

@@ -11,7 +11,15 @@ import argparse
 import logging
 from typing import Any
 
-from kvwire.config import EngineKind, Policy, RouterConfig, process_environ, split_urls
+from kvwire.config import (
+    LOCAL_PREFILL_MAX_TOKENS,
+    Disaggregation,
+    EngineKind,
+    Policy,
+    RouterConfig,
+    process_environ,
+    split_urls,
+)
 from kvwire.errors import ConfigError, KvwireError
 from kvwire.logsetup import configure
 from kvwire.options import Command, LogFormat, Option, add_options, logging_options, resolve
@@ -29,6 +37,16 @@ def router_options() -> list[Option]:
         Option("host", str, "127.0.0.1", "address to bind", R),
         Option("port", int, 8000, "port to bind", R),
         Option("policy", str, Policy.ROUND_ROBIN.value, "picks P and D", R, tuple(p.value for p in Policy)),
+        Option(
+            "disaggregation", str, Disaggregation.ALWAYS.value, "always: every request through a prefill "
+            "engine; conditional: the decode engine prefills a request itself when its prompt is at most "
+            "--local-prefill-max-tokens or the prefill engine has more prompt tokens queued than it",
+            R, tuple(d.value for d in Disaggregation),
+        ),
+        Option(
+            "local_prefill_max_tokens", int, LOCAL_PREFILL_MAX_TOKENS, "under --disaggregation conditional: "
+            "prompts of at most this many tokens are prefilled on the decode engine", R,
+        ),
         Option(
             "mode", str, TransferMode.PUSH.value, "KV transfer mode of the engines: push sends both legs at "
             "once, pull sends P's first", R, tuple(m.value for m in TransferMode),
@@ -69,6 +87,8 @@ def config_from_values(values: dict[str, Any]) -> RouterConfig:
         prefill_urls=split_urls(values["prefill"]),
         decode_urls=split_urls(values["decode"]),
         policy=Policy(values["policy"]),
+        disaggregation=Disaggregation(values["disaggregation"]),
+        local_prefill_max_tokens=values["local_prefill_max_tokens"],
         mode=TransferMode(values["mode"]),
         host=values["host"],
         port=values["port"],
@@ -91,11 +111,18 @@ def summary(config: RouterConfig, port: int) -> str:
             f"decode {', '.join(config.decode_urls)}",
             f"mode {config.mode.value}",
             f"policy {config.policy.value}",
+            _disaggregation(config),
             f"engines {config.engines.value}",
             f"api key {'set' if config.api_key else 'not set'}",
             f"engine api key {'set' if config.engine_api_key else 'not set'}",
         ]
     )
+
+
+def _disaggregation(config: RouterConfig) -> str:
+    if config.disaggregation is Disaggregation.ALWAYS:
+        return "disaggregation always"
+    return f"disaggregation conditional (local prefill up to {config.local_prefill_max_tokens} tokens)"
 
 
 def run(args: argparse.Namespace) -> int:

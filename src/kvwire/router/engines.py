@@ -129,13 +129,14 @@ class EngineState:
     healthy: bool = False
     info: HealthInfo | None = None
     inflight: int = 0
+    prefill_tokens: int = 0  # see EngineView.prefill_tokens
     error: str | None = None
     checked_at: float = 0.0
     _refreshing: asyncio.Task[None] | None = field(default=None, repr=False)
 
     def view(self) -> EngineView:
         load = self.info.load if self.info is not None else Load()
-        return EngineView(url=self.url, healthy=self.healthy, load=load, inflight=self.inflight)
+        return EngineView(self.url, self.healthy, load, self.inflight, self.prefill_tokens)
 
     def summary(self) -> dict[str, Any]:
         info = self.info
@@ -144,6 +145,7 @@ class EngineState:
             "healthy": self.healthy,
             "engine_id": info.engine_id if info else None,
             "inflight": self.inflight,
+            "prefill_tokens": self.prefill_tokens,
             "load": vars(info.load) if info else None,
             "error": self.error,
         }
@@ -246,6 +248,13 @@ class EngineRegistry:
     def end(self, *urls: str) -> None:
         for url in urls:
             self._by_url[url].inflight -= 1
+
+    def prefill_begin(self, url: str, tokens: int) -> None:
+        """A prompt of ``tokens`` was sent to this engine to prefill (conditional routing compares them)."""
+        self._by_url[url].prefill_tokens += tokens
+
+    def prefill_end(self, url: str, tokens: int) -> None:
+        self._by_url[url].prefill_tokens -= tokens
 
     async def poll(self, interval_s: float, stop: asyncio.Event) -> None:
         """Re-check every engine each ``interval_s`` until ``stop`` is set."""

@@ -5,6 +5,10 @@ The router keeps one ``EngineView`` per configured engine (refreshed from its ``
 loaded takes the engine with the fewest running + waiting requests (as last reported, plus the requests this
 router has sent it since), breaking ties by the most free blocks, then by rotation so that equal engines
 share the work.
+
+Under ``Disaggregation.CONDITIONAL`` the router also decides, per request, where its prompt is prefilled
+(``decide_prefill``): on D itself when the prompt is short, or when P's prefill queue is longer than D's;
+otherwise on P, with the KV sent to D.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvwire.config import Policy
+from kvwire.config import Disaggregation, Policy
 from kvwire.errors import KvwireError
 
 
@@ -45,6 +49,9 @@ class EngineView:
     healthy: bool
     load: Load = Load()
     inflight: int = 0
+    # Prompt tokens of this router's requests sent to the engine and not yet prefilled there: its prefill
+    # queue as this router knows it now (``/health``'s load is up to a poll interval old).
+    prefill_tokens: int = 0
 
 
 class Picker:
@@ -78,3 +85,44 @@ def least_loaded(engines: Sequence[EngineView], turn: int = 0) -> EngineView:
     order = [engines[(turn + i) % n] for i in range(n)]
     # min() keeps the first of equal keys, so rotating the list first spreads ties.
     return min(order, key=lambda e: (busy(e), -e.load.free_blocks))
+
+
+class PrefillSite(enum.Enum):
+    REMOTE = "remote"  # P prefills, D receives the KV
+    LOCAL = "local"  # D prefills the request itself, as a colocated engine would
+
+
+class PrefillReason(enum.Enum):
+    ALWAYS = "always"  # the router disaggregates every request
+    SHORT_PROMPT = "short_prompt"  # at most local_prefill_max_tokens: the transfer would cost more
+    PREFILL_QUEUE = "prefill_queue"  # P has more prompt tokens waiting to be prefilled than D
+    LONG_PROMPT = "long_prompt"  # long, and P is no busier than D: disaggregate
+
+
+@dataclass(frozen=True)
+class PrefillDecision:
+    site: PrefillSite
+    reason: PrefillReason
+
+
+def decide_prefill(
+    mode: Disaggregation, prompt_tokens: int, p: EngineView, d: EngineView, local_max_tokens: int
+) -> PrefillDecision:
+    """Where one request is prefilled. Queues are compared in prompt tokens, not requests: one long
+    prompt waiting on P delays a new request more than a few short ones waiting on D."""
+    if mode is Disaggregation.ALWAYS:
+        return PrefillDecision(PrefillSite.REMOTE, PrefillReason.ALWAYS)
+    if prompt_tokens <= local_max_tokens:
+        return PrefillDecision(PrefillSite.LOCAL, PrefillReason.SHORT_PROMPT)
+    if p.prefill_tokens > d.prefill_tokens:
+        return PrefillDecision(PrefillSite.LOCAL, PrefillReason.PREFILL_QUEUE)
+    return PrefillDecision(PrefillSite.REMOTE, PrefillReason.LONG_PROMPT)
+
+
+def prompt_tokens(prompt: str | Sequence[int], bytes_per_token: float) -> int:
+    """A prompt's length in tokens: exact for token ids; for text, its UTF-8 bytes over
+    ``bytes_per_token`` plus one (BOS). kvwire's reference engines tokenize bytes (1.0: exact); a vLLM
+    engine's tokenizer is not known to the router, so its count is an estimate."""
+    if not isinstance(prompt, str):
+        return len(prompt)
+    return int(len(prompt.encode()) / bytes_per_token) + 1
