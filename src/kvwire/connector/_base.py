@@ -26,12 +26,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
+from kvwire.connector.timeline import Stage, Timeline
 from kvwire.core.base import CoreBase, Refused
 from kvwire.core.config import ConnectorConfig
 from kvwire.core.events import ConnectorStats
 from kvwire.core.io import (
     Action,
+    Allocated,
     Emit,
+    Finished,
     ForgetPeer,
     HandshakeDone,
     Input,
@@ -47,13 +50,14 @@ from kvwire.core.io import (
     TouchPeer,
     XferEnded,
 )
-from kvwire.errors import ConfigError, KvwireError, PeerDisconnected, TransportError
+from kvwire.errors import ConfigError, KvwireError, PeerDisconnected, ProtocolError, TransportError
 from kvwire.handshake.loop import BackgroundLoop
 from kvwire.handshake.manager import HandshakeManager, warm_up
 from kvwire.handshake.server import SideChannelServer
 from kvwire.handshake.types import EngineInfo, LocalRank, PeerRank
 from kvwire.kv.mapping import RankLayout
-from kvwire.protocol.codec import encode_notif
+from kvwire.protocol.codec import decode_notif, encode_notif
+from kvwire.protocol.messages import Done, PushReg
 from kvwire.protocol.ranks import RankKey
 from kvwire.transport.base import Registration, XferHandle, XferOp, XferStatus
 
@@ -132,7 +136,9 @@ class ConnectorBase(Generic[E]):
         self._broken: set[RankKey] = set()
         self._started = False
         self._closed = False
-        self._handles: dict[int, tuple[RankKey, XferHandle, float]] = {}  # core token -> posted transfer
+        # core token -> posted transfer: (rank, handle, transfer id)
+        self._handles: dict[int, tuple[RankKey, XferHandle, str]] = {}
+        self.timeline = Timeline()  # when each step of a request happened here (``/v1/kv_stats``)
         self._pending: collections.deque[Input] = collections.deque()
 
     def _make_core(self, layouts: dict[RankKey, RankLayout], num_blocks: int) -> CoreBase:
@@ -235,7 +241,10 @@ class ConnectorBase(Generic[E]):
         self._bg.loop.call_soon_threadsafe(self._handoff, inp)
 
     def _handoff(self, inp: Input) -> None:
-        self._guarded(self._apply, (self._clock(), inp))
+        now = self._clock()
+        if isinstance(inp, Allocated | Finished):
+            self.timeline.mark(inp.transfer_id, Stage.LOOP_RECEIVED, time.monotonic())
+        self._guarded(self._apply, (now, inp))
         self._wake()
 
     def _guarded(self, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
@@ -285,6 +294,8 @@ class ConnectorBase(Generic[E]):
     def _execute(self, action: Action) -> None:
         if isinstance(action, Send):
             ok = self._send(action)
+            if ok and isinstance(action.msg, PushReg):
+                self.timeline.mark(action.msg.transfer_id, Stage.PUSH_REG_SENT, time.monotonic())
             if action.token:
                 self._pending.append(Outcome(action.token, ok))
         elif isinstance(action, PostWrite | PostRead):
@@ -339,7 +350,9 @@ class ConnectorBase(Generic[E]):
         except TransportError as exc:
             self._pending.append(Outcome(action.token, False, str(exc)))
             return
-        self._handles[action.token] = (action.key, handle, self._clock())
+        self._handles[action.token] = (action.key, handle, action.transfer_id)
+        if write:
+            self.timeline.mark(action.transfer_id, Stage.WRITE_POSTED, time.monotonic())
         self._pending.append(Outcome(action.token, True))
         self._wake()  # poll it at the busy rate from now on
 
@@ -461,16 +474,30 @@ class ConnectorBase(Generic[E]):
             for sender, msgs in inbox.items():
                 for raw in msgs:
                     self._quiet = 0
+                    self._mark_arrival(raw)
                     self._apply(now, NotifIn(key, sender, raw))
         self._poll_transfers(now)
 
+    def _mark_arrival(self, raw: bytes) -> None:
+        """Timeline marks of the notifications a request waits on (a second decode of a small message,
+        a few microseconds; the core's own decode stays the one that judges it)."""
+        try:
+            msg = decode_notif(raw)
+        except ProtocolError:
+            return  # the core counts it as malformed
+        if isinstance(msg, PushReg):
+            self.timeline.mark(msg.transfer_id, Stage.PUSH_REG_RECEIVED, time.monotonic())
+        elif isinstance(msg, Done):
+            self.timeline.mark(msg.transfer_id, Stage.DONE_RECEIVED, time.monotonic())
+
     def _poll_transfers(self, now: float) -> None:
-        for token, (key, handle, _posted) in list(self._handles.items()):
+        for token, (key, handle, transfer_id) in list(self._handles.items()):
             try:
                 state = self.ranks[key].agent.status(handle)
             except TransportError:
                 state = XferStatus.FAILED
             if state is XferStatus.IN_PROGRESS:
                 continue
+            self.timeline.mark(transfer_id, Stage.WRITE_DONE, time.monotonic())
             reason = handle.failed_reason if isinstance(handle.failed_reason, str) else ""
             self._apply(now, XferEnded(token, state is XferStatus.DONE, reason))

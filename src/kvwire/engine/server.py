@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvwire.apikey import ApiKeyMiddleware
+from kvwire.connector.timeline import Stage, Timeline, merged
 from kvwire.engine.api import (
     CompletionRequest,
     TextBuilder,
@@ -132,6 +133,8 @@ class EngineServer:
         # Each says why the engine cannot serve now (e.g. a connector agent stuck inside NIXL), or None;
         # any reason makes /health answer 503, so that the router stops sending it requests.
         self.health_checks: list[Callable[[], str | None]] = []
+        # Each request's steps as this server saw them (the connector keeps its own: see ``timelines``).
+        self.timeline = Timeline()
         self._started = False
         self.app = self._build_app()
 
@@ -209,6 +212,28 @@ class EngineServer:
                 "fenced": len(sched.fenced),
             },
         }
+
+    def timelines(self, last: int) -> list[dict[str, Any]]:
+        """The ``last`` most recent requests' marks (``/v1/kv_stats?timeline=N``), with the connector's."""
+        connector = getattr(self.engine.hooks, "connector", None)
+        extra = getattr(connector, "timeline", None)
+        sources = [self.timeline, *([extra] if isinstance(extra, Timeline) else [])]
+        keys = self.timeline.keys()[-last:] if last > 0 else []
+        return [merged(key, *sources) for key in keys]
+
+    def _mark(self, creq: CompletionRequest, req: EngineRequest) -> None:
+        """Record the engine's marks of a request that produced its first output (set by the engine thread,
+        read here after the output crossed over: they no longer change)."""
+        key = creq.transfer_id or req.request_id
+        # On P the one token it samples ends the prefill: that is when the KV may leave.
+        token = Stage.PREFILL_DONE if creq.role is TransferRole.REMOTE_DECODE else Stage.FIRST_TOKEN
+        marks = ((Stage.KV_ALLOCATED, req.kv_wait_start), (Stage.KV_READY, req.kv_ready_at),
+                 (token, req.first_token_at))  # fmt: skip
+        self.timeline.mark(key, Stage.ARRIVED, req.arrival)
+        for stage, at in marks:
+            if at is not None:
+                self.timeline.mark(key, stage, at)
+        self.timeline.mark(key, Stage.ANSWERED, time.monotonic())
 
     def kv_bytes(self, num_prompt_tokens: int) -> int:
         """Bytes of KV a decode leg receives: the prompt's whole blocks, every layer and head."""
@@ -302,6 +327,7 @@ class EngineServer:
             raise
         if first.error is not None:
             return self._error(first.error, started, creq.transfer_id)
+        self._mark(creq, req)
         if creq.stream:
             return StreamingResponse(
                 self._stream(creq, req, queue, first, started), media_type="text/event-stream"
@@ -433,9 +459,12 @@ class EngineServer:
             return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
         @app.get("/v1/kv_stats")
-        async def kv_stats() -> dict[str, Any]:
+        async def kv_stats(timeline: int = 0) -> dict[str, Any]:
             self.refresh_metrics()
-            return {**self.metrics.snapshot(), "accounting": self.accounting()}
+            body = {**self.metrics.snapshot(), "accounting": self.accounting()}
+            if timeline > 0:
+                body["timeline"] = self.timelines(timeline)
+            return body
 
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:
