@@ -29,6 +29,7 @@ from kvwire.core.io import (
     NotifIn,
     PostRead,
     PostWrite,
+    Reap,
     Release,
     RemoteEngine,
     Send,
@@ -258,6 +259,27 @@ def test_p_liveness_counts_from_ds_last_word() -> None:
     t.from_d(3.0, t.heartbeat(TID))
     assert protocol(t.h.ticks(8.0, 0.25)) == []
     assert protocol(t.h.tick(8.0625))[0] == t.failed(FailReason.PEER_DEAD)
+
+
+def test_prefill_ending_after_d_was_declared_dead_frees_at_once_without_a_write() -> None:
+    t = P(dataclasses.replace(CFG, fence_ms=60_000))
+    t.registered(0.0, fence_ms=60_000)
+    t.h.ticks(5.0625, 0.25)
+    assert t.core.stats.failures[FailReason.PEER_DEAD] == 1
+    out = t.h.at(5.25, Finished(TID, BLOCKS, TOKENS))
+    assert out == [Emit(freed(ProducerOutcome.FAILED))]
+
+
+def test_p_heartbeats_a_long_prefill_and_keeps_d_in_use() -> None:
+    t = P(dataclasses.replace(CFG, fence_ms=60_000, liveness_timeout_s=50.0))
+    t.registered(0.0, fence_ms=60_000)
+    out = t.h.ticks(20.0, 0.25)
+    beats = [a for a in out if isinstance(a, Send) and isinstance(a.msg, Heartbeat)]
+    assert len(beats) == 20  # one per heartbeat_interval_s: at 0.25, 1.25, ..., 19.25
+    assert all(b.peer == t.d.agent() and b.msg.transfer_ids == [TID] for b in beats)
+    assert only(out, Reap) == [Reap(frozenset({"D"}))] * 20  # D's agents must not be reaped meanwhile
+    t.h.at(20.0, Finished(TID, BLOCKS, TOKENS))
+    assert only(t.h.ticks(21.0, 0.25), Reap) == [Reap(frozenset({"D"}))]  # the write is in flight
 
 
 def test_p_releases_a_write_in_flight_to_a_dead_d_and_frees_after_the_release() -> None:
@@ -603,6 +625,50 @@ def test_d_releases_a_dead_lifes_blocks_when_a_newer_life_answers() -> None:
     hs = one(t.h.at(6.25, t.allocated("req-2")), StartHandshake)
     t.h.done(6.25, hs.token, p2.peer_rank(mode=PeerMode.NOTIF_ONLY))
     assert events(t.h.tick(6.5)) == [ev(RELEASED, FailReason.PEER_DEAD)]
+
+
+def test_d_forgets_a_dead_lifes_liveness_once_no_request_waits_on_it() -> None:
+    t = D()
+    t.start(0.0)
+    declared_dead(t)
+    assert t.core.watched_peers() == [("P", "P-life1")]
+    t.from_p(5.5, t.heartbeat())
+    t.h.ticks(6.125, 0.125)
+    assert t.core.live_requests == 0
+    t.h.ticks(7.25, 0.125)  # pruned at the next heartbeat
+    assert t.core.watched_peers() == []
+
+
+def test_a_p_declared_dead_then_heard_again_serves_the_next_request() -> None:
+    # A healed partition: same life, declared dead meanwhile. The next request must not inherit the verdict.
+    t = D()
+    t.start(0.0)
+    declared_dead(t)
+    hs = one(t.h.at(5.25, t.allocated("req-2")), StartHandshake)
+    out = t.h.done(5.25, hs.token, t.p.peer_rank(mode=PeerMode.NOTIF_ONLY))
+    assert len(sent(out, PushReg)) == 1 and events(out) == []
+    assert events(t.h.ticks(6.125, 0.125)) == []  # req-1: past its grace, but P has not spoken since
+    assert events(t.from_p(6.25, t.done("req-2"))) == [ev(READY, tid="req-2")]
+    assert events(t.h.tick(6.375)) == [ev(RELEASED, FailReason.PEER_DEAD)]  # P spoke: req-1 goes
+
+
+def test_d_heartbeats_name_its_waiting_requests_and_keep_p_in_use() -> None:
+    t = D(dataclasses.replace(CFG, liveness_timeout_s=50.0))
+    t.start(0.0)
+    out = t.h.ticks(10.0, 0.25)
+    beats = sent(out, Heartbeat)
+    assert len(beats) == 10 and all(b.transfer_ids == [TID] for b in beats)
+    assert only(out, Reap) == [Reap(frozenset({"P"}))] * 10
+
+
+def test_p_heartbeats_keep_a_long_prefill_alive_on_d() -> None:
+    t = D()
+    t.start(0.0)
+    for second in range(1, 21):  # P heartbeats every second through a 20 s prefill
+        assert events(t.h.ticks(float(second), 0.25)) == []
+        t.from_p(float(second), t.heartbeat())
+    assert events(t.from_p(20.5, t.done())) == [ev(READY)]
+    assert t.core.stats.peers_declared_dead == 0
 
 
 def test_d_liveness_counts_from_ps_last_word() -> None:
