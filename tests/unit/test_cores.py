@@ -109,6 +109,9 @@ class P:
             transfer_ids=list(tids),
         )
 
+    def p_heartbeat(self, *tids: str) -> Heartbeat:
+        return Heartbeat(transfer_id="", engine_id="P", incarnation="P-life1", transfer_ids=list(tids))
+
     def registered(self, now: float, tid: str = TID, fence_ms: int = 2_000) -> None:
         """D's push_reg arrives at ``now`` and P's full handshake with D succeeds at once."""
         hs = one(self.from_d(now, self.push_reg(tid, fence_ms)), StartHandshake)
@@ -276,7 +279,8 @@ def test_p_heartbeats_a_long_prefill_and_keeps_d_in_use() -> None:
     out = t.h.ticks(20.0, 0.25)
     beats = [a for a in out if isinstance(a, Send) and isinstance(a.msg, Heartbeat)]
     assert len(beats) == 20  # one per heartbeat_interval_s: at 0.25, 1.25, ..., 19.25
-    assert all(b.peer == t.d.agent() and b.msg.transfer_ids == [TID] for b in beats)
+    assert {b.peer for b in beats} == {t.d.agent()}
+    assert sent(out, Heartbeat) == [t.p_heartbeat(TID)] * 20
     assert only(out, Reap) == [Reap(frozenset({"D"}))] * 20  # D's agents must not be reaped meanwhile
     t.h.at(20.0, Finished(TID, BLOCKS, TOKENS))
     assert only(t.h.ticks(21.0, 0.25), Reap) == [Reap(frozenset({"D"}))]  # the write is in flight
