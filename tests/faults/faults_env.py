@@ -73,17 +73,6 @@ class Cluster:
         self.loop.run(self._stop_server(self.producer), 10.0)
         self._old.append((self.producer, self.p))
 
-    def kill_d(self) -> None:
-        """D dies the same way (it is not restarted)."""
-        for rank in self.d.ranks:
-            self.fabric.kill(rank.agent.name)
-        self.loop.run(self._stop_server(self.consumer), 10.0)
-
-    def freeze_d(self) -> None:
-        """D stops (SIGSTOP, a long pause): its ticker no longer runs, so it neither drains, heartbeats
-        nor answers; its agents and memory stay, and what P posted to it stays in flight if delayed."""
-        self.loop.run(self._stop_ticker(self.consumer), 10.0)
-
     @staticmethod
     async def _stop_ticker(connector: Producer | Consumer) -> None:
         if connector._ticker is not None:

@@ -108,19 +108,3 @@ def test_restarted_consumer_replaces_the_old_one_on_p() -> None:
         assert untouched_blocks_zero(pair.d.ranks, [6, 7])  # the new D's cache starts zeroed
     finally:
         pair.close()
-
-
-def test_dead_producer_leaves_nothing_loaded_and_its_liveness_is_pruned() -> None:
-    cfg = ConnectorConfig(heartbeat_interval_s=0.02, liveness_timeout_s=0.1, dead_peer_grace_s=0.02)
-    pair = Pair(SPEC, config=cfg)
-    try:
-        pair.consumer.request_allocated("dead", [0, 1], 8, 0, pair.remote())
-        wait_for(lambda: pair.consumer.watched_peers(), "P's liveness tracked")
-        pair.fabric.kill(pair.p_agent().name)
-        kinds = [e.kind for e in pair.d_event("dead")]
-        assert kinds == [ConsumerEventKind.FAILED, ConsumerEventKind.RELEASED]
-        wait_for(lambda: pair.consumer.watched_peers() == [], "liveness map pruned")
-        assert _loaded(pair)[1] == []
-        assert untouched_blocks_zero(pair.d.ranks, [])
-    finally:
-        pair.close()
