@@ -17,11 +17,16 @@ Where a disaggregated request's time goes, per case (means over its requests; en
 
 Long prompts on this CPU engine take seconds each, so waves whose prompt tokens (concurrency x prompt
 length) exceed ``--max-wave-tokens`` are skipped and listed under ``skipped`` in the JSON.
+
+Each case also carries ``serving`` and ``colocated_serving``: ``vllm bench serve``'s figures (TTFT, TPOT, ITL
+and E2EL mean/median/std/p50/p90/p99, request and token throughput, goodput under ``--slo-ttft-ms`` /
+``--slo-tpot-ms``; ``kvwire.bench.serving``). ``--workload mixed`` runs ``kvwire.bench.e2e_mixed`` instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
 import random
 import shutil
 import statistics
@@ -36,10 +41,20 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvwire.bench import e2e_mixed
 from kvwire.bench.common import envelope, print_table, write_json
+from kvwire.bench.serving import (
+    SERVING_COLUMNS,
+    Slo,
+    TimedResult,
+    Wave,
+    serving_cells,
+    serving_metrics,
+    timed_wave,
+)
 from kvwire.demo.procs import Server, ServerGroup, free_port, server_env
 from kvwire.demo.report import percentile
-from kvwire.demo.workload import Result, make_prompt, stream_completion
+from kvwire.demo.workload import Result, make_prompt
 from kvwire.protocol.messages import TransferMode
 
 GOAL_RATIO = 1.10
@@ -50,6 +65,11 @@ QUICK_SIZES = (32, 128)
 QUICK_CONCURRENCY = (1, 2)
 MODES = (TransferMode.PUSH, TransferMode.PULL)
 MAX_TOKENS = 4  # TTFT is the figure; a few decode steps show the stream works
+
+
+class Workload(enum.Enum):
+    SWEEP = "sweep"  # one prompt length per case, disaggregated against colocated
+    MIXED = "mixed"  # short and long prompts: colocated, always and conditionally disaggregated
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,17 +200,19 @@ def breakdown(
 
 
 # -- running cases ------------------------------------------------------------------------------------------
-def wave(
-    client: httpx.Client, url: str, model: str, prompts: Sequence[str], concurrency: int, timeout_s: float
-) -> list[Result]:
-    with ThreadPoolExecutor(concurrency, thread_name_prefix="kvwire-e2e") as pool:
-        futures = [
-            pool.submit(stream_completion, client, url, model, p, MAX_TOKENS, timeout_s) for p in prompts
-        ]
-        return [f.result() for f in futures]
+@dataclass(frozen=True)
+class WaveSpec:
+    concurrency: int
+    max_tokens: int
+    timeout_s: float
 
 
-def _ms(results: Sequence[Result]) -> dict[str, float | None]:
+def wave(client: httpx.Client, url: str, model: str, prompts: Sequence[str], spec: WaveSpec) -> Wave:
+    with ThreadPoolExecutor(spec.concurrency, thread_name_prefix="kvwire-e2e") as pool:
+        return timed_wave(pool, client, url, model, prompts, spec.max_tokens, spec.timeout_s)
+
+
+def _ms(results: Sequence[TimedResult]) -> dict[str, float | None]:
     ttfts = [r.ttft_s * 1e3 for r in results]
     return {"p50": percentile(ttfts, 50), "p99": percentile(ttfts, 99)}
 
@@ -200,15 +222,19 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def run_case(
-    client: httpx.Client, cluster: Cluster, model: str, case: Case, seed: int, timeout_s: float
+    client: httpx.Client, cluster: Cluster, model: str, case: Case, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
-    rng = random.Random(seed * 7919 + case.prompt_tokens * 31 + case.concurrency)
+    rng = random.Random(args.seed * 7919 + case.prompt_tokens * 31 + case.concurrency)
     prompts = [make_prompt(case.prompt_tokens, rng) for _ in range(case.requests)]
-    coloc = wave(client, cluster.colocated.url, model, prompts, case.concurrency, timeout_s)
+    spec = WaveSpec(case.concurrency, args.max_tokens or MAX_TOKENS, args.request_timeout)
+    slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
+    coloc_wave = wave(client, cluster.colocated.url, model, prompts, spec)
+    coloc = coloc_wave.results
     out = []
     for mode, (p, d, router) in cluster.disagg.items():
         before = Snapshot.take(client, p, d)
-        disagg = wave(client, router.url, model, prompts, case.concurrency, timeout_s)
+        disagg_wave = wave(client, router.url, model, prompts, spec)
+        disagg = disagg_wave.results
         after = Snapshot.take(client, p, d)
         ttft, coloc_ttft = _ms(disagg), _ms(coloc)
         mismatched = sum(a.token_ids != b.token_ids for a, b in zip(disagg, coloc, strict=True))
@@ -224,6 +250,8 @@ def run_case(
             "ratio_p99": _ratio(ttft["p99"], coloc_ttft["p99"]),
             "mismatched": mismatched,
             "breakdown": breakdown(before, after, disagg, coloc),
+            "serving": serving_metrics(disagg, disagg_wave.duration_s, slo),
+            "colocated_serving": serving_metrics(coloc, coloc_wave.duration_s, slo),
         }
         if case.prompt_tokens >= GOAL_TOKENS:
             row["goal_ratio"] = GOAL_RATIO
@@ -251,7 +279,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     preset = "tiny" if quick else args.preset
     sizes = args.sizes or (QUICK_SIZES if quick else FULL_SIZES)
     conc = args.concurrency or (QUICK_CONCURRENCY if quick else FULL_CONCURRENCY)
-    modes = [TransferMode(m) for m in args.modes]
+    modes = [TransferMode(m) for m in args.modes or [m.value for m in MODES]]
     cases, skipped = plan(sizes, conc, args.reps, 0 if quick else args.max_wave_tokens)
     num_blocks = None if quick else args.num_blocks
     log_dir = Path(tempfile.mkdtemp(prefix="kvwire-bench-e2e-"))
@@ -266,11 +294,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             with httpx.Client(limits=limits, timeout=args.request_timeout) as client:
                 model = str(client.get(cluster.colocated.url + "/health").json().get("model") or "kvwire")
                 # Warm-up, not counted: lazy imports, first allocations, the handshakes.
+                warm = WaveSpec(1, 2, args.request_timeout)
                 for url in (cluster.colocated.url, *(r.url for _, _, r in cluster.disagg.values())):
-                    stream_completion(client, url, model, "warm up", 2, args.request_timeout)
+                    wave(client, url, model, ["warm up"], warm)
                 for case in cases:
                     t0 = time.monotonic()
-                    rows += run_case(client, cluster, model, case, args.seed, args.request_timeout)
+                    rows += run_case(client, cluster, model, case, args)
                     group.check_all_alive()
                     print(
                         f"e2e {case.label}: {case.requests} requests per path, {time.monotonic() - t0:.1f} s",
@@ -286,7 +315,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     doc["config"] = {
         "preset": preset,
         "num_blocks": num_blocks,
-        "max_tokens": MAX_TOKENS,
+        "workload": Workload.SWEEP.value,
+        "max_tokens": args.max_tokens or MAX_TOKENS,
+        "slo": Slo(args.slo_ttft_ms, args.slo_tpot_ms).to_json(),
         "max_wave_tokens": args.max_wave_tokens,
         "wall_s": time.monotonic() - started,
     }
@@ -322,6 +353,13 @@ def print_results(doc: dict[str, Any]) -> None:
     print_table(
         f"e2e: TTFT ms, disaggregated vs colocated (goal at {GOAL_TOKENS}: <= {GOAL_RATIO}x)", columns, rows
     )
+    serving = []
+    for r in doc["cases"]:
+        serving.append((r["case"], "disaggregated", *serving_cells(r["serving"])))
+        serving.append((r["case"], "colocated", *serving_cells(r["colocated_serving"])))
+    slo = doc["config"]["slo"]
+    title = f"e2e serving figures (ms; goodput under SLO TTFT {slo['ttft_ms']} ms, TPOT {slo['tpot_ms']} ms)"
+    print_table(title, ("case", "path", *SERVING_COLUMNS), serving)
     for s in doc["skipped"]:
         print(f"skipped {s['case']}: {s['why']} (> --max-wave-tokens {doc['config']['max_wave_tokens']})")
 
@@ -377,7 +415,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"streams in flight (default: {FULL_CONCURRENCY})",
     )
-    add("--modes", nargs="+", choices=[m.value for m in MODES], default=[m.value for m in MODES])
+    add(
+        "--workload",
+        choices=[w.value for w in Workload],
+        default=Workload.SWEEP.value,
+        help="sweep: one prompt length per case; mixed: short and long prompts, colocated vs always vs "
+        "conditionally disaggregated (default: %(default)s)",
+    )
+    add(
+        "--modes",
+        nargs="+",
+        choices=[m.value for m in MODES],
+        default=None,
+        help="transfer modes (default: push and pull; mixed: push, and only the first is used)",
+    )
+    add("--max-tokens", type=int, default=None, help=f"tokens per answer (default: {MAX_TOKENS}; mixed: 16)")
+    add("--requests", type=int, default=None, help="mixed: requests per concurrency and path (default: 40)")
+    add("--slo-ttft-ms", type=float, default=None, help="goodput: a good request's TTFT is at most this")
+    add("--slo-tpot-ms", type=float, default=None, help="goodput: a good request's TPOT is at most this")
+    add(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=None,
+        help="mixed: the conditional router's threshold (default: the router's)",
+    )
     add("--reps", type=int, default=2, help="requests per case at least (a case runs max(concurrency, reps))")
     add(
         "--max-wave-tokens",
@@ -394,13 +455,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    doc = measure(args)
-    print_results(doc)
+    mixed = Workload(args.workload) is Workload.MIXED
+    doc = e2e_mixed.measure_mixed(args) if mixed else measure(args)
+    (e2e_mixed.print_mixed if mixed else print_results)(doc)
     if args.json:
         write_json(args.json, doc)
     if args.plot:
-        plot(args.plot, doc)
-    mismatched = sum(r["mismatched"] for r in doc["cases"])
+        (e2e_mixed.plot_mixed if mixed else plot)(args.plot, doc)
+    mismatched = e2e_mixed.mismatched_total(doc) if mixed else sum(r["mismatched"] for r in doc["cases"])
     if mismatched:
         print(f"e2e: {mismatched} disaggregated answers differ from the colocated ones")
         return 1
