@@ -21,6 +21,15 @@ agent is removed before the new one is added (NIXL breaks an entry re-added unde
   stuck, further loads on that agent are refused at once, and ``stalled_s`` says for how long, for
   ``/health``.
 * One INFO line per completed handshake, one WARNING line per failed one (logger ``kvwire.handshake``).
+
+Each address's entry lives through ``PeerHandshake`` (``kvwire.protocol.states``, table ``HANDSHAKE_TABLE``):
+a first fetch is FETCH then LOADED_NOTIF_ONLY / LOADED_FULL or FETCH_FAILED (a later ``ensure`` fetches
+again from FAILED); NOTIF_ONLY -> FULL is UPGRADE then LOADED_FULL, or UPGRADE_FAILED back to NOTIF_ONLY;
+``forget``, reaping, ``close`` and a reply from another incarnation are REMOVE, and the new life at that
+address gets a new machine (FETCH at the reply that found it). A refresh (the caller knows another life than
+the entry's) keeps the entry in service until the reply: of the same life it changes nothing (or upgrades
+a notif-only entry it answered in full). A step the table refuses raises ``IllegalTransition``. ``state``
+reads an address's state.
 """
 
 from __future__ import annotations
@@ -62,6 +71,7 @@ from kvwire.handshake.types import (
     PeerRank,
 )
 from kvwire.kv.mapping import RankLayout
+from kvwire.protocol.states import HandshakeEvent, HandshakeState, PeerHandshake
 from kvwire.transport.base import Agent, PeerMode
 
 log = logging.getLogger("kvwire.handshake")
@@ -134,6 +144,8 @@ class HandshakeManager:
         self._compat = engine_compat_hash(engine)
         self._peers: dict[PeerAddress, PeerRank] = {}
         self._inflight: dict[PeerAddress, asyncio.Task[PeerRank]] = {}
+        # The life of each address's entry (see the module's docstring); REMOVED ones are replaced on use.
+        self._machines: dict[PeerAddress, PeerHandshake] = {}
         self._last_used: dict[str, float] = {}  # engine_id -> monotonic time
         self.stats = HandshakeManagerStats()
 
@@ -253,6 +265,11 @@ class HandshakeManager:
         """The cached entry of one remote rank, if any (no I/O)."""
         return self._peers.get(PeerAddress(host, port, pp_rank, tp_rank))
 
+    def state(self, host: str, port: int, pp_rank: int, tp_rank: int) -> HandshakeState:
+        """Where the entry of one remote rank stands in ``HANDSHAKE_TABLE`` (UNKNOWN if never fetched)."""
+        machine = self._machines.get(PeerAddress(host, port, pp_rank, tp_rank))
+        return HandshakeState.UNKNOWN if machine is None else machine.state
+
     async def close(self) -> None:
         """Cancel handshakes in flight and unload every remote agent; idempotent."""
         tasks = list(self._inflight.values())
@@ -262,6 +279,10 @@ class HandshakeManager:
             await asyncio.gather(*tasks, return_exceptions=True)
         for addr, peer in list(self._peers.items()):
             self._drop(addr, peer)
+        for machine in self._machines.values():
+            if not machine.is_terminal:
+                machine.handle(HandshakeEvent.REMOVE)
+        self._machines.clear()
         self._last_used.clear()
 
     # -- one handshake ---------------------------------------------------------------------------------
@@ -287,15 +308,23 @@ class HandshakeManager:
         the answer may replace."""
         steps = _Steps()
         upgrade = base is not None and base.mode is PeerMode.NOTIF_ONLY and mode is PeerMode.FULL
+        machine = self._machine(addr)
+        if stale is None:
+            machine.handle(HandshakeEvent.FETCH)
+        elif upgrade:
+            machine.handle(HandshakeEvent.UPGRADE)
+        # else a refresh: the entry stays in service (and in its state) until the reply says whose it is
         deadline = asyncio.get_running_loop().time() + self.timeout_s
         try:
             samples = 1 if upgrade else self.clock_samples
             fetched = await self._fetch(addr, mode, steps, samples, deadline)
             md = fetched.metadata
             if stale is not None and (stale.engine_id, stale.incarnation) != (md.engine_id, md.incarnation):
-                self._drop(addr, stale)
+                self._drop(addr, stale)  # REMOVE: that life is over
                 self.stats.replaced += 1
                 upgrade = False
+                machine = self._machine(addr)
+                machine.handle(HandshakeEvent.FETCH)  # the new life, found by this fetch
             t0 = time.perf_counter()
             try:
                 name = await self._add_agent(addr, md.agent_name, md.agent_metadata, deadline)
@@ -304,15 +333,47 @@ class HandshakeManager:
             t1 = time.perf_counter()
             layout = None if mode is PeerMode.NOTIF_ONLY else validate_layout(self.engine, self.local, md)
             steps.prepare = time.perf_counter() - t1
-        except KvwireError as exc:
-            self._log_failure(addr, mode, steps, exc)
+        except BaseException as exc:  # cancelled too: the machine must not stay FETCHING
+            self._failed(machine)
+            if isinstance(exc, KvwireError):
+                self._log_failure(addr, mode, steps, exc)
             raise
         offset = base.clock_offset_s if upgrade and base is not None else fetched.clock_offset_s
         peer = _peer_rank(addr, mode, name, layout, fetched, offset)
         self._peers[addr] = peer
+        self._loaded(addr, machine, mode)
         self._last_used[peer.engine_id] = time.monotonic()
         self._record(peer, mode, steps, upgrade)
         return peer
+
+    def _machine(self, addr: PeerAddress) -> PeerHandshake:
+        """The machine of ``addr``'s entry; a new one where there is none or the last life was removed."""
+        machine = self._machines.get(addr)
+        if machine is None or machine.is_terminal:
+            machine = self._machines[addr] = PeerHandshake()
+        return machine
+
+    @staticmethod
+    def _failed(machine: PeerHandshake) -> None:
+        """A handshake failed (or was cancelled): a refresh's entry stays as it was."""
+        if machine.state is HandshakeState.FETCHING:
+            machine.handle(HandshakeEvent.FETCH_FAILED)
+        elif machine.state is HandshakeState.UPGRADING:
+            machine.handle(HandshakeEvent.UPGRADE_FAILED)
+
+    def _loaded(self, addr: PeerAddress, machine: PeerHandshake, mode: PeerMode) -> None:
+        full = mode is PeerMode.FULL
+        state = machine.state
+        if machine.is_terminal:
+            # Forgotten while the fetch ran, and its answer loads the peer again: a new life of the entry.
+            machine = self._machine(addr)
+            machine.handle(HandshakeEvent.FETCH)
+        elif state is HandshakeState.NOTIF_ONLY and full:
+            machine.handle(HandshakeEvent.UPGRADE)  # a refresh of the same life, answered in full
+        elif state in (HandshakeState.NOTIF_ONLY, HandshakeState.FULL):
+            return  # a refresh of the same life in the mode it had: nothing changes
+        # FETCHING or UPGRADING (anything else raises IllegalTransition here)
+        machine.handle(HandshakeEvent.LOADED_FULL if full else HandshakeEvent.LOADED_NOTIF_ONLY)
 
     async def _fetch(
         self, addr: PeerAddress, mode: PeerMode, steps: _Steps, samples: int, deadline: float
@@ -365,6 +426,9 @@ class HandshakeManager:
     def _drop(self, addr: PeerAddress, peer: PeerRank) -> None:
         if self._peers.get(addr) is peer:
             del self._peers[addr]
+            machine = self._machines.get(addr)
+            if machine is not None and not machine.is_terminal:
+                machine.handle(HandshakeEvent.REMOVE)
         # Another address may name the same remote agent (e.g. "localhost" and "127.0.0.1").
         if not any(p.agent_name == peer.agent_name for p in self._peers.values()):
             with contextlib.suppress(TransportError):

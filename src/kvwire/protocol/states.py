@@ -9,9 +9,10 @@ raises ``IllegalTransition(role, state, event)``: a driver bug or a peer breakin
 silently ignored. Races that are legal on the wire (a ``done`` crossing a ``cancel``) are self-loops in the
 tables, so they are explicit too.
 
-* ``PeerHandshake`` (role ``handshake``), one per peer (engine id + incarnation). D loads P notif-only
-  (it only sends notifications); P loads D in full (it writes D's memory); a notif-only peer is upgraded
-  in place. A failed fetch can be retried; a reaped or dead peer is REMOVED for good (a restart is a new
+* ``PeerHandshake`` (role ``handshake``), one per life of a ``HandshakeManager`` entry (a remote rank's
+  address as one engine life answered it), driven by the manager. D loads P notif-only (it only sends
+  notifications); P loads D in full (it writes D's memory); a notif-only peer is upgraded in place. A
+  failed fetch can be retried; a reaped, dead or replaced peer is REMOVED for good (a restart is a new
   incarnation, hence a new machine).
 * ``ConsumerRequest`` (role ``consumer/push`` or ``consumer/pull``), one per request on D. The rule it
   enforces (DESIGN §3 item 2): D's blocks stay quarantined while any P rank may still write them, so every
