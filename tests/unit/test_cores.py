@@ -766,6 +766,37 @@ def test_d_refuses_stray_messages_and_changes_nothing() -> None:
     assert late.value.reason is DropReason.UNKNOWN_TRANSFER
 
 
+def test_d_with_two_p_ranks_waits_for_both_and_refuses_a_repeated_done() -> None:
+    p2 = TestEngine.build("P", tp=2, port=5000)
+    t = D()
+    remote = RemoteEngine("P", "127.0.0.1", 5000, tp_size=2)
+    hss = only(t.h.at(0.0, Allocated(TID, tuple(D_BLOCKS), TOKENS, 0, remote)), StartHandshake)
+    assert [h.remote for h in hss] == [(0, 0), (0, 1)]
+    for h in hss:
+        reg = one(t.h.done(0.0, h.token, p2.peer_rank(h.remote, PeerMode.NOTIF_ONLY)), Send)
+        assert reg.peer == p2.agent(h.remote)
+
+    def done(rank: int) -> NotifIn:
+        msg = Done(
+            transfer_id=TID, engine_id="P", incarnation="P-life1", tp_rank=rank, pp_rank=0, num_blocks=2
+        )
+        return p2.notif(msg, rank=(0, rank))
+
+    assert t.h.at(0.25, done(0)) == []  # one of two
+    with pytest.raises(Refused) as err:
+        t.h.at(0.25, done(0))
+    assert err.value.reason is DropReason.LATE
+    assert events(t.h.at(0.5, done(1))) == [ev(READY)]
+
+
+def test_a_core_asks_to_be_woken_at_least_every_heartbeat() -> None:
+    t = P()
+    t.h.at(3.0, Finished(TID, BLOCKS, TOKENS))
+    assert t.core.wake_at() <= 3.0 + CFG.heartbeat_interval_s
+    t.h.ticks(34.0, 0.25)  # the lease ran out at 33: only a tombstone is left (forgotten at 93)
+    assert t.core.live_requests == 0 and t.core.wake_at() == 34.0 + CFG.heartbeat_interval_s
+
+
 # -- D (pull) ---------------------------------------------------------------------------------------------
 
 
