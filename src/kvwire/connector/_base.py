@@ -12,7 +12,8 @@ agents (NIXL's Python layer is not thread-safe) nor the state need locks.
 The loop runs a ticker: progress every agent, drain and dispatch its notifications, poll posted transfers,
 and every few milliseconds check the timers (fences, leases, liveness, heartbeats, idle peers). It ticks
 every ``poll_interval_s`` while transfers are live and for a few ticks after any activity (a peer's answer
-usually follows), then backs off to ``idle_poll_interval_s``; engine calls and posts wake it at once.
+usually follows), then backs off to ``idle_poll_interval_s`` while a request waits on a peer, and further
+(doubling up to ``DEEP_IDLE_S``) once nothing is live at all; engine calls and posts wake it at once.
 """
 
 from __future__ import annotations
@@ -66,6 +67,14 @@ log = logging.getLogger("kvwire.connector")
 E = TypeVar("E")
 
 _HOT_TICKS = 4  # ticks at the busy rate after any activity (see ConnectorBase._interval)
+# The tick interval when nothing is live (no request, transfer or handshake): what an idle engine costs.
+# Nothing then waits on a peer's notification: D's push_reg reaches a P that is prefilling that request,
+# and P's request_finished wakes the loop, which drains it then; D expects nothing before its engine's
+# request_allocated, which wakes the loop too. So the interval only bounds how late the timers run.
+DEEP_IDLE_S = 0.25
+# The core's next timer further away than this means nothing is live (a live core checks its timers
+# every few milliseconds; an idle one only expires tombstones and notices freezes, seconds apart).
+_LIVE_HORIZON_S = 0.05
 _START_TIMEOUT_S = 10.0
 _WILDCARDS = ("0.0.0.0", "::", "")
 
@@ -427,15 +436,20 @@ class ConnectorBase(Generic[E]):
 
     def _on_tick(self, loop: asyncio.AbstractEventLoop) -> None:
         self._next, self._woken = None, False
-        self._guarded(self._tick, (self._clock(),))
+        now = self._clock()
+        self._guarded(self._tick, (now,))
         if self._ticking and self._next is None:
-            self._next = loop.call_later(self._interval(), self._on_tick, loop)
+            self._next = loop.call_later(self._interval(now), self._on_tick, loop)
 
-    def _interval(self) -> float:
+    def idle(self, now: float) -> bool:
+        """Nothing live: no transfer posted, no handshake running, no request whose timers are due soon."""
+        return not (self._handles or self._tasks) and self.core.wake_at() - now > _LIVE_HORIZON_S
+
+    def _interval(self, now: float) -> float:
         """Fast while transfers are live; after any activity (an engine call, a notification in or out, a
-        post) fast for ``_HOT_TICKS`` more ticks, then doubling back to the idle interval. A peer's answer
-        usually follows soon after activity, and NIXL has no descriptor to wait on: this catches it
-        without polling fast all the time."""
+        post) fast for ``_HOT_TICKS`` more ticks, then doubling back to the idle interval, or to
+        ``DEEP_IDLE_S`` when nothing is live. A peer's answer usually follows soon after activity, and NIXL
+        has no descriptor to wait on: this catches it without polling fast all the time."""
         cfg = self.config
         if self.core.busy:
             self._quiet = 0
@@ -443,7 +457,11 @@ class ConnectorBase(Generic[E]):
         self._quiet += 1
         if self._quiet <= _HOT_TICKS:
             return cfg.poll_interval_s
-        return min(cfg.idle_poll_interval_s, cfg.poll_interval_s * (1 << min(self._quiet - _HOT_TICKS, 16)))
+        backoff = cfg.poll_interval_s * (1 << min(self._quiet - _HOT_TICKS, 16))
+        if not self.idle(now):
+            return min(cfg.idle_poll_interval_s, backoff)
+        cap = max(cfg.idle_poll_interval_s, DEEP_IDLE_S)
+        return max(0.0, min(cap, backoff, self.core.wake_at() - now))
 
     def _wake(self) -> None:
         """Run the next tick as soon as the loop is free (loop thread only): work that just started (an

@@ -11,8 +11,11 @@ log = logging.getLogger(__name__)
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, *, idle_wait_s: float = 0.05, poll_wait_s: float = 0.01) -> None:
+    def __init__(self, engine: Engine, *, idle_wait_s: float = 1.0, poll_wait_s: float = 0.01) -> None:
         self.engine = engine
+        # Only a backstop too: with nothing waiting and no block lent, only a new request, an abort, a
+        # connector event or ``stop`` gives the engine work, and each of them wakes it. Waking 20 times a
+        # second for nothing was most of what an idle colocated engine cost.
         self.idle_wait_s = idle_wait_s
         # The hooks wake the engine on every transfer event (``KVTransferHooks.bind``), so while the
         # connector holds blocks this is only a backstop; polling every half millisecond instead took

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -44,6 +45,7 @@ from kvwire.metrics import CONTENT_TYPE, BlockStats, KvMetrics, MetricRole, Outc
 from kvwire.protocol.messages import FailReason, TransferMode
 
 log = logging.getLogger(__name__)
+_SWITCH_INTERVAL_S = 0.0005
 _DISCONNECT_CHECK_S = 0.25  # how often a waiting request checks that its client is still there
 _CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but logs and metrics do
 
@@ -141,6 +143,10 @@ class EngineServer:
     def start(self) -> None:
         if not self._started:
             self._started = True
+            # The HTTP loop, the engine thread and the connector's loop share one GIL. A thread woken
+            # (a notification to drain, a token to send) waits for the holder to yield it, up to the
+            # switch interval: Python's 5 ms default put milliseconds on a short request's path.
+            sys.setswitchinterval(_SWITCH_INTERVAL_S)
             self.loop.start()
 
     def stop(self) -> None:
