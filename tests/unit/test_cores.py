@@ -191,6 +191,28 @@ def test_fence_of_a_registration_waiting_for_prefill_expires_on_a_tick_just_afte
     assert protocol(out) == [out[-1]] and events(out) == [freed(ProducerOutcome.FAILED)]
 
 
+@pytest.mark.parametrize(("answered_at", "writes"), [(1.0, True), (1.0 + 2**-20, False)])
+def test_fence_applies_when_ds_handshake_answers_after_prefill(answered_at: float, writes: bool) -> None:
+    t = P()
+    hs = one(t.from_d(0.0, t.push_reg(fence_ms=1_000)), StartHandshake)
+    assert t.h.at(0.5, Finished(TID, BLOCKS, TOKENS)) == []  # waits for D to be loaded
+    t.h.ticks(answered_at, 0.25)  # the fence is the handshake's to apply: no tick fails it meanwhile
+    out = t.h.done(answered_at, hs.token, t.d.peer_rank())
+    if writes:
+        assert only(out, PostWrite) and sent(out) == []
+    else:
+        assert out == [t.failed(FailReason.FENCE_EXPIRED), Emit(freed(ProducerOutcome.FAILED))]
+
+
+def test_shutdown_tells_loaded_ds_and_frees_every_held_request() -> None:
+    t = P(dataclasses.replace(CFG, fence_ms=60_000))
+    t.registered(0.0, fence_ms=60_000)
+    t.h.at(0.0, Finished("req-2", (5, 6), TOKENS))
+    out = t.core.shutdown(0.25)
+    assert t.failed(FailReason.SHUTDOWN) in out
+    assert events(out) == [freed(ProducerOutcome.SHUTDOWN, "req-2")]  # req-1 was never held
+
+
 def test_fence_is_the_smaller_of_ds_and_ps() -> None:
     t = P(dataclasses.replace(CFG, fence_ms=500))
     t.registered(0.0, fence_ms=60_000)  # P's 0.5 s wins
