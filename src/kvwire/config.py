@@ -100,7 +100,7 @@ class Disaggregation(enum.Enum):
 # Prompts of at most this many tokens are prefilled on D under ``conditional``. Measured on the reference
 # engine (docs/benchmarks.md, "Conditional disaggregation"): below it a local prefill costs D less time than
 # the fixed overhead a disaggregated request adds to its own TTFT (router leg to P, push_reg, notification).
-LOCAL_PREFILL_MAX_TOKENS = 256
+LOCAL_PREFILL_MAX_TOKENS = 192
 
 
 class EngineKind(enum.Enum):

@@ -256,6 +256,7 @@ def plot_mixed(path: str, doc: dict[str, Any]) -> None:
         for k, p in enumerate(Path):
             xs = [i + (k - (len(Path) - 1) / 2) * width for i in range(len(rows))]
             ax.bar(xs, [r["ttft_ms"][p.value][q] or 0.0 for r in rows], width, label=p.value)
+        ax.set_yscale("log")  # c1's tens of ms and c16's seconds on one axis
         ax.set_xticks(range(len(rows)), levels)
         ax.set(xlabel="concurrency", ylabel=f"TTFT {q} (ms)", title=f"mixed workload: TTFT {q}")
         ax.legend(fontsize=8)
