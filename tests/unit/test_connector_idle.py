@@ -1,0 +1,87 @@
+"""The connector's ticker when idle: it backs off to ``DEEP_IDLE_S`` only when nothing is live, and an
+engine call wakes it at once. Structural checks (intervals chosen, timers cancelled), no timing bounds."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from connector_env import Pair
+
+from kvwire.connector._base import DEEP_IDLE_S, ConnectorBase
+from kvwire.kv.spec import KVSpec
+from kvwire.testing.engines import wait_for
+
+SPEC = KVSpec(num_layers=2, kv_heads=2, head_dim=8)
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    p = Pair(SPEC)
+    try:
+        yield p
+    finally:
+        p.consumer.close()
+        p.producer.close()
+        p.loop.close()
+
+
+def record_intervals(conn: ConnectorBase[Any]) -> list[float]:
+    """Every interval the ticker picks from now on (appended on the loop thread)."""
+    picked: list[float] = []
+    pick = conn._interval
+
+    def recording(now: float) -> float:
+        picked.append(pick(now))
+        return picked[-1]
+
+    conn._interval = recording  # type: ignore[method-assign]
+    return picked
+
+
+def test_an_idle_ticker_backs_off_to_the_deep_idle_interval(pair: Pair) -> None:
+    picked = record_intervals(pair.producer)
+    cap = max(pair.p_config.idle_poll_interval_s, DEEP_IDLE_S)
+    wait_for(lambda: cap in picked, "the deep idle interval")
+    assert max(picked) <= cap
+    assert picked[0] < pair.p_config.idle_poll_interval_s * 2  # it got there by backing off
+
+
+def test_a_request_waiting_on_its_peer_keeps_the_idle_poll_interval(pair: Pair) -> None:
+    picked = record_intervals(pair.consumer)
+    pair.consumer.request_allocated("t-live", [0, 1], 32, 0, pair.remote())
+    wait_for(lambda: len(picked) >= 30, "30 ticks of a live request")
+    # D waits for P's done: it must keep polling at the idle rate, never the deep one.
+    assert max(picked[-20:]) <= pair.d_config.idle_poll_interval_s
+    pair.consumer.abort("t-live")
+
+
+def _deep_timer(conn: ConnectorBase[Any], loop: asyncio.AbstractEventLoop) -> asyncio.Handle | None:
+    """The ticker's pending timer if it is a deep idle one with most of its interval still to go."""
+    nxt = conn._next
+    if isinstance(nxt, asyncio.TimerHandle) and nxt.when() - loop.time() > DEEP_IDLE_S / 2:
+        return nxt
+    return None
+
+
+def _longer(picked: list[float], count: int) -> Callable[[], bool]:
+    return lambda: len(picked) > count
+
+
+def test_an_engine_call_wakes_a_deep_idle_ticker_at_once(pair: Pair) -> None:
+    conn = pair.producer
+    loop = pair.loop.loop
+    picked = record_intervals(conn)
+    for attempt in range(20):
+        timer = wait_for(lambda: pair.on_loop(lambda: _deep_timer(conn, loop)), "a deep idle timer")
+        count = len(picked)
+        conn.abort(f"unknown-{attempt}")  # any engine call; the core refuses this one
+        wait_for(_longer(picked, count), "the next tick")
+        if timer.cancelled():
+            # Woken: the deep timer was replaced, and the ticker polls fast again after the call.
+            assert picked[count] == pair.p_config.poll_interval_s
+            return
+        # The timer fired before the call reached the loop (a starved test machine): try again.
+    raise AssertionError("the deep idle timer was never cancelled by an engine call")
