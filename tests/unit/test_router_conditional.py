@@ -80,6 +80,7 @@ class Fakes:
     bodies: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: {P: [], D: []})
     release_p: asyncio.Event = field(default_factory=asyncio.Event)
     hold_p: bool = False
+    fail_d: bool = False
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         base = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
@@ -88,6 +89,8 @@ class Fakes:
             return httpx.Response(200, json=_health(role))
         body = json.loads(request.content)
         self.bodies[base].append(body)
+        if role == "decode" and self.fail_d:
+            return httpx.Response(500, json={"error": {"message": "boom", "type": "engine_error"}})
         if role == "prefill" and self.hold_p:
             await self.release_p.wait()
         text = "p" if role == "prefill" else "d"
@@ -176,5 +179,19 @@ async def test_long_prompt_goes_to_d_while_p_is_still_prefilling_another(fakes: 
                 break
             await asyncio.sleep(0.01)
         assert router.registry.get(P).prefill_tokens == 0
+    finally:
+        await router.close()
+
+
+async def test_a_failed_local_request_is_an_error_and_leaves_no_count_behind(fakes: Fakes) -> None:
+    router = await _router(fakes, COND)
+    fakes.fail_d = True
+    try:
+        raw = json.dumps({"model": "kvwire", "prompt": "short", "max_tokens": 1, "stream": True}).encode()
+        resp = await router.serve(raw, ApiKind.COMPLETION)
+        assert resp.status_code == 502 and "boom" in bytes(resp.body).decode()
+        assert fakes.bodies[P] == []
+        d = router.registry.get(D)
+        assert (d.inflight, d.prefill_tokens) == (0, 0)
     finally:
         await router.close()
