@@ -3,8 +3,8 @@ re-handshake paths, and the refusal of stray input. No threads, no sleeps, no ag
 ``(now, input)`` and asserts the exact actions and events that come back (``kvwire.testing.core_harness``).
 
 Times are binary fractions (0.25, 5.125, ...) so that ``a + b`` lands exactly where the rule's boundary is;
-the timers run at most every ``TIMER_PERIOD_S`` (5 ms), so two ticks that must both check are further
-apart than that.
+the timers run at most every ``TIMER_PERIOD_S``, so two ticks that must both check are further apart than
+that (``CoreHarness.ticks`` refuses a shorter step).
 """
 
 from __future__ import annotations
@@ -627,7 +627,7 @@ def test_d_declares_p_dead_at_liveness_timeout_and_releases_after_grace_once_p_s
     declared_dead(t)
     t.from_p(5.5, t.heartbeat())  # the life speaks again (it recalled its writes first)
     # Blocks stay fenced for dead_peer_grace_s (a thawed P could still finish a write)
-    assert events(t.h.ticks(6.0, 0.0625)) == []
+    assert events(t.h.ticks(6.125 - 2**-5, 0.0625)) == []  # the last tick 31 ms before the grace ends
     assert events(t.h.tick(6.125)) == [ev(RELEASED, FailReason.PEER_DEAD)]
     assert t.push_core.quarantined() == 0 and t.core.live_requests == 0
 
@@ -636,7 +636,7 @@ def test_d_keeps_an_unconfirmed_dead_lifes_blocks_until_the_quarantine_bound() -
     t = D(dataclasses.replace(CFG, dead_quarantine_s=4.0))
     t.start(0.0)
     declared_dead(t)
-    assert events(t.h.ticks(10.0, 0.25)) == [] and t.push_core.quarantined() == 1  # 5.125 + 1 + 4 = 10.125
+    assert events(t.h.ticks(10.125 - 2**-5, 0.25)) == [] and t.push_core.quarantined() == 1  # bound: 10.125
     assert events(t.h.tick(10.125)) == [ev(RELEASED, FailReason.PEER_DEAD)]
     assert t.core.stats.quarantine_expired == 1
 

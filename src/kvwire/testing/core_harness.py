@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from kvwire.core.base import CoreBase
+from kvwire.core.base import TIMER_PERIOD_S, CoreBase
 from kvwire.core.io import (
     Action,
     Emit,
@@ -152,7 +152,10 @@ class CoreHarness:
         return self.at(now, Tick())
 
     def ticks(self, until: float, step: float) -> list[Action]:
-        """Tick every ``step`` seconds after ``now`` up to ``until`` (the last tick exactly at ``until``)."""
+        """Tick every ``step`` seconds after ``now`` up to ``until`` (the last tick exactly at ``until``).
+        ``step`` must exceed ``TIMER_PERIOD_S``, or some ticks would not run the timers."""
+        if step <= TIMER_PERIOD_S:
+            raise ValueError(f"step {step} s: timers run at most every {TIMER_PERIOD_S} s")
         out: list[Action] = []
         t = self.now
         while t + step < until:
