@@ -428,6 +428,8 @@ class Router:
                 relay = self._relay(req, rid, stream, first, deadline, start, (d_url,))
                 headers = {"Cache-Control": "no-cache"}
                 return StreamingResponse(relay, media_type="text/event-stream", headers=headers), None
+            # A unary answer comes whole, so its prompt counts as queued on D until then (an overestimate
+            # of D's prefill queue by its decode time).
             sent_s = time.monotonic() - start
             result = await self._bounded(post_completion(self.client, Role.DECODE, d_url, body))
         except BaseException:
