@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from kvwire.bench.common import envelope, print_table, write_json
+from kvwire.bench.common import bar_plot, envelope, print_table, write_json
 from kvwire.bench.e2e import Cluster, start_cluster
 from kvwire.connector.timeline import Stage
 from kvwire.demo.procs import Server, ServerGroup, server_env
@@ -270,6 +270,28 @@ def print_results(doc: Mapping[str, Any], before: Mapping[str, Any] | None = Non
     print_table("idle CPU (% of one core)", ("engine", "now", "before"), idle_rows)
 
 
+def plot(path: str, doc: Mapping[str, Any], before: Mapping[str, Any] | None) -> None:
+    """TTFT p50 per path and idle CPU per engine, this run beside ``before`` (when given)."""
+    runs = {"before": before, "this run": doc} if before is not None else {"this run": doc}
+    names = {
+        "colocated": "coloc",
+        "disaggregated": "disagg",
+        "disaggregated_after_idle": "disagg\nafter idle",
+    }
+    labels = [names.get(c["path"], c["path"]) for c in doc["cases"]]
+    labels += [f"idle {e}\n(% core x10)" for e in doc["idle_cpu_pct"]]
+
+    def values(run: Mapping[str, Any]) -> list[float]:
+        by = {c["path"]: c["p50_ms"] or 0.0 for c in run.get("cases", [])}
+        idle = run.get("idle_cpu_pct", {})
+        return [by.get(c["path"], 0.0) for c in doc["cases"]] + [
+            10 * idle.get(e, 0.0) for e in doc["idle_cpu_pct"]
+        ]
+
+    series = {name: values(run) for name, run in runs.items() if run is not None}
+    bar_plot(path, "short request: TTFT p50 (ms) and idle CPU", labels, series, "ms / (% of a core x10)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--requests", type=int, default=100, help="requests per path, one at a time")
@@ -280,6 +302,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--request-timeout", type=float, default=30.0)
     add("--json", metavar="PATH", help="write the results as JSON")
     add("--compare", metavar="PATH", help="a previous run's JSON, printed beside this run")
+    add("--plot", metavar="PATH", help="write a PNG plot (this run beside --compare's)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -288,6 +311,8 @@ def run(args: argparse.Namespace) -> int:
     print_results(doc, before)
     if args.json:
         write_json(args.json, doc)
+    if args.plot:
+        plot(args.plot, doc, before)
     if doc["mismatched"]:
         print(f"short: {doc['mismatched']} disaggregated answers differ from the colocated ones")
         return 1
