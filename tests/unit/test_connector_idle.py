@@ -81,7 +81,7 @@ def test_an_engine_call_wakes_a_deep_idle_ticker_at_once(pair: Pair) -> None:
         wait_for(_longer(picked, count), "the next tick")
         if timer.cancelled():
             # Woken: the deep timer was replaced, and the ticker polls fast again after the call.
-            assert picked[count] == pair.p_config.poll_interval_s
+            assert picked[count] <= pair.p_config.poll_interval_s
             return
         # The timer fired before the call reached the loop (a starved test machine): try again.
     raise AssertionError("the deep idle timer was never cancelled by an engine call")
