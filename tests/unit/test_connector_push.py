@@ -83,7 +83,9 @@ def test_prefix_hit_writes_only_the_uncached_suffix() -> None:
         got = pair.d_tokens(d_blocks, range(n))
         assert same_bytes(got[:, :, :, :cached], prefix)  # D's own prefix is untouched
         assert same_bytes(got[:, :, :, cached:], kv[:, :, :, cached:])
-        # Blocks contiguous on both sides coalesce: one descriptor per (layer, kind) region.
+        # Blocks contiguous on both sides coalesce: one descriptor per (layer, kind) region. P counts the
+        # bytes when it sees the write end, which may be after D's READY: wait for P's event.
+        assert pair.p_event("hit").outcome is ProducerOutcome.SENT
         assert pair.producer.stats.descriptors_posted == SPEC.num_layers * 2
         assert pair.producer.stats.bytes_moved == 2 * SPEC.num_layers * 2 * SPEC.block_bytes(SPEC.kv_heads)
     finally:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvwire.protocol.messages import TransferMode
-from kvwire.testing.sim import Faults, Report, simulate
+from kvwire.testing.sim import Faults, Plant, Report, simulate
 from kvwire.testing.sim.plants import PLANTS
 
 
@@ -57,11 +57,17 @@ def test_fault_free_run_delivers_every_request() -> None:
 @pytest.mark.parametrize("name", sorted(PLANTS))
 def test_each_planted_bug_is_caught(name: str) -> None:
     planted = PLANTS[name]
-    caught = simulate(6000, 1, faults=planted.faults, plant=planted.plant, stop_at_first=True)
+    seed = planted.seed
+    caught = simulate(6000, seed, faults=planted.faults, plant=planted.plant, stop_at_first=True)
     assert caught.violations, f"{name} went unnoticed"
     assert planted.breaks in caught.violations[0]
+    if planted.plant.producer is not None and planted.plant.consumer is not None:
+        # A layered plant: each half alone is not what this schedule catches.
+        for half in (Plant(producer=planted.plant.producer), Plant(consumer=planted.plant.consumer)):
+            alone = simulate(6000, seed, faults=planted.faults, plant=half, stop_at_first=True)
+            assert alone.violations == [] or alone.violations[0] != caught.violations[0]
     # The same schedule with the real cores is clean: the violation is the plant's.
-    real = simulate(1500, 1, faults=planted.faults)
+    real = simulate(1000, seed, faults=planted.faults)
     assert real.violations == []
 
 

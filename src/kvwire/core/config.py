@@ -31,6 +31,10 @@ class ConnectorConfig:
     # After a peer is declared dead, D waits this long before reusing blocks registered to it: a frozen
     # peer that resumes could still finish a write it had posted.
     dead_peer_grace_s: float = 1.0
+    # After the grace, D still keeps a dead P life's target blocks quarantined until that life is confirmed
+    # (it spoke again, which it does only after recalling its writes, or a newer life of the engine
+    # answered), at most this long: a frozen P thawed later could land a write it had posted.
+    dead_quarantine_s: float = 30.0
     # A posted transfer still in progress after this is released and reported failed (NIXL #2047).
     transfer_timeout_s: float = 30.0
     # Peers unused this long are reaped (agents removed, descriptors released).
@@ -60,6 +64,7 @@ class ConnectorConfig:
             "poll_interval_s": self.poll_interval_s,
             "idle_poll_interval_s": self.idle_poll_interval_s,
             "tombstone_s": self.tombstone_s,
+            "dead_quarantine_s": self.dead_quarantine_s,
         }
         for name, value in positive.items():
             if not value > 0:

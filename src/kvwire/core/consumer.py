@@ -213,12 +213,16 @@ class ConsumerCore(CoreBase):
             return
         link.peer = peer
         life = self._life.get((peer.engine_id, peer.incarnation))
-        if life is None or life.dead_at is not None:
-            # It just answered a handshake: alive again (a healed partition, a thawed process). Links of
-            # the earlier life were all marked dead when it was declared, so they go on to their grace
-            # period; this request must not inherit that verdict.
+        if life is None:
             life = self._life[(peer.engine_id, peer.incarnation)] = PeerLife(now)
+        # It just answered a handshake: alive (again, after a healed partition or a thaw). Links that got
+        # the earlier verdict keep it (their own dead_at) and go on to their grace and quarantine; this
+        # request does not inherit it.
+        life.dead_at = None
         life.last_seen = max(life.last_seen, now)
+        for (engine_id, incarnation), other in self._life.items():
+            if engine_id == peer.engine_id and incarnation != peer.incarnation:
+                other.gone = True  # a newer life answers at that address: the older process is over
         self._start(now, req, part, link, peer)
 
     def _start(self, now: float, req: Request, part: LocalPart, link: Link, peer: PeerRank) -> None:
@@ -229,6 +233,7 @@ class ConsumerCore(CoreBase):
         life = self._life.get((msg.engine_id, msg.incarnation))
         if life is not None:
             life.last_seen = max(life.last_seen, now)
+            life.last_msg = now
         if isinstance(msg, Heartbeat):
             self._do(TouchPeer(msg.engine_id))
             return
@@ -382,11 +387,38 @@ class PushConsumerCore(ConsumerCore):
                     if life.dead_at is not None and link.dead_at is None:
                         link.dead_at = life.dead_at
                         self._fail(req, part, CT.TIMEOUT, FailReason.PEER_DEAD)
-                    grace_over = link.dead_at is not None and now >= link.dead_at + cfg.dead_peer_grace_s
-                    if grace_over and part.machine.accepts(CT.RANK_DEAD):
+                    dead_at = link.dead_at
+                    ends = dead_at is not None and part.machine.accepts(CT.RANK_DEAD)
+                    if ends and self._unquarantined(now, life, dead_at):  # type: ignore[arg-type]
                         part.machine.rank_ended(src, RankEnd.DEAD)
             if self._requests.get(req.transfer_id) is req:
                 self._settle(now, req)
+
+    def _unquarantined(self, now: float, life: PeerLife, dead_at: float) -> bool:
+        """Whether blocks a dead P life may still write can go back: after the grace, once the life is
+        confirmed (it spoke again, or a newer life answered), or at the quarantine bound (counted)."""
+        cfg = self.config
+        if now < dead_at + cfg.dead_peer_grace_s:
+            return False
+        if life.gone or life.last_msg > dead_at:
+            return True
+        if now < dead_at + cfg.dead_peer_grace_s + cfg.dead_quarantine_s:
+            return False
+        self.stats.quarantine_expired += 1
+        self._log_warning(
+            "P life %s unconfirmed %.0f s after it was declared dead: releasing its blocks",
+            next((f"{e}/{i}" for (e, i), v in self._life.items() if v is life), "?"),
+            now - dead_at,
+        )
+        return True
+
+    def quarantined(self) -> int:
+        """Requests whose blocks wait on a dead P life's confirmation (for /health and metrics)."""
+        return sum(
+            1
+            for req in self._requests.values()
+            if any(lk.dead_at is not None for part in req.parts.values() for lk in part.links.values())
+        )
 
     def _declare_dead(self, now: float, peer: PeerRank, life: PeerLife) -> None:
         silent = now - life.last_seen

@@ -52,5 +52,9 @@ class Request:
 
 @dataclass
 class PeerLife:
-    last_seen: float
+    last_seen: float  # any sign of life: a notification or a handshake answer
     dead_at: float | None = None
+    # The last notification from this life: one after a link's verdict confirms the life recalled its
+    # writes (a thawed P recalls before it sends anything), so that link's blocks leave quarantine.
+    last_msg: float = -math.inf
+    gone: bool = False  # a newer life of the engine answered: this process is over

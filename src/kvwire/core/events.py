@@ -65,6 +65,8 @@ class ConnectorStats:
     peers_reaped: int = 0  # idle past engine_ttl_s: agents unloaded
     heartbeats_sent: int = 0
     cancels: int = 0
+    # D: a dead P life's blocks released at the quarantine bound, never confirmed gone (see docs).
+    quarantine_expired: int = 0
     # Most recent transfer durations (seconds, post to DONE), bounded.
     transfer_durations_s: list[float] = field(default_factory=list)
 

@@ -32,6 +32,7 @@ from kvwire.core.io import (
     Reap,
     Release,
     StartHandshake,
+    Tick,
     XferEnded,
 )
 from kvwire.core.producer import ProducerCore
@@ -70,10 +71,8 @@ class PushProducerCore(ProducerCore):
         self._sizes: dict[int, int] = {}  # write token -> bytes
         # When each D life (engine_id, incarnation) last said anything.
         self._d_seen: dict[DLife, float] = {}
-        self._last_tick = math.inf  # no pause before the first tick
-        # Set by a tick that found P was frozen (see _on_tick) until the next tick: what arrives in between
-        # was queued during the freeze, of unknown age.
-        self._thawing = False
+        self._last_input = math.inf  # no freeze before the first input
+        self._stale_ticks = 0  # see _before
 
     @property
     def busy(self) -> bool:
@@ -145,7 +144,9 @@ class PushProducerCore(ProducerCore):
                 self.stats.failures[FailReason.FENCE_EXPIRED] += 1
                 failed = self._replies.failed(msg.transfer_id, key, FailReason.FENCE_EXPIRED)
                 self._send(key, sender, failed)  # sent if D is loaded; else D's liveness ends that rank
-            raise self._refuse(DropReason.LATE, f"push_reg {msg.transfer_id} queued while P was frozen")
+            # Counted here, not raised: a Refused would discard the failed just queued.
+            self.stats.dropped_notifs[DropReason.LATE.value] += 1
+            return
         if isinstance(msg, Cancel):
             self._on_cancel(now, key, sender, msg)
         elif not isinstance(msg, Heartbeat):
@@ -385,21 +386,32 @@ class PushProducerCore(ProducerCore):
             reg.outbox.append(ack)
 
     # -- time ------------------------------------------------------------------------------------------------
-    def _on_tick(self, now: float) -> None:
-        # A P that was frozen (SIGSTOP, a long pause) resumes its posted writes at its first progress
-        # call, and D may have declared it dead and reused their blocks meanwhile: past the point where
-        # D may have (silent for its liveness timeout), recall every write before anything progresses.
-        paused = now - self._last_tick
-        self._last_tick = now
+    def _before(self, now: float, inp: Input) -> None:
+        """Notice a freeze (SIGSTOP, a long stall) before anything else happens.
+
+        A driver feeds a core at least every heartbeat period (``wake_at``), so a longer gap between two
+        inputs means this process was frozen, and D may have declared it dead and reused the blocks it
+        registered meanwhile. So, first, every write still posted is recalled (a frozen P would resume
+        it at its first progress call); then, until the tick after next, what arrives is what queued up
+        during the freeze, of unknown age (``_on_stale_notif``)."""
+        paused = now - self._last_input
+        self._last_input = now
         cfg = self.config
-        self._thawing = paused > cfg.liveness_timeout_s - cfg.heartbeat_interval_s
-        if self._inflight and self._thawing:
-            self._log_warning("paused %.2f s with writes in flight: recalling them", paused)
+        if paused > cfg.liveness_timeout_s - cfg.heartbeat_interval_s:
+            # The batch of the tick that follows (or this one) drains the notifications that queued up.
+            self._stale_ticks = 1 if isinstance(inp, Tick) else 2
+            if self._inflight:
+                self._log_warning("paused %.2f s with writes in flight: recalling them", paused)
             for reg in list(self._inflight.values()):
                 req = self._requests[reg.msg.transfer_id]
                 self._recall(req, reg, FailReason.TRANSFER_TIMEOUT)
                 self._settle(now, req)
-        super()._on_tick(now)
+        elif isinstance(inp, Tick) and self._stale_ticks:
+            self._stale_ticks -= 1
+
+    @property
+    def _thawing(self) -> bool:
+        return self._stale_ticks > 0
 
     def _timers(self, now: float) -> None:
         for life in silent_d_lives(self._live_reqs, self._d_seen, now, self.config.liveness_timeout_s):

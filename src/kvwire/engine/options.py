@@ -27,6 +27,8 @@ CONNECTOR_HELP: dict[str, tuple[str, frozenset[Command]]] = {
     "heartbeat_interval_s": ("how often heartbeats go to peers with live transfers", CONNECTED),
     "liveness_timeout_s": ("a peer silent this long while transfers are live is dead", CONNECTED),
     "dead_peer_grace_s": ("D reuses a dead peer's registered blocks only after this", frozenset({D})),
+    "dead_quarantine_s": ("after the grace, a dead P's blocks stay quarantined until that P life is "
+                          "confirmed gone or speaks again, at most this long", frozenset({D})),
     "transfer_timeout_s": ("a posted transfer still running after this is released and failed", CONNECTED),
     "engine_ttl_s": ("peers unused this long are forgotten (agents removed)", CONNECTED),
     "kv_load_failure_policy": ("when the KV does not arrive: answer an error (fail) or prefill locally "

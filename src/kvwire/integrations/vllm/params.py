@@ -61,6 +61,7 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     heartbeat_interval_s: float = _DEFAULTS.heartbeat_interval_s
     liveness_timeout_s: float = _DEFAULTS.liveness_timeout_s
     dead_peer_grace_s: float = _DEFAULTS.dead_peer_grace_s
+    dead_quarantine_s: float = _DEFAULTS.dead_quarantine_s
     transfer_timeout_s: float = _DEFAULTS.transfer_timeout_s
     engine_ttl_s: float = _DEFAULTS.engine_ttl_s
     handshake_timeout_s: float = _DEFAULTS.handshake_timeout_s

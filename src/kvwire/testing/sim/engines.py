@@ -205,7 +205,7 @@ class SimEngine:
         elif isinstance(action, Release):
             x = self.xfers.pop(action.token, None)
             if x is not None:
-                x.released = True
+                self._release(x)
         elif isinstance(action, StartHandshake):
             self._handshake(action)
         elif isinstance(action, ForgetPeer):
@@ -275,6 +275,21 @@ class SimEngine:
         if x.notif is not None:
             w.deliver(self, x.peer_agent, x.notif, x.sender_agent)
         self.feed(XferEnded(x.token, True))
+
+    def _release(self, x: _Xfer) -> None:
+        """Cancel a transfer; one still in flight may land a prefix of its rows as it is cancelled."""
+        w = self.world
+        in_flight = not x.ended and not x.released
+        x.released = True
+        if not in_flight or w.partitioned(self.engine_id, x.remote.engine_id):
+            return
+        if w.agents.get(x.peer_agent) is not x.remote or not w.chance(
+            w.faults.release_lands, "release_lands"
+        ):
+            return
+        rows = w.rng.randint(1, len(x.src))
+        self._check_landing(x.transfer_id, x.dst[:rows])
+        w.copy(x.src[:rows], x.dst[:rows])
 
     def _check_landing(self, tid: str, rows: np.ndarray) -> None:
         """C1: every destination block must be registered to this transfer, in the receiving life, now."""

@@ -37,6 +37,9 @@ class Faults:
     failed_write: float = 0.0
     stuck_write: float = 0.0  # a write that never completes (released by a timeout)
     failed_post: float = 0.0
+    # A released write still in flight lands part of its bytes as it is cancelled (seen on real NIXL
+    # after a thaw: 33-124 KB landed): the quarantine must cover it.
+    release_lands: float = 0.0
     failed_handshake: float = 0.0
     partition: float = 0.0  # per second of simulated time: a P-D pair partitioned for up to 8 s
     pause: float = 0.0  # per second: an engine frozen for up to 10 s
@@ -53,6 +56,7 @@ class Faults:
             failed_write=0.01,
             stuck_write=0.002,
             failed_post=0.01,
+            release_lands=0.3,
             failed_handshake=0.01,
             partition=0.05,
             pause=0.05,

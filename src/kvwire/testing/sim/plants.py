@@ -11,8 +11,9 @@ from dataclasses import dataclass, replace
 
 import msgspec
 
+from kvwire.core.consumer import PushConsumerCore
+from kvwire.core.consumer_records import PeerLife
 from kvwire.core.io import Action, HandshakeDone, Input, StartHandshake
-from kvwire.core.producer import ProducerCore
 from kvwire.core.producer_push import PushProducerCore
 from kvwire.core.producer_records import Reg, Request
 from kvwire.protocol.messages import Cancel, Notification
@@ -51,22 +52,21 @@ class AcceptStaleIncarnation(PushProducerCore):
         super()._on_d_handshake(now, req, reg, inp)
 
 
-class NoRecallAfterPause(PushProducerCore):
-    """P does not recall its writes after a long pause (the rule it breaks: D may have declared a silent P
-    dead and reused the blocks meanwhile, so a thawed P must not let its old writes land)."""
-
-    def _on_tick(self, now: float) -> None:
-        self._last_tick = now
-        ProducerCore._on_tick(self, now)
-
-
 class ServeQueuedPushRegsAfterFreeze(PushProducerCore):
     """P serves the push_regs that queued up while it was frozen (what kvwire did before the simulator
     found it: D had declared the frozen P dead and reused the blocks those push_regs name)."""
 
     def _on_stale_notif(self, now: float, key: RankKey, sender: str, msg: Notification) -> None:
-        self._thawing = False
+        self._stale_ticks = 0
         self._on_notif(now, key, sender, msg)
+
+
+class ReuseAfterGraceOnly(PushConsumerCore):
+    """D reuses a dead P life's blocks once the grace passed, unconfirmed (what kvwire did before: a P
+    frozen past D's verdict landed part of a write as it recalled it after the thaw)."""
+
+    def _unquarantined(self, now: float, life: PeerLife, dead_at: float) -> bool:
+        return now >= dead_at + self.config.dead_peer_grace_s
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,7 @@ class Planted:
     plant: Plant
     faults: Faults
     breaks: str  # a substring of the violation it must cause
+    seed: int = 1  # a seed whose schedule exposes it
 
 
 PLANTS: dict[str, Planted] = {
@@ -87,14 +88,16 @@ PLANTS: dict[str, Planted] = {
         Faults(delay=0.5, delay_max_s=0.05, crash=2.0),
         "C1",
     ),
+    # Masked by D's quarantine (defence in depth): planted with the quarantine removed too, which alone
+    # this seed's schedule does not expose (tests/unit/test_sim.py checks both halves).
     "serve-queued-push-regs-after-freeze": Planted(
-        Plant(producer=ServeQueuedPushRegsAfterFreeze),
+        Plant(producer=ServeQueuedPushRegsAfterFreeze, consumer=ReuseAfterGraceOnly),
         Faults(pause=1.0),
         "C1",
     ),
-    "no-recall-after-pause": Planted(
-        Plant(producer=NoRecallAfterPause),
-        Faults(pause=1.0, slow_write=0.5, slow_write_max_s=0.2),
+    "reuse-after-grace-only": Planted(
+        Plant(consumer=ReuseAfterGraceOnly),
+        Faults(pause=3.0, release_lands=1.0, slow_write=1.0, slow_write_max_s=0.5),
         "C1",
     ),
 }

@@ -124,6 +124,7 @@ class Simulation:
         self._base = rng.integers(0, 256, size=(SPEC.num_layers, 2, SPEC.kv_heads, MAX_TOKENS, SPEC.head_dim))
         self.reqs: dict[str, _Req] = {}
         self.outcomes: Counter[str] = Counter()
+        self.open_sides = 0  # request sides (P, D) not ended yet
         self.engines: list[SimEngine] = []
         self.ps = [self._engine("P0", 1, 1, producer=True), self._engine("P1", 2, 2, producer=True)]
         self.ds = [self._engine("D0", 1, 1, producer=False), self._engine("D1", 2, 1, producer=False)]
@@ -174,6 +175,7 @@ class Simulation:
             return
         req.p_blocks, req.d_blocks = p_blocks, d_blocks
         self.reqs[req.tid] = req
+        self.open_sides += 2
         prefill = 0.5e-3 + w.rng.random() * 10e-3
         w.after(prefill, lambda: self._prefilled(req))
         if self.mode is TransferMode.PUSH:
@@ -185,7 +187,7 @@ class Simulation:
     def _no_decode_leg(self, req: _Req) -> None:
         """Pull: the prefill leg failed, so the router never sends the decode leg: D frees its blocks."""
         if self.mode is TransferMode.PULL and req.d_done is None:
-            req.d_done = self.world.now
+            self._d_ended(req)
             req.d_events.append(ConsumerEventKind.RELEASED)
             self._free_d(req)
 
@@ -232,7 +234,8 @@ class Simulation:
         self._free_p(req)
 
     def _free_p(self, req: _Req) -> None:
-        req.p_freed, req.p_done = True, self.world.now
+        req.p_freed = True
+        self._p_ended(req)
         req.p.release(req.tid, req.p_blocks)
 
     def _d_event(self, engine: SimEngine, event: object) -> None:
@@ -247,7 +250,7 @@ class Simulation:
         req.d_events.append(kind)
         if kind is ConsumerEventKind.FAILED:
             return
-        req.d_done = self.world.now
+        self._d_ended(req)
         engine.writable.discard(req.tid)
         self.outcomes[f"d_{kind.value}" + (f"_{event.reason.value}" if event.reason else "")] += 1
         if kind is ConsumerEventKind.READY:
@@ -286,9 +289,10 @@ class Simulation:
         # The requests of the dead life are gone from this side; the other side must still end them.
         for req in self.reqs.values():
             if req.p is engine and req.p_life == engine.life and not req.p_freed:
-                req.p_freed, req.p_done = True, self.world.now
+                req.p_freed = True
+                self._p_ended(req)
             if req.d is engine and req.d_life == engine.life and req.d_done is None:
-                req.d_done = self.world.now
+                self._d_ended(req)
                 req.d_events.append(ConsumerEventKind.RELEASED)
         self.outcomes["crash"] += 1
         engine.crash()
@@ -330,7 +334,17 @@ class Simulation:
         self._check_quiescent()
 
     def _all_ended(self) -> bool:
-        return all(r.p_done is not None and r.d_done is not None for r in self.reqs.values())
+        return self.open_sides == 0
+
+    def _p_ended(self, req: _Req) -> None:
+        if req.p_done is None:
+            req.p_done = self.world.now
+            self.open_sides -= 1
+
+    def _d_ended(self, req: _Req) -> None:
+        if req.d_done is None:
+            req.d_done = self.world.now
+            self.open_sides -= 1
 
     def _check_bounds(self, bound: float) -> None:
         w = self.world
