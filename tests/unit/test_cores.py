@@ -852,3 +852,42 @@ def test_pull_abort_during_read_waits_for_the_read_to_end() -> None:
     out = t.h.ended(0.5, rd.token)
     assert out[:2] == [Release(rd.token), t.to_p(False, FailReason.ABORTED)]
     assert events(out) == [ev(RELEASED)]
+
+
+# -- issue 11's foreign-peer findings, on the cores ------------------------------------------------------
+
+
+def test_d_refuses_a_done_that_does_not_match_its_registration() -> None:
+    t = D()
+    t.start(0.0)
+    bad = Done(num_blocks=5, **t._common(TID))  # type: ignore[arg-type]
+    out = t.from_p(0.5, bad)
+    # Not READY: FAILED (bad_done) then, as P's registration ended with it, RELEASED at once.
+    assert events(out) == [ev(FAILED, FailReason.BAD_DONE), ev(RELEASED, FailReason.BAD_DONE)]
+    assert t.core.stats.failures[FailReason.BAD_DONE] == 1
+
+
+def test_p_answers_a_failed_from_d_in_push_as_a_cancel() -> None:
+    t = P()
+    t.registered(0.0)
+    failed = Failed(
+        transfer_id=TID,
+        engine_id=t.d.engine_id,
+        incarnation=t.d.incarnation,
+        tp_rank=0,
+        pp_rank=0,
+        reason=FailReason.ABORTED,
+    )
+    out = t.from_d(0.25, failed)
+    assert sent(out, CancelAck) == [t.cancel_ack(wrote=False).msg]
+    assert t.core.stats.cancels == 1
+
+
+def test_a_failed_with_a_reason_this_version_does_not_know_still_ends_the_rank() -> None:
+    t = D()
+    t.start(0.0)
+    raw = bytearray(encode_notif(t.failed(FailReason.ABORTED)))
+    raw = raw.replace(b"aborted", b"newcase")  # a newer peer's reason, same length
+    assert decode_notif(bytes(raw)) == t.failed(FailReason.UNKNOWN)
+    out = t.h.at(0.5, NotifIn((0, 0), t.p.agent(), bytes(raw)))
+    assert events(out) == [ev(FAILED, FailReason.UNKNOWN), ev(RELEASED, FailReason.UNKNOWN)]

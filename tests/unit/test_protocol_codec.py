@@ -16,6 +16,7 @@ from kvwire.protocol.codec import (
 )
 from kvwire.protocol.messages import (
     MAX_FRAME_BYTES,
+    NOTIF_MAGIC,
     Cancel,
     CancelAck,
     Done,
@@ -152,7 +153,7 @@ def test_notif_truncated_at_every_length() -> None:
         [1, 2, 3],
         "done",
         None,
-        {"type": "failed", "version": 1, **_IDS, "tp_rank": 0, "pp_rank": 0, "reason": "bored"},
+        {"type": "failed", "version": 1, **_IDS, "tp_rank": "0", "pp_rank": 0, "reason": "bored"},
         {"type": "push_reg", "version": 1, **_IDS, "tp_rank": 0, "tp_size": 1, "host": "h", "port": 1,
          "block_ids": [1, -2], "num_tokens": 3},
         {"type": "push_reg", "version": 1, **_IDS, "tp_rank": 0, "tp_size": 0, "host": "h", "port": 1,
@@ -285,3 +286,10 @@ def test_frame_decoder_error_after_good_frames_breaks_stream() -> None:
         dec.feed(encode_frame(SIDE[0]) + _raw_frame({"type": "nope"}))
     with pytest.raises(UnknownMessageType, match="already failed"):
         dec.feed(encode_frame(SIDE[0]))
+
+
+def test_a_failed_with_an_unknown_reason_decodes_as_unknown() -> None:
+    """A newer peer's reason is still a failure (dropping it would leave D waiting for liveness)."""
+    body = {"type": "failed", "version": 1, **_IDS, "tp_rank": 0, "pp_rank": 0, "reason": "bored"}
+    msg = decode_notif(NOTIF_MAGIC + msgspec.msgpack.encode(body))
+    assert isinstance(msg, Failed) and msg.reason is FailReason.UNKNOWN

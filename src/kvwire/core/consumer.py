@@ -356,16 +356,25 @@ class PushConsumerCore(ConsumerCore):
             why = DropReason.STALE_INCARNATION if stale else DropReason.WRONG_SENDER
             raise self._refuse(why, f"{type(msg).__name__} {msg.transfer_id} from {sender} as {src}")
         how = RankEnd.DONE if isinstance(msg, Done) else RankEnd.CANCEL_ACKED
+        reason = msg.reason if isinstance(msg, Failed) else None
         if isinstance(msg, Failed):
             how = RankEnd.FAILED
+        elif isinstance(msg, Done) and msg.num_blocks != self._expected_blocks(req):
+            # Not what D registered: the KV cannot be trusted. The rank ended all the same (P says its
+            # writes are over), so it counts as failed, not pending.
+            how, reason = RankEnd.FAILED, FailReason.BAD_DONE
         try:
             part.machine.rank_ended(src, how)
         except (IllegalTransition, UnexpectedSender) as exc:
             raise self._refuse(DropReason.LATE, f"{type(msg).__name__} {msg.transfer_id}: {exc}") from None
-        if isinstance(msg, Failed):
-            req.reason = req.reason or msg.reason
-            self.stats.failures[msg.reason] += 1
+        if reason is not None:
+            req.reason = req.reason or reason
+            self.stats.failures[reason] += 1
         self._settle(now, req)
+
+    def _expected_blocks(self, req: Request) -> int:
+        """The ``num_blocks`` a P rank's ``done`` must carry: the blocks past D's prefix hit."""
+        return len(req.block_ids) - req.num_cached_tokens // self.engine.spec.block_size
 
     def _timers(self, now: float) -> None:
         self._check_liveness(now)

@@ -55,7 +55,7 @@ from kvwire.core.producer_records import (
 from kvwire.errors import BlockRangeError, IllegalTransition, LayoutError
 from kvwire.kv.descriptors import plan_transfer
 from kvwire.protocol.codec import encode_notif
-from kvwire.protocol.messages import Cancel, Done, FailReason, Heartbeat, Notification, PushReg
+from kvwire.protocol.messages import Cancel, Done, Failed, FailReason, Heartbeat, Notification, PushReg
 from kvwire.protocol.ranks import RankKey
 from kvwire.protocol.states import FAIL_REASONS, ProducerState
 from kvwire.protocol.states import ProducerTrigger as PT
@@ -86,7 +86,9 @@ class PushProducerCore(ProducerCore):
         self._d_seen[(msg.engine_id, msg.incarnation)] = now  # the sender was checked against these
         if isinstance(msg, PushReg):
             self._on_push_reg(now, key, sender, msg)
-        elif isinstance(msg, Cancel):
+        elif isinstance(msg, Cancel | Failed):
+            # A D that gives up says cancel; one that says failed gives up too (the contract lets D end a
+            # registration either way), and is answered the same way.
             self._on_cancel(now, key, sender, msg)
         elif isinstance(msg, Heartbeat):
             self._on_heartbeat(now, msg)
@@ -152,7 +154,7 @@ class PushProducerCore(ProducerCore):
         elif not isinstance(msg, Heartbeat):
             raise self._refuse(DropReason.UNEXPECTED, f"{type(msg).__name__} from {sender} in push mode")
 
-    def _on_cancel(self, now: float, key: RankKey, sender: str, msg: Cancel) -> None:
+    def _on_cancel(self, now: float, key: RankKey, sender: str, msg: Cancel | Failed) -> None:
         req = self._requests.get(msg.transfer_id)
         reg = None if req is None else req.regs.get((key, sender))
         if req is None:

@@ -30,6 +30,7 @@ from kvwire.protocol.messages import (
     Done,
     ErrorReply,
     Failed,
+    FailReason,
     GetMetadata,
     Heartbeat,
     Metadata,
@@ -109,9 +110,33 @@ def decode_notif(data: bytes | bytearray | memoryview) -> Notification:
     try:
         msg = _NOTIF_DECODER.decode(body)
     except _DECODE_ERRORS as err:
-        raise _explain(body, NOTIF_TYPES, "notification", err) from None
+        failed = _failed_with_unknown_reason(body)
+        if failed is None:
+            raise _explain(body, NOTIF_TYPES, "notification", err) from None
+        msg = failed
     _check_version(msg, "notification")
     return msg
+
+
+def _failed_with_unknown_reason(body: bytes) -> Failed | None:
+    """A ``failed`` whose reason this version does not know, as ``FailReason.UNKNOWN``: the peer still
+    ended its registration, and dropping the message would leave D waiting for liveness."""
+    try:
+        raw = msgspec.msgpack.decode(body)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(raw, dict) or raw.get("type") != "failed" or not isinstance(raw.get("reason"), str):
+        return None
+    if raw["reason"] in _FAIL_REASONS:
+        return None  # something else is wrong with it
+    raw["reason"] = FailReason.UNKNOWN.value
+    try:
+        return msgspec.convert(raw, Failed)
+    except msgspec.ValidationError:
+        return None
+
+
+_FAIL_REASONS = frozenset(r.value for r in FailReason)
 
 
 # --- side channel ----------------------------------------------------------------------------------

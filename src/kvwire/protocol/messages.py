@@ -56,6 +56,10 @@ class FailReason(enum.Enum):
     PEER_DEAD = "peer_dead"
     ABORTED = "aborted"
     SHUTDOWN = "shutdown"
+    # D only: a ``done`` that does not match what D registered (num_blocks), so the KV cannot be trusted.
+    BAD_DONE = "bad_done"
+    # A reason this version does not know (a newer peer's): still a failure, never a dropped message.
+    UNKNOWN = "unknown"
 
 
 # --- side channel ----------------------------------------------------------------------------------

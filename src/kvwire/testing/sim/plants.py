@@ -16,7 +16,7 @@ from kvwire.core.consumer_records import PeerLife
 from kvwire.core.io import Action, HandshakeDone, Input, StartHandshake
 from kvwire.core.producer_push import PushProducerCore
 from kvwire.core.producer_records import Reg, Request
-from kvwire.protocol.messages import Cancel, Notification
+from kvwire.protocol.messages import Cancel, Failed, Notification
 from kvwire.protocol.ranks import RankKey
 from kvwire.protocol.states import ProducerState, ProducerTrigger
 from kvwire.testing.sim.net import Faults
@@ -27,7 +27,7 @@ class AckBeforeWritesEnd(PushProducerCore):
     """P answers a cancel with ``cancel_ack`` while its write is still in flight (the rule it breaks: a
     posted write cannot be recalled, so the ack waits in CANCEL_PENDING). D frees the blocks on the ack."""
 
-    def _on_cancel(self, now: float, key: RankKey, sender: str, msg: Cancel) -> None:
+    def _on_cancel(self, now: float, key: RankKey, sender: str, msg: Cancel | Failed) -> None:
         req = self._requests.get(msg.transfer_id)
         reg = None if req is None else req.regs.get((key, sender))
         if req is not None and reg is not None and reg.state is ProducerState.WRITING:
