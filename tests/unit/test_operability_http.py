@@ -235,7 +235,7 @@ def test_json_logs_carry_the_transfer_id_and_http_libraries_stay_quiet(
     assert "asked for" in out.getvalue()
 
 
-async def test_secret_on_prefill_only_names_the_secret_in_the_decode_legs_error() -> None:
+async def test_secret_on_prefill_only_is_a_permanent_error_naming_the_secret() -> None:
     """Real connectors (in-process transport): P has KVWIRE_SECRET, D has none; P refuses D's handshake
     and D's client is told what may be wrong, not only 'handshake_failed'."""
     from kvwire.connector import ConnectorConfig
@@ -256,8 +256,10 @@ async def test_secret_on_prefill_only_names_the_secret_in_the_decode_legs_error(
                 "remote_host": "127.0.0.1", "remote_port": p_hooks.connector.port,
             }  # fmt: skip
             r = await dc.post("/v1/completions", json={"prompt": "x", "kv_transfer_params": params})
-        assert r.status_code == 503, r.text
-        assert "handshake_failed" in r.json()["error"]["message"]
+        # A permanent misconfiguration: 500 with x-should-retry: false, naming the cause and the fix.
+        assert r.status_code == 500, r.text
+        assert r.headers.get("x-should-retry") == "false"
+        assert "unauthorized" in r.json()["error"]["message"]
         assert "KVWIRE_SECRET" in r.json()["error"]["message"]
     finally:
         d.stop()

@@ -51,14 +51,22 @@ from kvwire.core.io import (
     TouchPeer,
     XferEnded,
 )
-from kvwire.errors import ConfigError, KvwireError, PeerDisconnected, ProtocolError, TransportError
+from kvwire.errors import (
+    ConfigError,
+    IncompatiblePeer,
+    KvwireError,
+    PeerDisconnected,
+    ProtocolError,
+    TransportError,
+    Unauthorized,
+)
 from kvwire.handshake.loop import BackgroundLoop
 from kvwire.handshake.manager import HandshakeManager, warm_up
 from kvwire.handshake.server import SideChannelServer
 from kvwire.handshake.types import EngineInfo, LocalRank, PeerRank
 from kvwire.kv.mapping import RankLayout
 from kvwire.protocol.codec import decode_notif, encode_notif
-from kvwire.protocol.messages import Done, PushReg
+from kvwire.protocol.messages import Done, FailReason, PushReg
 from kvwire.protocol.ranks import RankKey
 from kvwire.transport.base import Registration, XferHandle, XferOp, XferStatus
 
@@ -84,6 +92,16 @@ _RAMP_TICKS = 4  # 50, 100, 200, 400 us: the ticks before the busy rate after ac
 _LIVE_HORIZON_S = 0.05
 _START_TIMEOUT_S = 10.0
 _WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def _refusal(exc: BaseException) -> FailReason:
+    """A failed handshake's reason: permanent misconfigurations keep their own (the engine answers them
+    with an error the client does not retry), the rest is handshake_failed."""
+    if isinstance(exc, IncompatiblePeer):
+        return FailReason.INCOMPATIBLE
+    if isinstance(exc, Unauthorized):
+        return FailReason.UNAUTHORIZED
+    return FailReason.HANDSHAKE_FAILED
 
 
 class ConnectorBase(Generic[E]):
@@ -380,7 +398,7 @@ class ConnectorBase(Generic[E]):
         try:
             hit = mgr.cached(*args, engine_id=a.engine_id, incarnation=a.incarnation)
         except KvwireError as exc:
-            self._later(HandshakeDone(a.token, None, str(exc)))
+            self._later(HandshakeDone(a.token, None, str(exc), _refusal(exc)))
             return
         if hit is not None:
             # Cached (the usual case): no task; the answer still comes later, never re-entrantly.
@@ -396,7 +414,10 @@ class ConnectorBase(Generic[E]):
             exc = t.exception()
             if exc is not None and not isinstance(exc, KvwireError):
                 log.error("%s: handshake with %s:%d raised %r", self.role, a.host, a.port, exc)
-            done = HandshakeDone(a.token, None, str(exc)) if exc else HandshakeDone(a.token, t.result(), "")
+            if exc is not None:
+                done = HandshakeDone(a.token, None, str(exc), _refusal(exc))
+            else:
+                done = HandshakeDone(a.token, t.result(), "")
             self._guarded(self._apply, (self._clock(), done))
             self._wake()
 

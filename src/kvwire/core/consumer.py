@@ -202,7 +202,7 @@ class ConsumerCore(CoreBase):
         if peer is None:
             self.stats.handshakes_failed += 1
             self._log_info("handshake with P %s for %s failed: %s", link.src, req.transfer_id, inp.error)
-            self._fail(req, part, CT.HANDSHAKE_FAILED, FailReason.HANDSHAKE_FAILED)
+            self._fail(req, part, CT.HANDSHAKE_FAILED, inp.reason)
         else:
             self._linked(now, req, part, link, peer)
         self._settle(now, req)

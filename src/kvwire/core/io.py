@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvwire.handshake.types import PeerRank
-from kvwire.protocol.messages import Notification
+from kvwire.protocol.messages import FailReason, Notification
 from kvwire.protocol.ranks import RankKey
 from kvwire.transport.base import PeerMode
 
@@ -58,6 +58,9 @@ class HandshakeDone:
     token: int
     peer: PeerRank | None
     error: str = ""
+    # Why it failed, as the request's reason: incompatible and unauthorized are permanent (a client must
+    # not retry them), anything else is handshake_failed.
+    reason: FailReason = FailReason.HANDSHAKE_FAILED
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,6 +59,8 @@ _ACCOUNTING_TRIES = 5
 # KV load failures no retry can cure (the two engines disagree), with what to change. They are answered
 # 500 with ``x-should-retry: false`` (the openai client retries 503s and other 5xx otherwise).
 _PERMANENT_KV = {
+    FailReason.UNAUTHORIZED: "the prefill engine refused this engine's credentials: set the same "
+    "KVWIRE_SECRET on every engine (or on none)",
     FailReason.INCOMPATIBLE: "the prefill and decode engines differ in model, weights seed, KV layout or "
     "transfer mode (the decode engine's log names the fields): start both with the same --preset, "
     "--seed and --mode",
