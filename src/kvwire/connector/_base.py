@@ -86,6 +86,7 @@ DEEP_IDLE_S = 0.25
 # a small write in ~0.2 ms instead of ~1.5 ms at the same number of ticks; a long one soon polls at the
 # usual rate.
 FIRST_BUSY_POLL_S = 0.00005
+_TIMER_RESOLUTION_S = 0.001  # asyncio's call_later cannot wait less (see _on_tick)
 _RAMP_TICKS = 4  # 50, 100, 200, 400 us: the ticks before the busy rate after activity
 # The core's next timer further away than this means nothing is live (a live core checks its timers
 # every few milliseconds; an idle one only expires tombstones and notices freezes, seconds apart).
@@ -467,7 +468,16 @@ class ConnectorBase(Generic[E]):
         now = self._clock()
         self._guarded(self._tick, (now,))
         if self._ticking and self._next is None:
-            self._next = loop.call_later(self._interval(now), self._on_tick, loop)
+            interval = self._interval(now)
+            if interval < _TIMER_RESOLUTION_S and self._own_loop:
+                # asyncio waits in epoll, which rounds every timeout up to a whole millisecond (1.1 ms
+                # measured for 50 us or 0.5 ms): a shorter wait is slept here (the GIL is released), and
+                # the loop's other callbacks run between this tick and the next. Only on a loop of our
+                # own: a shared one (tests, benchmarks) would stall its other connectors meanwhile.
+                time.sleep(interval)
+                self._next = loop.call_soon(self._on_tick, loop)
+            else:
+                self._next = loop.call_later(interval, self._on_tick, loop)
 
     def idle(self, now: float) -> bool:
         """Nothing live: no transfer posted, no handshake running, no request whose timers are due soon."""
