@@ -12,7 +12,9 @@ Two more figures:
 * ``disaggregated_after_idle``: the same request after ``--pause-s`` of silence (engines backed off to
   their idle polling): what idling costs the next request, beside ``disaggregated``.
 * ``idle``: CPU of each engine process (``/proc/PID/stat`` utime + stime) over ``--idle-s`` with no
-  request, in % of one core; ``--compare PATH`` prints a previous run's figures beside this run's.
+  request, from ``--settle-s`` after the last one (a connector polls at its ready rate for
+  ``ACTIVE_GRACE_S`` after traffic), in % of one core; ``--compare PATH`` prints a previous run's figures
+  beside this run's.
 """
 
 from __future__ import annotations
@@ -219,6 +221,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 result = _measure_requests(short, args)
                 p, d, _router = cluster.disagg[TransferMode.PUSH]
                 servers = {"prefill": p, "decode": d, "colocated": cluster.colocated}
+                time.sleep(args.settle_s)  # the connectors stay ready for a while after traffic
                 result["idle_cpu_pct"] = idle_cpu(servers, args.idle_s) if args.idle_s > 0 else {}
             group.check_all_alive()
         ok = True
@@ -298,6 +301,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--after-idle-requests", type=int, default=20, help="disaggregated requests each after a pause")
     add("--pause-s", type=float, default=0.5, help="silence before each after-idle request")
     add("--idle-s", type=float, default=10.0, help="idle CPU measured over this long; 0: skip")
+    add("--settle-s", type=float, default=3.0, help="wait after the last request before measuring idle CPU")
     add("--startup-timeout", type=float, default=120.0)
     add("--request-timeout", type=float, default=30.0)
     add("--json", metavar="PATH", help="write the results as JSON")

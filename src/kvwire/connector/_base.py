@@ -80,6 +80,10 @@ _HOT_TICKS = 4  # ticks at the busy rate after any activity (see ConnectorBase._
 # and P's request_finished wakes the loop, which drains it then; D expects nothing before its engine's
 # request_allocated, which wakes the loop too. So the interval only bounds how late the timers run.
 DEEP_IDLE_S = 0.25
+# ...but only this long after the last activity. P gets D's push_reg while it prefills, and a P deep
+# asleep drains it only when its request_finished wakes it, which puts the push_reg's handling (about a
+# millisecond) on the request's path; under traffic the loop stays at ``idle_poll_interval_s``.
+ACTIVE_GRACE_S = 2.0
 # The first poll after a post: NIXL's UCX backend needs a few progress calls to finish a WRITE and send its
 # notification (data, then the notification from the status check that sees the data done), so each poll
 # interval is paid several times. Polling 50 us after a post, doubling up to ``poll_interval_s``, finishes
@@ -168,6 +172,7 @@ class ConnectorBase(Generic[E]):
         self._woken = False
         self._ticking = False
         self._quiet = 0  # ticks since the last activity (adaptive polling, see _interval)
+        self._active_at = -ACTIVE_GRACE_S  # when the last activity was seen (see idle)
         self._broken: set[RankKey] = set()
         self._started = False
         self._closed = False
@@ -480,8 +485,11 @@ class ConnectorBase(Generic[E]):
                 self._next = loop.call_later(interval, self._on_tick, loop)
 
     def idle(self, now: float) -> bool:
-        """Nothing live: no transfer posted, no handshake running, no request whose timers are due soon."""
-        return not (self._handles or self._tasks) and self.core.wake_at() - now > _LIVE_HORIZON_S
+        """Nothing live (no transfer posted, no handshake running, no request whose timers are due soon)
+        and no activity for ``ACTIVE_GRACE_S``."""
+        if self._handles or self._tasks or now - self._active_at < ACTIVE_GRACE_S:
+            return False
+        return self.core.wake_at() - now > _LIVE_HORIZON_S
 
     def _interval(self, now: float) -> float:
         """After any activity (an engine call, a notification in or out, a post, a transfer's end) from
@@ -490,6 +498,8 @@ class ConnectorBase(Generic[E]):
         nothing is live. A peer's answer usually follows soon after activity, and NIXL
         has no descriptor to wait on: this catches it without polling fast all the time."""
         cfg = self.config
+        if self._quiet == 0:
+            self._active_at = now  # something happened since the last tick
         self._quiet += 1
         ramp = FIRST_BUSY_POLL_S * (1 << min(self._quiet - 1, 16))
         if self.core.busy or ramp < cfg.poll_interval_s:
