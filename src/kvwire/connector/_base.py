@@ -79,7 +79,7 @@ _HOT_TICKS = 4  # ticks at the busy rate after any activity (see ConnectorBase._
 # Nothing then waits on a peer's notification: D's push_reg reaches a P that is prefilling that request,
 # and P's request_finished wakes the loop, which drains it then; D expects nothing before its engine's
 # request_allocated, which wakes the loop too. So the interval only bounds how late the timers run.
-DEEP_IDLE_S = 0.25
+DEEP_IDLE_S = 0.5
 # ...but only this long after the last activity. P gets D's push_reg while it prefills, and a P deep
 # asleep drains it only when its request_finished wakes it, which puts the push_reg's handling (about a
 # millisecond) on the request's path; under traffic the loop stays at ``idle_poll_interval_s``.
