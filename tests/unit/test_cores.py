@@ -346,6 +346,12 @@ def test_recall_after_a_pause_longer_than_liveness_minus_heartbeat() -> None:
     assert events(out) == [freed(ProducerOutcome.FAILED)]
 
 
+def answered_stale(t: P, now: float, tid: str = TID) -> list[Action]:
+    """A push_reg queued during a freeze: P handshakes with D only to answer it; what follows the answer."""
+    hs = one(t.from_d(now, t.push_reg(tid)), StartHandshake)
+    return t.h.done(now, hs.token, t.d.peer_rank(mode=PeerMode.FULL))
+
+
 def test_push_regs_queued_during_a_freeze_are_refused_until_the_next_tick() -> None:
     t = P()
     t.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
@@ -353,23 +359,24 @@ def test_push_regs_queued_during_a_freeze_are_refused_until_the_next_tick() -> N
     t.h.tick(4.0)  # a gap of exactly liveness 5 - heartbeat 1 is no freeze
     assert only(t.from_d(4.0, t.push_reg("req-0")), StartHandshake)
     t.h.tick(8.5)  # 4.5 s without input: a freeze; the next notifications queued up during it
-    assert sent(t.from_d(8.5, t.push_reg()), Failed) == [t.failed(FailReason.FENCE_EXPIRED).msg]
-    assert t.core.registrations(TID) == 0 and t.core.stats.dropped_notifs[DropReason.LATE.value] == 1
+    out = answered_stale(t, 8.5)
+    assert sent(out, Failed) == [t.failed(FailReason.FENCE_EXPIRED).msg]
+    assert not [a for a in out if isinstance(a, PostWrite)]  # nothing is written for it
     assert t.from_d(8.5, t.heartbeat(TID)) == []  # proves nothing about D's view of P now
     # The next tick ends the thaw: a push_reg is served again.
     t.h.tick(8.75)
-    assert only(t.from_d(8.75, t.push_reg()), StartHandshake)
+    assert only(t.from_d(8.75, t.push_reg("req-2")), StartHandshake)
 
 
 def test_a_freeze_noticed_on_a_notification_refuses_until_the_tick_after_next() -> None:
     t = P()
     t.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
     # The first input after the freeze is a queued push_reg: answered failed, not served.
-    assert sent(t.from_d(4.5, t.push_reg()), Failed) == [t.failed(FailReason.FENCE_EXPIRED).msg]
+    assert sent(answered_stale(t, 4.5), Failed) == [t.failed(FailReason.FENCE_EXPIRED).msg]
     t.h.tick(4.5)  # drains what queued up
-    assert sent(t.from_d(4.5, t.push_reg()), Failed) == [t.failed(FailReason.FENCE_EXPIRED).msg]
+    assert sent(answered_stale(t, 4.5, "req-2"), Failed) == [t.failed(FailReason.FENCE_EXPIRED, "req-2").msg]
     t.h.tick(4.75)
-    assert only(t.from_d(4.75, t.push_reg()), StartHandshake)
+    assert only(t.from_d(4.75, t.push_reg("req-3")), StartHandshake)
 
 
 def test_a_push_reg_queued_during_a_freeze_is_answered_failed() -> None:
@@ -377,7 +384,7 @@ def test_a_push_reg_queued_during_a_freeze_is_answered_failed() -> None:
     t.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
     t.h.tick(0.0)
     t.h.tick(4.5)
-    assert sent(t.from_d(4.5, t.push_reg()), Failed) == [t.failed(FailReason.FENCE_EXPIRED).msg]
+    assert sent(answered_stale(t, 4.5), Failed) == [t.failed(FailReason.FENCE_EXPIRED).msg]
 
 
 def test_cancel_during_writing_waits_for_the_write_to_end_before_cancel_ack() -> None:

@@ -215,11 +215,13 @@ class ConsumerCore(CoreBase):
         life = self._life.get((peer.engine_id, peer.incarnation))
         if life is None:
             life = self._life[(peer.engine_id, peer.incarnation)] = PeerLife(now)
-        # It just answered a handshake: alive (again, after a healed partition or a thaw). Links that got
-        # the earlier verdict keep it (their own dead_at) and go on to their grace and quarantine; this
-        # request does not inherit it.
-        life.dead_at = None
-        life.last_seen = max(life.last_seen, now)
+        elif life.dead_at is not None:
+            # A dead life's agent was forgotten, so this answer is a fresh one: alive again (a healed
+            # partition, a thaw). Links that got the verdict keep it (their own dead_at) and go on to their
+            # grace and quarantine; this request does not inherit it. A cached answer is no sign of life
+            # (found by the simulator: new requests kept a silent P "alive" and old ones waiting forever).
+            life.dead_at = None
+            life.last_seen = max(life.last_seen, now)
         for (engine_id, incarnation), other in self._life.items():
             if engine_id == peer.engine_id and incarnation != peer.incarnation:
                 other.gone = True  # a newer life answers at that address: the older process is over

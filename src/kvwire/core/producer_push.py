@@ -95,7 +95,9 @@ class PushProducerCore(ProducerCore):
         else:
             raise self._refuse(DropReason.UNEXPECTED, f"{type(msg).__name__} from {sender} in push mode")
 
-    def _on_push_reg(self, now: float, key: RankKey, sender: str, msg: PushReg) -> None:
+    def _on_push_reg(
+        self, now: float, key: RankKey, sender: str, msg: PushReg, *, stale: bool = False
+    ) -> None:
         known = self._requests.get(msg.transfer_id)
         if known is None and self._early >= self.config.max_early_registrations:
             detail = f"push_reg {msg.transfer_id}: {self._early} registrations wait for prefill"
@@ -109,7 +111,9 @@ class PushProducerCore(ProducerCore):
         reg = req.regs[(key, sender)] = Reg(key, sender, msg, now + fence_s, received_at=now)
         reg.machine.handle(PT.PUSH_REG)
         bad = check_reg(self.engine, req, reg)
-        if req.phase is Phase.ENDED:
+        if stale:
+            self._fail(req, reg, PT.FENCE_EXPIRED)
+        elif req.phase is Phase.ENDED:
             reason = TOMB_REASON.get(req.outcome or ProducerOutcome.EXPIRED, FailReason.LEASE_EXPIRED)
             reg.machine.handle(PT.ABORT if reason is FailReason.ABORTED else PT.LEASE_EXPIRED)
             reg.outbox.append(self._replies.failed(req.transfer_id, reg.key, reason))
@@ -138,16 +142,13 @@ class PushProducerCore(ProducerCore):
     def _on_stale_notif(self, now: float, key: RankKey, sender: str, msg: Notification) -> None:
         """A notification queued while P was frozen: D may have declared P dead meanwhile and reused the
         blocks a push_reg names (found by the simulator: P thawed, served such a push_reg, and wrote into
-        blocks D had freed). Such a push_reg is answered ``failed`` (D ends that rank, or ignores it when
-        it ended already); a heartbeat proves nothing about D's view of P now; cancels are served."""
+        blocks D had freed). Such a push_reg is answered ``failed``/``fence_expired`` (D ends that rank, or
+        ignores it when it ended already); a heartbeat proves nothing about D's view of P now; cancels
+        are served."""
         if isinstance(msg, PushReg):
-            req = self._requests.get(msg.transfer_id)
-            if req is None or (key, sender) not in req.regs:
-                self.stats.failures[FailReason.FENCE_EXPIRED] += 1
-                failed = self._replies.failed(msg.transfer_id, key, FailReason.FENCE_EXPIRED)
-                self._send(key, sender, failed)  # sent if D is loaded; else D's liveness ends that rank
-            # Counted here, not raised: a Refused would discard the failed just queued.
-            self.stats.dropped_notifs[DropReason.LATE.value] += 1
+            # Registered and failed at once: the answer goes out once D is loaded (the handshake P makes
+            # for any push_reg), as for a push_reg that finds a tombstone. D cannot be told otherwise.
+            self._on_push_reg(now, key, sender, msg, stale=True)
             return
         if isinstance(msg, Cancel):
             self._on_cancel(now, key, sender, msg)

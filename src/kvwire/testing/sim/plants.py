@@ -92,8 +92,9 @@ PLANTS: dict[str, Planted] = {
     # this seed's schedule does not expose (tests/unit/test_sim.py checks both halves).
     "serve-queued-push-regs-after-freeze": Planted(
         Plant(producer=ServeQueuedPushRegsAfterFreeze, consumer=ReuseAfterGraceOnly),
-        Faults(pause=1.0),
+        Faults(pause=2.0),
         "C1",
+        seed=2,
     ),
     "reuse-after-grace-only": Planted(
         Plant(consumer=ReuseAfterGraceOnly),

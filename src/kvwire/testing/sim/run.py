@@ -304,7 +304,8 @@ class Simulation:
         stalls = 10.0 + 8.0  # the longest pause and partition
         return (
             2 * c.handshake_timeout_s + c.fence_ms / 1e3 + c.transfer_timeout_s + c.kv_lease_duration_s
-            + c.liveness_timeout_s + c.dead_peer_grace_s + 2 * c.heartbeat_interval_s + stalls
+            + c.liveness_timeout_s + c.dead_peer_grace_s + c.dead_quarantine_s + 2 * c.heartbeat_interval_s
+            + stalls
         )  # fmt: skip
 
     def run(self, requests: int, rate: float = 500.0, *, stop_at_first: bool = False) -> None:
