@@ -152,6 +152,10 @@ class PeerUnreachable(HandshakeError):
     """The peer's side channel refused or dropped the connection before answering (worth retrying)."""
 
 
+class NobodyListens(PeerUnreachable):
+    """Connection refused: no process listens at the peer's side-channel address (gone, or not started)."""
+
+
 # --- requests and transfers --------------------------------------------------------------------------
 
 

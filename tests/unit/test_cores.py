@@ -25,6 +25,7 @@ from kvwire.core.io import (
     Emit,
     Finished,
     ForgetPeer,
+    HandshakeDone,
     NotifIn,
     PostRead,
     PostWrite,
@@ -609,12 +610,38 @@ def test_push_consumer_registers_and_is_ready_on_done() -> None:
     assert t.core.live_requests == 0
 
 
-def declared_dead(t: D) -> None:
-    """P silent from 0: alive at exactly 5 s, declared dead at 5.125 (FAILED, cancel; blocks fenced)."""
+def declared_dead(t: D) -> StartHandshake:
+    """P silent from 0: alive at exactly 5 s, declared dead at 5.125 (FAILED, cancel; blocks fenced), and
+    a probe of who is at P's address now (returned, unanswered)."""
     assert protocol(t.h.ticks(5.0, 0.25)) == []
     out = protocol(t.h.tick(5.125))
-    assert out == [ForgetPeer("P", "P-life1"), Emit(ev(FAILED, FailReason.PEER_DEAD)), t.cancel()]
+    probe = one(out, StartHandshake)
+    assert (probe.port, probe.remote, probe.mode, probe.engine_id) == (5000, (0, 0), PeerMode.NOTIF_ONLY, "P")
+    assert out == [ForgetPeer("P", "P-life1"), probe, Emit(ev(FAILED, FailReason.PEER_DEAD)), t.cancel()]
     assert t.core.stats.peers_declared_dead == 1
+    return probe
+
+
+@pytest.mark.parametrize("answer", ["refused", "newer_life"])
+def test_d_releases_a_dead_lifes_blocks_after_the_grace_when_its_address_confirms_it_gone(
+    answer: str,
+) -> None:
+    t = D()
+    t.start(0.0)
+    probe = declared_dead(t)
+    if answer == "refused":  # nobody listens: a killed process's socket is closed
+        t.h.at(5.25, HandshakeDone(probe.token, None, "refused", nobody_listens=True))
+    else:
+        t.h.done(5.25, probe.token, dataclasses.replace(t.p.peer_rank(), incarnation="P-life2"))
+    assert events(t.h.tick(6.125)) == [ev(RELEASED, FailReason.PEER_DEAD)]
+
+
+def test_d_keeps_quarantine_when_its_probe_times_out_or_the_same_life_answers() -> None:
+    t = D(dataclasses.replace(CFG, dead_quarantine_s=4.0))
+    t.start(0.0)
+    probe = declared_dead(t)
+    t.h.done(5.25, probe.token, t.p.peer_rank())  # the same life's side channel: proves no recall yet
+    assert events(t.h.ticks(8.125, 0.25)) == [] and t.push_core.quarantined() == 1
 
 
 def test_d_declares_p_dead_at_liveness_timeout_and_releases_after_grace_once_p_speaks() -> None:

@@ -55,6 +55,7 @@ from kvwire.errors import (
     ConfigError,
     IncompatiblePeer,
     KvwireError,
+    NobodyListens,
     PeerDisconnected,
     ProtocolError,
     TransportError,
@@ -92,9 +93,6 @@ ACTIVE_GRACE_S = 2.0
 FIRST_BUSY_POLL_S = 0.00005
 _TIMER_RESOLUTION_S = 0.001  # asyncio's call_later cannot wait less (see _on_tick)
 _RAMP_TICKS = 4  # 50, 100, 200, 400 us: the ticks before the busy rate after activity
-# The core's next timer further away than this means nothing is live (a live core checks its timers
-# every few milliseconds; an idle one only expires tombstones and notices freezes, seconds apart).
-_LIVE_HORIZON_S = 0.05
 _START_TIMEOUT_S = 10.0
 _WILDCARDS = ("0.0.0.0", "::", "")
 
@@ -404,7 +402,7 @@ class ConnectorBase(Generic[E]):
         try:
             hit = mgr.cached(*args, engine_id=a.engine_id, incarnation=a.incarnation)
         except KvwireError as exc:
-            self._later(HandshakeDone(a.token, None, str(exc), _refusal(exc)))
+            self._later(HandshakeDone(a.token, None, str(exc), _refusal(exc), isinstance(exc, NobodyListens)))
             return
         if hit is not None:
             # Cached (the usual case): no task; the answer still comes later, never re-entrantly.
@@ -421,7 +419,8 @@ class ConnectorBase(Generic[E]):
             if exc is not None and not isinstance(exc, KvwireError):
                 log.error("%s: handshake with %s:%d raised %r", self.role, a.host, a.port, exc)
             if exc is not None:
-                done = HandshakeDone(a.token, None, str(exc), _refusal(exc))
+                refused = isinstance(exc, NobodyListens)
+                done = HandshakeDone(a.token, None, str(exc), _refusal(exc), refused)
             else:
                 done = HandshakeDone(a.token, t.result(), "")
             self._guarded(self._apply, (self._clock(), done))
@@ -489,7 +488,7 @@ class ConnectorBase(Generic[E]):
         and no activity for ``ACTIVE_GRACE_S``."""
         if self._handles or self._tasks or now - self._active_at < ACTIVE_GRACE_S:
             return False
-        return self.core.wake_at() - now > _LIVE_HORIZON_S
+        return not self.core.live
 
     def _interval(self, now: float) -> float:
         """After any activity (an engine call, a notification in or out, a post, a transfer's end) from

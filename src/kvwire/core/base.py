@@ -113,6 +113,11 @@ class CoreBase:
             out, self._out = self._out, []
         return out
 
+    @property
+    def live(self) -> bool:
+        """Something a timer may act on soon: a live request (not only tombstones)."""
+        return self._live()
+
     def wake_at(self) -> float:
         """The latest time the next ``Tick`` is due. Never more than a heartbeat period ahead: a core
         tells a freeze from idleness by the gap between its inputs (``PushProducerCore``), so a driver

@@ -74,6 +74,7 @@ class ConsumerCore(CoreBase):
         self._requests: dict[str, Request] = {}
         self._life: dict[tuple[str, str], PeerLife] = {}  # (engine_id, incarnation) of P engines
         self._handshakes: dict[int, tuple[Request, LocalPart, Link]] = {}
+        self._probes: dict[int, tuple[str, str]] = {}  # who is at a dead P life's address now
 
     def watched_peers(self) -> list[tuple[str, str]]:
         """P lives whose liveness D tracks now (only those live requests wait on)."""
@@ -92,6 +93,8 @@ class ConsumerCore(CoreBase):
             self._allocated(now, inp)
         elif isinstance(inp, Abort):
             self._abort(now, inp.transfer_id)
+        elif isinstance(inp, HandshakeDone) and inp.token in self._probes:
+            self._on_probe(inp)
         elif isinstance(inp, HandshakeDone):
             req, part, link = self._handshakes.pop(inp.token)
             self._on_p_handshake(now, req, part, link, inp)
@@ -192,6 +195,14 @@ class ConsumerCore(CoreBase):
 
     def _ended(self, req: Request, reason: FailReason | None) -> None:
         """The request is over on D (READY when ``reason`` is None)."""
+
+    def _on_probe(self, inp: HandshakeDone) -> None:
+        engine_id, incarnation = self._probes.pop(inp.token)
+        life = self._life.get((engine_id, incarnation))
+        if life is None:
+            return
+        if inp.nobody_listens or (inp.peer is not None and inp.peer.incarnation != incarnation):
+            life.gone = True
 
     def _on_p_handshake(
         self, now: float, req: Request, part: LocalPart, link: Link, inp: HandshakeDone
@@ -394,7 +405,7 @@ class PushConsumerCore(ConsumerCore):
                     life = self._life[(peer.engine_id, peer.incarnation)]
                     silent = now - max(life.last_seen, link.registered_at)
                     if life.dead_at is None and silent > cfg.liveness_timeout_s:
-                        self._declare_dead(now, peer, life)
+                        self._declare_dead(now, part.key, peer, life)
                     if life.dead_at is not None and link.dead_at is None:
                         link.dead_at = life.dead_at
                         self._fail(req, part, CT.TIMEOUT, FailReason.PEER_DEAD)
@@ -431,7 +442,7 @@ class PushConsumerCore(ConsumerCore):
             if any(lk.dead_at is not None for part in req.parts.values() for lk in part.links.values())
         )
 
-    def _declare_dead(self, now: float, peer: PeerRank, life: PeerLife) -> None:
+    def _declare_dead(self, now: float, key: RankKey, peer: PeerRank, life: PeerLife) -> None:
         silent = now - life.last_seen
         self._log_warning(
             "P %s/%s silent for %.1f s: declared dead", peer.engine_id, peer.incarnation, silent
@@ -439,3 +450,12 @@ class PushConsumerCore(ConsumerCore):
         life.dead_at = now
         self.stats.peers_declared_dead += 1
         self._do(ForgetPeer(peer.engine_id, peer.incarnation))
+        # Ask its address who is there now: a refused connection (a killed process's socket is closed) or
+        # a newer life confirms this one gone, so its blocks need not wait for the quarantine bound. A
+        # timeout (frozen, partitioned) or the same life answering confirms nothing.
+        token = self._new_token()
+        self._probes[token] = (peer.engine_id, peer.incarnation)
+        remote = (peer.pp_rank, peer.tp_rank)
+        self._do(
+            StartHandshake(token, key, peer.host, peer.port, remote, PeerMode.NOTIF_ONLY, peer.engine_id)
+        )

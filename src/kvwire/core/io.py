@@ -61,6 +61,8 @@ class HandshakeDone:
     # Why it failed, as the request's reason: incompatible and unauthorized are permanent (a client must
     # not retry them), anything else is handshake_failed.
     reason: FailReason = FailReason.HANDSHAKE_FAILED
+    # The connection was refused: no process listens at that address (a killed peer's is closed).
+    nobody_listens: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ from kvwire.errors import (
     HandshakeError,
     HandshakeTimeout,
     IncompatiblePeer,
+    NobodyListens,
     NoSuchRank,
     PeerUnreachable,
     ProtocolError,
@@ -75,6 +76,8 @@ async def fetch_metadata(
             )
     except TimeoutError:
         raise HandshakeTimeout(f"{addr}: no answer within {timeout_s:.3g} s") from None
+    except ConnectionRefusedError as exc:
+        raise NobodyListens(f"{addr}: {type(exc).__name__}: {exc}") from None
     except (OSError, asyncio.IncompleteReadError) as exc:
         raise PeerUnreachable(f"{addr}: {type(exc).__name__}: {exc}") from None
 
