@@ -150,7 +150,7 @@ class PushProducerCore(ProducerCore):
             # for any push_reg), as for a push_reg that finds a tombstone. D cannot be told otherwise.
             self._on_push_reg(now, key, sender, msg, stale=True)
             return
-        if isinstance(msg, Cancel):
+        if isinstance(msg, Cancel | Failed):
             self._on_cancel(now, key, sender, msg)
         elif not isinstance(msg, Heartbeat):
             raise self._refuse(DropReason.UNEXPECTED, f"{type(msg).__name__} from {sender} in push mode")
