@@ -107,6 +107,28 @@ def _refusal(exc: BaseException) -> FailReason:
     return FailReason.HANDSHAKE_FAILED
 
 
+def _checked_setup(
+    engine: EngineInfo,
+    config: ConnectorConfig,
+    ranks: Sequence[LocalRank],
+    host: str,
+    advertise_host: str | None,
+) -> tuple[dict[RankKey, LocalRank], str]:
+    """The local ranks by (pp, tp), and the address peers dial; ConfigError naming the fix otherwise."""
+    if config.mode is not engine.transfer_mode:
+        raise ConfigError(f"config mode {config.mode.value} != engine's {engine.transfer_mode.value}")
+    by_key = {(r.pp_rank, r.tp_rank): r for r in ranks}
+    if not ranks or len(by_key) != len(ranks):
+        raise ConfigError("a connector needs at least one local rank, each (pp, tp) once")
+    advertised = advertise_host or host
+    if advertised in _WILDCARDS:
+        raise ConfigError(
+            f"side channel bound to {host!r} (every interface) but no address to advertise: set "
+            "KVWIRE_SIDE_CHANNEL_HOST (or advertise_host) to the address peers should dial"
+        )
+    return by_key, advertised
+
+
 class ConnectorBase(Generic[E]):
     """Owns the loop thread, the side-channel server, one handshake manager per local rank."""
 
@@ -128,22 +150,10 @@ class ConnectorBase(Generic[E]):
     ) -> None:
         self.engine = engine
         self.config = config or ConnectorConfig()
-        if self.config.mode is not engine.transfer_mode:
-            raise ConfigError(
-                f"config mode {self.config.mode.value} != engine's {engine.transfer_mode.value}"
-            )
-        self.ranks: dict[RankKey, LocalRank] = {(r.pp_rank, r.tp_rank): r for r in ranks}
-        if not ranks or len(self.ranks) != len(ranks):
-            raise ConfigError("a connector needs at least one local rank, each (pp, tp) once")
+        self.ranks, self.host = _checked_setup(engine, self.config, ranks, host, advertise_host)
         # Where the side channel binds, and the address peers are told to dial (a push_reg's host): they
         # differ when binding every interface (0.0.0.0), which no peer can dial.
         self._bind_host = host
-        self.host = advertise_host or host
-        if self.host in _WILDCARDS:
-            raise ConfigError(
-                f"side channel bound to {host!r} (every interface) but no address to advertise: set "
-                "KVWIRE_SIDE_CHANNEL_HOST (or advertise_host) to the address peers should dial"
-            )
         self._port = port
         self._secret = secret
         self._clock = clock
@@ -161,9 +171,17 @@ class ConnectorBase(Generic[E]):
         self._regs: list[tuple[LocalRank, Registration]] = []
         self._events: collections.deque[E] = collections.deque()
         self._on_event: Callable[[], None] | None = None
+        self._started = False
+        self._closed = False
+        # core token -> posted transfer: (rank, handle, transfer id)
+        self._handles: dict[int, tuple[RankKey, XferHandle, str]] = {}
+        self.timeline = Timeline()  # when each step of a request happened here (``/v1/kv_stats``)
+        self._pending: collections.deque[Input] = collections.deque()
+        self._init_ticker()
+
+    def _init_ticker(self) -> None:
         self._ticker: concurrent.futures.Future[None] | None = None
         self._tasks: set[asyncio.Future[Any]] = set()
-        self._next_timers = 0.0
         # The next tick: a TimerHandle while waiting out an interval, a Handle once woken, None while
         # ticking or stopped.
         self._next: asyncio.Handle | None = None
@@ -172,12 +190,6 @@ class ConnectorBase(Generic[E]):
         self._quiet = 0  # ticks since the last activity (adaptive polling, see _interval)
         self._active_at = -ACTIVE_GRACE_S  # when the last activity was seen (see idle)
         self._broken: set[RankKey] = set()
-        self._started = False
-        self._closed = False
-        # core token -> posted transfer: (rank, handle, transfer id)
-        self._handles: dict[int, tuple[RankKey, XferHandle, str]] = {}
-        self.timeline = Timeline()  # when each step of a request happened here (``/v1/kv_stats``)
-        self._pending: collections.deque[Input] = collections.deque()
 
     def _make_core(self, layouts: dict[RankKey, RankLayout], num_blocks: int) -> CoreBase:
         raise NotImplementedError
