@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 from kvwire.connector.timeline import Stage, Timeline
-from kvwire.core.base import CoreBase, Refused
+from kvwire.core.base import CoreBase, Feeder, Refused
 from kvwire.core.config import ConnectorConfig
 from kvwire.core.events import ConnectorStats
 from kvwire.core.io import (
@@ -176,7 +176,7 @@ class ConnectorBase(Generic[E]):
         # core token -> posted transfer: (rank, handle, transfer id)
         self._handles: dict[int, tuple[RankKey, XferHandle, str]] = {}
         self.timeline = Timeline()  # when each step of a request happened here (``/v1/kv_stats``)
-        self._pending: collections.deque[Input] = collections.deque()
+        self._feeder = Feeder(self.core, self._execute, self._failed)
         self._init_ticker()
 
     def _init_ticker(self) -> None:
@@ -312,34 +312,18 @@ class ConnectorBase(Generic[E]):
 
     # -- core <-> I/O (loop thread) --------------------------------------------------------------------
     def _apply(self, now: float, inp: Input) -> None:
-        """Feed ``inp`` and then every ``Outcome``/``HandshakeDone`` its actions produce (the cores' contract:
-        an outcome is handled before any other input)."""
-        pending = self._pending
-        pending.append(inp)
-        if len(pending) > 1:
-            return  # re-entered from an action: the outer call drains the queue
-        while pending:
-            item = pending[0]
-            try:
-                actions = self.core.handle(now, item)
-            except Refused as exc:
-                self.stats.dropped_notifs[exc.reason.value] += 1
-                log.debug("%s: dropped %s", self.role, exc)
-                actions = []
-            except KvwireError as exc:
-                log.warning("%s: %s refused: %s", self.role, type(item).__name__, exc)
-                actions = []
-            except Exception:
-                # A bug in one handler must not stop the loop that every other request depends on.
-                log.exception("%s: %s failed", self.role, type(item).__name__)
-                actions = []
-            try:
-                for action in actions:
-                    self._execute(action)
-            except Exception:
-                log.exception("%s: executing the actions of %s failed", self.role, type(item).__name__)
-            finally:
-                pending.popleft()
+        """Feed ``inp``, then every ``Outcome`` its actions produce (``Feeder``: the cores' contract)."""
+        self._feeder.feed(now, inp)
+
+    def _failed(self, item: Input, exc: Exception) -> None:
+        if isinstance(exc, Refused):
+            self.stats.dropped_notifs[exc.reason.value] += 1
+            log.debug("%s: dropped %s", self.role, exc)
+        elif isinstance(exc, KvwireError):
+            log.warning("%s: %s refused: %s", self.role, type(item).__name__, exc)
+        else:
+            # A bug in one handler must not stop the loop that every other request depends on.
+            log.error("%s: %s failed", self.role, type(item).__name__, exc_info=exc)
 
     def _execute(self, action: Action) -> None:
         if isinstance(action, Send):
@@ -347,7 +331,7 @@ class ConnectorBase(Generic[E]):
             if ok and isinstance(action.msg, PushReg):
                 self.timeline.mark(action.msg.transfer_id, Stage.PUSH_REG_SENT, time.monotonic())
             if action.token:
-                self._pending.append(Outcome(action.token, ok))
+                self._feeder.follow(Outcome(action.token, ok))
         elif isinstance(action, PostWrite | PostRead):
             self._post(action)
         elif isinstance(action, Release):
@@ -398,12 +382,12 @@ class ConnectorBase(Generic[E]):
                 kind=rank.cache.mem_kind,
             )
         except TransportError as exc:
-            self._pending.append(Outcome(action.token, False, str(exc)))
+            self._feeder.follow(Outcome(action.token, False, str(exc)))
             return
         self._handles[action.token] = (action.key, handle, action.transfer_id)
         if write:
             self.timeline.mark(action.transfer_id, Stage.WRITE_POSTED, time.monotonic())
-        self._pending.append(Outcome(action.token, True))
+        self._feeder.follow(Outcome(action.token, True))
         self._wake()  # poll it at the busy rate from now on
 
     def _handshake(self, action: StartHandshake) -> None:

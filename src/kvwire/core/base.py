@@ -12,10 +12,11 @@ touching any state: the driver counts it by reason and goes on.
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from kvwire.core.config import ConnectorConfig
 from kvwire.core.events import ConnectorStats
@@ -62,6 +63,50 @@ class Refused(ProtocolError):
 def sender_matches(sender: str, engine_id: str, incarnation: str) -> bool:
     """Whether a NIXL sender name belongs to the engine life a message claims (``make_agent_name``)."""
     return sender.startswith(f"{engine_id}/{incarnation}/")
+
+
+class Feeder:
+    """Feeds one core under the driver contract of ``kvwire.core.io``: the inputs that executing an action
+    calls for (an ``Outcome``, handed to ``follow``) are handled right after the current input, before any
+    other. The one implementation of that queue, for the threaded driver, the simulator and the tests.
+
+    ``execute`` runs one action; ``failed(input, exc)`` hears what the core raised for an input (or an
+    action of it raised): count a ``Refused``, log the rest; if ``failed`` raises, what was queued is
+    dropped and the exception goes to ``feed``'s caller."""
+
+    def __init__(
+        self,
+        core: CoreBase,
+        execute: Callable[[Action], None],
+        failed: Callable[[Input, Exception], None],
+    ) -> None:
+        self.core = core
+        self._execute = execute
+        self._failed = failed
+        self._pending: collections.deque[Input] = collections.deque()
+
+    def follow(self, inp: Input) -> None:
+        """Queue ``inp`` (an action's ``Outcome``) to be handled before any input fed later."""
+        self._pending.append(inp)
+
+    def feed(self, now: float, inp: Input) -> None:
+        pending = self._pending
+        pending.append(inp)
+        if len(pending) > 1:
+            return  # re-entered from an action: the outer call drains the queue
+        try:
+            while pending:
+                item = pending[0]
+                try:
+                    for action in self.core.handle(now, item):
+                        self._execute(action)
+                except Exception as exc:
+                    self._failed(item, exc)
+                finally:
+                    pending.popleft()
+        except BaseException:
+            pending.clear()
+            raise
 
 
 class CoreBase:

@@ -12,12 +12,11 @@ the simulator's engines do, and answers what a peer would see of it (``peer_rank
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from kvwire.core.base import TIMER_PERIOD_S, CoreBase
+from kvwire.core.base import TIMER_PERIOD_S, CoreBase, Feeder
 from kvwire.core.io import (
     Action,
     Emit,
@@ -139,12 +138,17 @@ class CoreHarness:
             raise ValueError(f"time goes backwards: {now} < {self.now}")
         self.now = now
         out: list[Action] = []
-        pending: collections.deque[Input] = collections.deque([inp])
-        while pending:
-            for action in self.core.handle(now, pending.popleft()):
-                out.append(action)
-                if isinstance(action, Send | PostWrite | PostRead) and action.token:
-                    pending.append(Outcome(action.token, self.accept(action)))
+
+        def execute(action: Action) -> None:
+            out.append(action)
+            if isinstance(action, Send | PostWrite | PostRead) and action.token:
+                feeder.follow(Outcome(action.token, self.accept(action)))
+
+        def failed(item: Input, exc: Exception) -> None:
+            raise exc
+
+        feeder = Feeder(self.core, execute, failed)
+        feeder.feed(now, inp)
         self.log.extend(out)
         return out
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvwire.core.base import CoreBase, Refused
+from kvwire.core.base import CoreBase, Feeder, Refused
 from kvwire.core.config import ConnectorConfig
 from kvwire.core.io import (
     Action,
@@ -123,7 +123,7 @@ class SimEngine:
         self.deferred: collections.deque[Input] = collections.deque()
         self.alive = True
         self._tick_at = math.inf
-        self._pending: collections.deque[Input] = collections.deque()
+        self._feeder = Feeder(self.core, self._execute, self._failed)
 
     def crash(self) -> None:
         """The process dies: every agent, transfer and request of this life is gone; restart at once."""
@@ -159,23 +159,12 @@ class SimEngine:
             if not isinstance(inp, Tick):  # a frozen process does not tick: its thaw does, once
                 self.deferred.append(inp)
             return
-        pending = self._pending
-        pending.append(inp)
-        if len(pending) > 1:
-            return
-        while pending:
-            item = pending[0]
-            try:
-                actions = self.core.handle(self.world.now, item)
-            except Refused:
-                actions = []
-            except Exception as exc:
-                self.world.violation(f"{self.engine_id}: {type(item).__name__} raised {exc!r}")
-                actions = []
-            for action in actions:
-                self._execute(action)
-            pending.popleft()
+        self._feeder.feed(self.world.now, inp)
         self._schedule_tick()
+
+    def _failed(self, item: Input, exc: Exception) -> None:
+        if not isinstance(exc, Refused):  # anything else escaping a core (or an action) is a bug
+            self.world.violation(f"{self.engine_id}: {type(item).__name__} raised {exc!r}")
 
     def notif_in(self, agent: str, sender: str, raw: bytes) -> None:
         key = next(k for k, n in self.agent_names.items() if n == agent)
@@ -199,7 +188,7 @@ class SimEngine:
         if isinstance(action, Send):
             ok = self._send(action)
             if action.token:
-                self._pending.append(Outcome(action.token, ok))
+                self._feeder.follow(Outcome(action.token, ok))
         elif isinstance(action, PostWrite | PostRead):
             self._post(action)
         elif isinstance(action, Release):
@@ -232,7 +221,7 @@ class SimEngine:
         w, f = self.world, self.world.faults
         dst = self._peer_engine(action.key, action.peer)
         if dst is None or w.chance(f.failed_post, "failed_post"):
-            self._pending.append(Outcome(action.token, False, "post refused"))
+            self._feeder.follow(Outcome(action.token, False, "post refused"))
             return
         x = _Xfer(
             action.token,
@@ -245,7 +234,7 @@ class SimEngine:
             action.transfer_id,
         )
         self.xfers[action.token] = x
-        self._pending.append(Outcome(action.token, True))
+        self._feeder.follow(Outcome(action.token, True))
         duration = 50e-6 + w.rng.random() * 200e-6
         if w.chance(f.slow_write, "slow_write"):
             duration += w.rng.random() * f.slow_write_max_s
