@@ -74,7 +74,6 @@ class Report:
     outcomes: dict[str, int]
     wall_seconds: float
     simulated_seconds: float
-    events: int = 0
 
     def as_json(self) -> dict[str, object]:
         return {
