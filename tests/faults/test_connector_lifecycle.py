@@ -2,8 +2,9 @@
 used without restarting D, idle peers are reaped and come back (issue 6 items 1, 3, 4; DESIGN.md §3).
 
 The timed rules (transfer timeout, leases and heartbeats, liveness on both sides, grace and quarantine,
-P's recall after a freeze) are pinned in virtual time by ``tests/unit/test_cores.py`` and exercised under
-faults by the simulator (``tests/unit/test_sim.py``); the real-time versions that lived here are gone.
+P's recall after a freeze) are pinned in virtual time by ``tests/unit/test_cores_producer.py`` and
+``test_cores_consumer.py`` and exercised under faults by the simulator (``tests/unit/test_sim.py``);
+the real-time versions that lived here are gone.
 
 Waits are bounded; where a test shows that something happens "at once", every timeout that could also
 end the request is set far above the wait, so only the path under test can end it in time.

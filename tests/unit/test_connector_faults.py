@@ -1,5 +1,6 @@
 """Connector failure paths on the in-process backend: failed writes, a cancel before any write, P's abort,
-bad notifications. Fences, timeouts and dead peers are pinned in virtual time in ``test_cores.py``."""
+bad notifications. Fences, timeouts and dead peers are pinned in virtual time in
+``test_cores_producer.py`` and ``test_cores_consumer.py``."""
 
 from __future__ import annotations
 

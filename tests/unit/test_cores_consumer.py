@@ -1,0 +1,355 @@
+"""D's cores (push and pull) driven by hand in explicit time: every timed rule at its boundary, the cancel and
+re-handshake paths, and the refusal of stray input. No threads, no sleeps, no agents: each test feeds
+``(now, input)`` and asserts the exact actions and events that come back (``kvwire.testing.core_harness``).
+
+Times are binary fractions (0.25, 5.125, ...) so that ``a + b`` lands exactly where the rule's boundary is;
+the timers run at most every ``TIMER_PERIOD_S``, so two ticks that must both check are further apart than
+that (``CoreHarness.ticks`` refuses a shorter step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from cores_env import BLOCKS, CFG, D_BLOCKS, FAILED, PULL, READY, RELEASED, TID, TOKENS, D, P, ev
+
+from kvwire.core.base import DropReason, Refused
+from kvwire.core.io import (
+    Abort,
+    Allocated,
+    Emit,
+    Finished,
+    ForgetPeer,
+    HandshakeDone,
+    NotifIn,
+    PostRead,
+    Reap,
+    Release,
+    RemoteEngine,
+    Send,
+    StartHandshake,
+)
+from kvwire.protocol.codec import decode_notif, encode_notif
+from kvwire.protocol.messages import (
+    Cancel,
+    Done,
+    FailReason,
+    Heartbeat,
+    PushReg,
+)
+from kvwire.testing.core_harness import TestEngine, events, one, only, protocol, sent
+from kvwire.transport.base import PeerMode
+
+
+def test_push_consumer_registers_and_is_ready_on_done() -> None:
+    t = D()
+    out = t.start(0.0)
+    reg = one(out, Send)
+    assert reg.token and reg.peer == t.p.agent() and isinstance(reg.msg, PushReg)
+    assert (reg.msg.block_ids, reg.msg.num_tokens, reg.msg.fence_ms, reg.msg.port) == (
+        D_BLOCKS,
+        TOKENS,
+        2000,
+        6000,
+    )
+    assert t.from_p(0.5, t.done()) == [Emit(ev(READY))]
+    assert t.core.live_requests == 0
+
+
+def declared_dead(t: D) -> StartHandshake:
+    """P silent from 0: alive at exactly 5 s, declared dead at 5.125 (FAILED, cancel; blocks fenced), and
+    a probe of who is at P's address now (returned, unanswered)."""
+    assert protocol(t.h.ticks(5.0, 0.25)) == []
+    out = protocol(t.h.tick(5.125))
+    probe = one(out, StartHandshake)
+    assert (probe.port, probe.remote, probe.mode, probe.engine_id) == (5000, (0, 0), PeerMode.NOTIF_ONLY, "P")
+    assert out == [ForgetPeer("P", "P-life1"), probe, Emit(ev(FAILED, FailReason.PEER_DEAD)), t.cancel()]
+    assert t.core.stats.peers_declared_dead == 1
+    return probe
+
+
+@pytest.mark.parametrize("answer", ["refused", "newer_life"])
+def test_d_releases_a_dead_lifes_blocks_after_the_grace_when_its_address_confirms_it_gone(
+    answer: str,
+) -> None:
+    t = D()
+    t.start(0.0)
+    probe = declared_dead(t)
+    if answer == "refused":  # nobody listens: a killed process's socket is closed
+        t.h.at(5.25, HandshakeDone(probe.token, None, "refused", nobody_listens=True))
+    else:
+        t.h.done(5.25, probe.token, dataclasses.replace(t.p.peer_rank(), incarnation="P-life2"))
+    assert events(t.h.tick(6.125)) == [ev(RELEASED, FailReason.PEER_DEAD)]
+
+
+def test_d_keeps_quarantine_when_its_probe_times_out_or_the_same_life_answers() -> None:
+    t = D(dataclasses.replace(CFG, dead_quarantine_s=4.0))
+    t.start(0.0)
+    probe = declared_dead(t)
+    t.h.done(5.25, probe.token, t.p.peer_rank())  # the same life's side channel: proves no recall yet
+    assert events(t.h.ticks(8.125, 0.25)) == [] and t.push_core.quarantined() == 1
+
+
+def test_d_declares_p_dead_at_liveness_timeout_and_releases_after_grace_once_p_speaks() -> None:
+    t = D()
+    t.start(0.0)
+    declared_dead(t)
+    t.from_p(5.5, t.heartbeat())  # the life speaks again (it recalled its writes first)
+    # Blocks stay fenced for dead_peer_grace_s (a thawed P could still finish a write)
+    assert events(t.h.ticks(6.125 - 2**-5, 0.0625)) == []  # the last tick 31 ms before the grace ends
+    assert events(t.h.tick(6.125)) == [ev(RELEASED, FailReason.PEER_DEAD)]
+    assert t.push_core.quarantined() == 0 and t.core.live_requests == 0
+
+
+def test_d_keeps_an_unconfirmed_dead_lifes_blocks_until_the_quarantine_bound() -> None:
+    t = D(dataclasses.replace(CFG, dead_quarantine_s=4.0))
+    t.start(0.0)
+    declared_dead(t)
+    assert events(t.h.ticks(10.125 - 2**-5, 0.25)) == [] and t.push_core.quarantined() == 1  # bound: 10.125
+    assert events(t.h.tick(10.125)) == [ev(RELEASED, FailReason.PEER_DEAD)]
+    assert t.core.stats.quarantine_expired == 1
+
+
+def test_d_releases_a_dead_lifes_blocks_when_a_newer_life_answers() -> None:
+    t = D()
+    t.start(0.0)
+    declared_dead(t)
+    t.h.ticks(6.25, 0.25)
+    # Another request handshakes with the restarted P at the same address: the old process is over.
+    p2 = TestEngine.build("P", incarnation="P-life2", port=5000)
+    hs = one(t.h.at(6.25, t.allocated("req-2")), StartHandshake)
+    t.h.done(6.25, hs.token, p2.peer_rank(mode=PeerMode.NOTIF_ONLY))
+    assert events(t.h.tick(6.5)) == [ev(RELEASED, FailReason.PEER_DEAD)]
+
+
+def test_d_forgets_a_dead_lifes_liveness_once_no_request_waits_on_it() -> None:
+    t = D()
+    t.start(0.0)
+    declared_dead(t)
+    assert t.core.watched_peers() == [("P", "P-life1")]
+    t.from_p(5.5, t.heartbeat())
+    t.h.ticks(6.125, 0.125)
+    assert t.core.live_requests == 0
+    t.h.ticks(7.25, 0.125)  # pruned at the next heartbeat
+    assert t.core.watched_peers() == []
+
+
+def test_a_p_declared_dead_then_heard_again_serves_the_next_request() -> None:
+    # A healed partition: same life, declared dead meanwhile. The next request must not inherit the verdict.
+    t = D()
+    t.start(0.0)
+    declared_dead(t)
+    hs = one(t.h.at(5.25, t.allocated("req-2")), StartHandshake)
+    out = t.h.done(5.25, hs.token, t.p.peer_rank(mode=PeerMode.NOTIF_ONLY))
+    assert len(sent(out, PushReg)) == 1 and events(out) == []
+    assert events(t.h.ticks(6.125, 0.125)) == []  # req-1: past its grace, but P has not spoken since
+    assert events(t.from_p(6.25, t.done("req-2"))) == [ev(READY, tid="req-2")]
+    assert events(t.h.tick(6.375)) == [ev(RELEASED, FailReason.PEER_DEAD)]  # P spoke: req-1 goes
+
+
+def test_d_heartbeats_name_its_waiting_requests_and_keep_p_in_use() -> None:
+    t = D(dataclasses.replace(CFG, liveness_timeout_s=50.0))
+    t.start(0.0)
+    out = t.h.ticks(10.0, 0.25)
+    beats = sent(out, Heartbeat)
+    assert len(beats) == 10 and all(b.transfer_ids == [TID] for b in beats)
+    assert only(out, Reap) == [Reap(frozenset({"P"}))] * 10
+
+
+def test_p_heartbeats_keep_a_long_prefill_alive_on_d() -> None:
+    t = D()
+    t.start(0.0)
+    for second in range(1, 21):  # P heartbeats every second through a 20 s prefill
+        assert events(t.h.ticks(float(second), 0.25)) == []
+        t.from_p(float(second), t.heartbeat())
+    assert events(t.from_p(20.5, t.done())) == [ev(READY)]
+    assert t.core.stats.peers_declared_dead == 0
+
+
+def test_d_liveness_counts_from_ps_last_word() -> None:
+    t = D()
+    t.start(0.0)
+    t.h.ticks(3.0, 0.25)
+    t.from_p(3.0, t.heartbeat())
+    assert events(t.h.ticks(8.0, 0.25)) == []
+    assert events(t.h.tick(8.125)) == [ev(FAILED, FailReason.PEER_DEAD)]
+
+
+def test_a_cancel_ack_before_grace_ends_releases_at_once() -> None:
+    t = D()
+    t.start(0.0)
+    t.h.ticks(5.125, 0.125)
+    assert events(t.from_p(5.5, t.cancel_ack())) == [ev(RELEASED, FailReason.PEER_DEAD)]
+
+
+def test_consumer_rehandshakes_once_after_a_failed_push_reg_send() -> None:
+    t = D()
+    t.h.accept = lambda a: not (isinstance(a, Send) and isinstance(a.msg, PushReg))
+    out = t.start(0.0)
+    assert [type(a).__name__ for a in out] == ["Send", "ForgetPeer", "StartHandshake"]
+    assert out[1] == ForgetPeer("P", "P-life1")
+    hs = out[2]
+    assert isinstance(hs, StartHandshake) and hs.mode is PeerMode.NOTIF_ONLY
+    out = t.h.done(0.25, hs.token, t.p.peer_rank(mode=PeerMode.NOTIF_ONLY))
+    # The second send fails too: no third handshake; the request fails and, with nothing registered,
+    # is released at once.
+    assert only(out, StartHandshake) == [] and len(only(out, Send)) == 1
+    assert events(out) == [ev(FAILED, FailReason.HANDSHAKE_FAILED), ev(RELEASED, FailReason.HANDSHAKE_FAILED)]
+
+
+def test_consumer_rehandshake_then_success_registers() -> None:
+    t = D()
+    tries = iter([False, True])
+    t.h.accept = lambda a: next(tries) if isinstance(a, Send) and isinstance(a.msg, PushReg) else True
+    hs = one(t.start(0.0), StartHandshake)
+    out = t.h.done(0.25, hs.token, t.p.peer_rank(mode=PeerMode.NOTIF_ONLY))
+    assert len(sent(out, PushReg)) == 1 and events(out) == []
+    assert events(t.from_p(0.5, t.done())) == [ev(READY)]
+
+
+def test_failed_from_p_fails_and_releases_the_request() -> None:
+    t = D()
+    t.start(0.0)
+    out = t.from_p(0.5, t.failed(FailReason.FENCE_EXPIRED))
+    assert events(out) == [ev(FAILED, FailReason.FENCE_EXPIRED), ev(RELEASED, FailReason.FENCE_EXPIRED)]
+    assert sent(out) == []  # that rank ended: no cancel to it
+
+
+def test_engine_abort_cancels_and_waits_for_the_ack() -> None:
+    t = D()
+    t.start(0.0)
+    out = t.h.at(0.5, Abort(TID))
+    assert out == [t.cancel()]
+    assert events(t.from_p(0.75, t.cancel_ack())) == [ev(RELEASED)]
+
+
+def test_d_handshake_failure_fails_and_releases() -> None:
+    t = D()
+    hs = one(t.h.at(0.0, t.allocated()), StartHandshake)
+    out = t.h.done(0.5, hs.token, None, "timed out")
+    assert events(out) == [
+        ev(FAILED, FailReason.HANDSHAKE_FAILED),
+        ev(RELEASED, FailReason.HANDSHAKE_FAILED),
+    ]
+
+
+def test_d_refuses_stray_messages_and_changes_nothing() -> None:
+    t = D()
+    t.start(0.0)
+    other = TestEngine.build("P", incarnation="P-life2")
+    stale = other.notif(
+        Done(transfer_id=TID, engine_id="P", incarnation="P-life2", tp_rank=0, pp_rank=0, num_blocks=2)
+    )
+    cases = [
+        (t.p.notif(t.done("nope")), DropReason.UNKNOWN_TRANSFER),
+        (stale, DropReason.STALE_INCARNATION),
+        (t.p.notif(Cancel(transfer_id=TID, engine_id="P", incarnation="P-life1")), DropReason.UNEXPECTED),
+        (t.p.notif(t.done(), to=(0, 1)), DropReason.UNKNOWN_TRANSFER),  # not a local rank of this request
+    ]
+    for notif, reason in cases:
+        with pytest.raises(Refused) as err:
+            t.h.at(0.5, notif)
+        assert err.value.reason is reason and err.value.role == "consumer"
+    assert t.core.live_requests == 1
+    assert events(t.from_p(0.75, t.done())) == [ev(READY)]
+    with pytest.raises(Refused) as late:
+        t.from_p(0.75, t.done())
+    assert late.value.reason is DropReason.UNKNOWN_TRANSFER
+
+
+def test_d_with_two_p_ranks_waits_for_both_and_refuses_a_repeated_done() -> None:
+    p2 = TestEngine.build("P", tp=2, port=5000)
+    t = D()
+    remote = RemoteEngine("P", "127.0.0.1", 5000, tp_size=2)
+    hss = only(t.h.at(0.0, Allocated(TID, tuple(D_BLOCKS), TOKENS, 0, remote)), StartHandshake)
+    assert [h.remote for h in hss] == [(0, 0), (0, 1)]
+    for h in hss:
+        reg = one(t.h.done(0.0, h.token, p2.peer_rank(h.remote, PeerMode.NOTIF_ONLY)), Send)
+        assert reg.peer == p2.agent(h.remote)
+
+    def done(rank: int) -> NotifIn:
+        msg = Done(
+            transfer_id=TID, engine_id="P", incarnation="P-life1", tp_rank=rank, pp_rank=0, num_blocks=2
+        )
+        return p2.notif(msg, rank=(0, rank))
+
+    assert t.h.at(0.25, done(0)) == []  # one of two
+    with pytest.raises(Refused) as err:
+        t.h.at(0.25, done(0))
+    assert err.value.reason is DropReason.LATE
+    assert events(t.h.at(0.5, done(1))) == [ev(READY)]
+
+
+def test_a_core_asks_to_be_woken_at_least_every_heartbeat() -> None:
+    t = P()
+    t.h.at(3.0, Finished(TID, BLOCKS, TOKENS))
+    assert t.core.wake_at() <= 3.0 + CFG.heartbeat_interval_s
+    t.h.ticks(34.0, 0.25)  # the lease ran out at 33: only a tombstone is left (forgotten at 93)
+    assert t.core.live_requests == 0 and t.core.wake_at() == 34.0 + CFG.heartbeat_interval_s
+
+
+# -- D (pull) ---------------------------------------------------------------------------------------------
+
+
+def test_pull_read_posted_ended_ready_then_done_to_p() -> None:
+    t = D(mode=PULL)
+    rd = one(t.start(0.0), PostRead)
+    assert (rd.key, rd.peer, rd.nbytes, rd.transfer_id) == ((0, 0), t.p.agent(), 2 * 4 * 32, TID)
+    out = t.h.ended(0.5, rd.token)
+    assert out == [Release(rd.token), t.to_p(True), out[-1]]
+    assert events(out) == [ev(READY)]
+
+
+def test_pull_failed_read_tells_p_failed() -> None:
+    t = D(mode=PULL)
+    rd = one(t.start(0.0), PostRead)
+    out = t.h.ended(0.5, rd.token, ok=False)
+    assert out == [
+        Release(rd.token),
+        Emit(ev(FAILED, FailReason.WRITE_FAILED)),
+        t.to_p(False, FailReason.WRITE_FAILED),  # no READ in flight any more: P may free its blocks
+        Emit(ev(RELEASED, FailReason.WRITE_FAILED)),
+    ]
+
+
+def test_pull_read_timeout_releases_and_tells_p_failed() -> None:
+    t = D(mode=PULL, cfg=dataclasses.replace(CFG, transfer_timeout_s=2.0))
+    rd = one(t.start(0.0), PostRead)
+    assert protocol(t.h.ticks(2.0, 0.25)) == []
+    out = protocol(t.h.tick(2.125))
+    assert out == [
+        Release(rd.token),
+        Emit(ev(FAILED, FailReason.TRANSFER_TIMEOUT)),
+        t.to_p(False, FailReason.TRANSFER_TIMEOUT),
+        Emit(ev(RELEASED, FailReason.TRANSFER_TIMEOUT)),
+    ]
+
+
+def test_pull_abort_during_read_waits_for_the_read_to_end() -> None:
+    t = D(mode=PULL)
+    rd = one(t.start(0.0), PostRead)
+    assert t.h.at(0.25, Abort(TID)) == []  # the READ lands in D's blocks: it must end first
+    out = t.h.ended(0.5, rd.token)
+    assert out[:2] == [Release(rd.token), t.to_p(False, FailReason.ABORTED)]
+    assert events(out) == [ev(RELEASED)]
+
+
+def test_d_refuses_a_done_that_does_not_match_its_registration() -> None:
+    t = D()
+    t.start(0.0)
+    bad = Done(num_blocks=5, **t._common(TID))  # type: ignore[arg-type]
+    out = t.from_p(0.5, bad)
+    # Not READY: FAILED (bad_done) then, as P's registration ended with it, RELEASED at once.
+    assert events(out) == [ev(FAILED, FailReason.BAD_DONE), ev(RELEASED, FailReason.BAD_DONE)]
+    assert t.core.stats.failures[FailReason.BAD_DONE] == 1
+
+
+def test_a_failed_with_a_reason_this_version_does_not_know_still_ends_the_rank() -> None:
+    t = D()
+    t.start(0.0)
+    raw = bytearray(encode_notif(t.failed(FailReason.ABORTED)))
+    raw = raw.replace(b"aborted", b"newcase")  # a newer peer's reason, same length
+    assert decode_notif(bytes(raw)) == t.failed(FailReason.UNKNOWN)
+    out = t.h.at(0.5, NotifIn((0, 0), t.p.agent(), bytes(raw)))
+    assert events(out) == [ev(FAILED, FailReason.UNKNOWN), ev(RELEASED, FailReason.UNKNOWN)]

@@ -1,0 +1,439 @@
+"""P's cores (push and pull) driven by hand in explicit time: every timed rule at its boundary, the cancel and
+re-handshake paths, and the refusal of stray input. No threads, no sleeps, no agents: each test feeds
+``(now, input)`` and asserts the exact actions and events that come back (``kvwire.testing.core_harness``).
+
+Times are binary fractions (0.25, 5.125, ...) so that ``a + b`` lands exactly where the rule's boundary is;
+the timers run at most every ``TIMER_PERIOD_S``, so two ticks that must both check are further apart than
+that (``CoreHarness.ticks`` refuses a shorter step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from cores_env import BLOCKS, CFG, D_BLOCKS, PULL, TID, TOKENS, P, freed
+
+from kvwire.core.base import DropReason, Refused
+from kvwire.core.events import ProducerOutcome
+from kvwire.core.io import (
+    Abort,
+    Action,
+    Emit,
+    Finished,
+    ForgetPeer,
+    NotifIn,
+    PostWrite,
+    Reap,
+    Release,
+    Send,
+    StartHandshake,
+)
+from kvwire.protocol.codec import decode_notif, encode_notif
+from kvwire.protocol.messages import (
+    CancelAck,
+    Done,
+    Failed,
+    FailReason,
+    Heartbeat,
+)
+from kvwire.testing.core_harness import TestEngine, events, one, only, protocol, sent
+from kvwire.transport.base import PeerMode
+
+
+def test_push_happy_path_posts_one_write_with_done_attached_and_frees_once() -> None:
+    t = P()
+    w = t.writing(0.0)
+    assert (w.key, w.peer, w.transfer_id) == ((0, 0), t.d.agent(), TID)
+    assert w.nbytes == 2 * 4 * 32  # two blocks x (2 layers x K,V) x 32 bytes per block
+
+    def rows(engine: TestEngine, first_block: int) -> list[tuple[int, int, int]]:
+        # Blocks first_block and first_block + 1 are adjacent: one coalesced row per region.
+        regions = engine.layouts[(0, 0)].regions
+        return sorted((r.base_addr + first_block * r.block_len, 2 * r.block_len, 0) for r in regions)
+
+    assert sorted(map(tuple, w.src.tolist())) == rows(t.p, BLOCKS[0])
+    assert sorted(map(tuple, w.dst.tolist())) == rows(t.d, D_BLOCKS[0])
+    # D's done rides the write's last byte
+    done = Done(transfer_id=TID, engine_id="P", incarnation="P-life1", tp_rank=0, pp_rank=0, num_blocks=2)
+    assert decode_notif(w.notif) == done
+    out = t.h.ended(0.25, w.token)
+    assert out == [Release(w.token), Emit(freed(ProducerOutcome.SENT))]
+    assert t.core.live_requests == 0
+
+
+def test_fence_write_starts_at_fence_at_and_is_refused_just_after() -> None:
+    t = P()
+    t.registered(0.0, fence_ms=1_000)  # fence_at = 1.0
+    out = t.h.at(1.0, Finished(TID, BLOCKS, TOKENS))
+    assert only(out, PostWrite) and not sent(out)
+
+    t = P()
+    t.registered(0.0, fence_ms=1_000)
+    out = t.h.at(1.0 + 2**-20, Finished(TID, BLOCKS, TOKENS))
+    # No write; the request's only registration failed: its blocks are freeable at once.
+    assert protocol(out) == [t.failed(FailReason.FENCE_EXPIRED), Emit(freed(ProducerOutcome.FAILED))]
+
+
+def test_fence_of_a_registration_waiting_for_prefill_expires_on_a_tick_just_after_fence_at() -> None:
+    t = P()
+    t.registered(0.0, fence_ms=1_000)
+    assert protocol(t.h.ticks(1.0, 0.25)) == []
+    assert protocol(t.h.tick(1.0625)) == [t.failed(FailReason.FENCE_EXPIRED)]
+    # Prefill ends later: nothing to write, every registration ended, the blocks are freed at once.
+    out = t.h.at(1.25, Finished(TID, BLOCKS, TOKENS))
+    assert protocol(out) == [out[-1]] and events(out) == [freed(ProducerOutcome.FAILED)]
+
+
+@pytest.mark.parametrize(("answered_at", "writes"), [(1.0, True), (1.0 + 2**-20, False)])
+def test_fence_applies_when_ds_handshake_answers_after_prefill(answered_at: float, writes: bool) -> None:
+    t = P()
+    hs = one(t.from_d(0.0, t.push_reg(fence_ms=1_000)), StartHandshake)
+    assert t.h.at(0.5, Finished(TID, BLOCKS, TOKENS)) == []  # waits for D to be loaded
+    t.h.ticks(answered_at, 0.25)  # the fence is the handshake's to apply: no tick fails it meanwhile
+    out = t.h.done(answered_at, hs.token, t.d.peer_rank())
+    if writes:
+        assert only(out, PostWrite) and sent(out) == []
+    else:
+        assert out == [t.failed(FailReason.FENCE_EXPIRED), Emit(freed(ProducerOutcome.FAILED))]
+
+
+def test_shutdown_tells_loaded_ds_and_frees_every_held_request() -> None:
+    t = P(dataclasses.replace(CFG, fence_ms=60_000))
+    t.registered(0.0, fence_ms=60_000)
+    t.h.at(0.0, Finished("req-2", (5, 6), TOKENS))
+    out = t.core.shutdown(0.25)
+    assert t.failed(FailReason.SHUTDOWN) in out
+    assert events(out) == [freed(ProducerOutcome.SHUTDOWN, "req-2")]  # req-1 was never held
+
+
+def test_fence_is_the_smaller_of_ds_and_ps() -> None:
+    t = P(dataclasses.replace(CFG, fence_ms=500))
+    t.registered(0.0, fence_ms=60_000)  # P's 0.5 s wins
+    out = t.h.at(0.5 + 2**-20, Finished(TID, BLOCKS, TOKENS))
+    assert protocol(out)[0] == t.failed(FailReason.FENCE_EXPIRED)
+
+
+def test_lease_expires_at_lease_end_and_heartbeats_extend_it() -> None:
+    t = P()
+    assert t.h.at(0.0, Finished(TID, BLOCKS, TOKENS)) == []
+    assert events(t.h.ticks(29.75, 0.25)) == []
+    assert events(t.h.tick(30.0)) == [freed(ProducerOutcome.EXPIRED)]
+
+    t = P()
+    t.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
+    t.h.ticks(20.0, 0.25)
+    out = t.from_d(20.0, t.heartbeat(TID, "unknown-tid"))  # lease now ends at 50
+    assert [type(a).__name__ for a in out] == ["TouchPeer"]
+    assert t.core.stats.dropped_notifs["heartbeat_unknown_ids"] == 1
+    assert events(t.h.ticks(49.75, 0.25)) == []
+    assert events(t.h.tick(50.0)) == [freed(ProducerOutcome.EXPIRED)]
+
+
+def test_tombstone_answers_a_late_push_reg_and_cancel_until_it_is_forgotten() -> None:
+    t = P()
+    t.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
+    assert events(t.h.ticks(30.0, 0.5)) == [freed(ProducerOutcome.EXPIRED)]  # tombstone until 90
+    t.h.ticks(40.0, 0.5)
+    # A late push_reg: failed/lease_expired once D is loaded (the handshake runs for the answer only).
+    hs = one(t.from_d(40.0, t.push_reg()), StartHandshake)
+    out = t.h.done(40.0, hs.token, t.d.peer_rank())
+    assert out == [t.failed(FailReason.LEASE_EXPIRED)]
+    # A late cancel (from a D that never registered here): cancel_ack, nothing written.
+    t2 = P()
+    t2.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
+    t2.h.ticks(40.0, 0.5)
+    assert t2.from_d(40.0, t2.cancel()) == [t2.cancel_ack(wrote=False)]
+    # Forgotten at 30 + 60: then the transfer is unknown.
+    t2.h.ticks(89.5, 0.5)
+    assert t2.from_d(89.5, t2.cancel()) == [t2.cancel_ack(wrote=False)]
+    t2.h.tick(90.0)
+    with pytest.raises(Refused) as err:
+        t2.from_d(90.0, t2.cancel())
+    assert err.value.reason is DropReason.UNKNOWN_TRANSFER
+    assert t2.h.log[-1] == t2.cancel_ack(wrote=False)  # the refused input left no action
+
+
+def test_tombstone_of_an_aborted_request_answers_aborted() -> None:
+    t = P()
+    t.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
+    assert events(t.h.at(0.25, Abort(TID))) == [freed(ProducerOutcome.ABORTED)]
+    hs = one(t.from_d(0.5, t.push_reg()), StartHandshake)
+    assert t.h.done(0.5, hs.token, t.d.peer_rank()) == [t.failed(FailReason.ABORTED)]
+
+
+def test_p_declares_a_silent_d_dead_after_liveness_timeout_not_before() -> None:
+    t = P(dataclasses.replace(CFG, fence_ms=60_000))
+    t.registered(0.0, fence_ms=60_000)  # prefill still running: P holds the registration for D
+    assert protocol(t.h.ticks(5.0, 0.25)) == []
+    out = protocol(t.h.tick(5.0625))
+    assert out == [t.failed(FailReason.PEER_DEAD), ForgetPeer("D", "D-life1")]
+    assert t.core.stats.peers_declared_dead == 1
+
+
+def test_p_liveness_counts_from_ds_last_word() -> None:
+    t = P(dataclasses.replace(CFG, fence_ms=60_000))
+    t.registered(0.0, fence_ms=60_000)
+    t.h.ticks(3.0, 0.25)
+    t.from_d(3.0, t.heartbeat(TID))
+    assert protocol(t.h.ticks(8.0, 0.25)) == []
+    assert protocol(t.h.tick(8.0625))[0] == t.failed(FailReason.PEER_DEAD)
+
+
+def test_prefill_ending_after_d_was_declared_dead_frees_at_once_without_a_write() -> None:
+    t = P(dataclasses.replace(CFG, fence_ms=60_000))
+    t.registered(0.0, fence_ms=60_000)
+    t.h.ticks(5.0625, 0.25)
+    assert t.core.stats.failures[FailReason.PEER_DEAD] == 1
+    out = t.h.at(5.25, Finished(TID, BLOCKS, TOKENS))
+    assert out == [Emit(freed(ProducerOutcome.FAILED))]
+
+
+def test_p_heartbeats_a_long_prefill_and_keeps_d_in_use() -> None:
+    t = P(dataclasses.replace(CFG, fence_ms=60_000, liveness_timeout_s=50.0))
+    t.registered(0.0, fence_ms=60_000)
+    out = t.h.ticks(20.0, 0.25)
+    beats = [a for a in out if isinstance(a, Send) and isinstance(a.msg, Heartbeat)]
+    assert len(beats) == 20  # one per heartbeat_interval_s: at 0.25, 1.25, ..., 19.25
+    assert {b.peer for b in beats} == {t.d.agent()}
+    assert sent(out, Heartbeat) == [t.p_heartbeat(TID)] * 20
+    assert only(out, Reap) == [Reap(frozenset({"D"}))] * 20  # D's agents must not be reaped meanwhile
+    t.h.at(20.0, Finished(TID, BLOCKS, TOKENS))
+    assert only(t.h.ticks(21.0, 0.25), Reap) == [Reap(frozenset({"D"}))]  # the write is in flight
+
+
+def test_p_releases_a_write_in_flight_to_a_dead_d_and_frees_after_the_release() -> None:
+    t = P(dataclasses.replace(CFG, transfer_timeout_s=60.0))
+    w = t.writing(0.0)
+    t.h.ticks(5.0, 0.25)
+    out = protocol(t.h.tick(5.0625))
+    assert out == [
+        Release(w.token),
+        t.failed(FailReason.PEER_DEAD),
+        ForgetPeer("D", "D-life1"),
+        out[-1],
+    ]
+    assert events(out) == [freed(ProducerOutcome.FAILED)]
+
+
+def test_transfer_timeout_releases_the_write_and_reports_failed() -> None:
+    cfg = dataclasses.replace(CFG, transfer_timeout_s=2.0, liveness_timeout_s=50.0)
+    t = P(cfg)
+    w = t.writing(0.0)
+    assert protocol(t.h.ticks(2.0, 0.25)) == []
+    out = protocol(t.h.tick(2.0625))
+    assert out[:2] == [Release(w.token), t.failed(FailReason.TRANSFER_TIMEOUT)]
+    assert events(out) == [freed(ProducerOutcome.FAILED)]
+
+
+def test_recall_after_a_pause_longer_than_liveness_minus_heartbeat() -> None:
+    cfg = dataclasses.replace(CFG, transfer_timeout_s=60.0, liveness_timeout_s=50.0, heartbeat_interval_s=2.0)
+    # Threshold: 50 - 2 = 48 s without a tick.
+    t = P(cfg)
+    w = t.writing(0.0)
+    t.h.tick(0.0)
+    assert protocol(t.h.tick(48.0)) == []  # a gap of exactly 48 s is no pause
+    t = P(cfg)
+    w = t.writing(0.0)
+    t.h.tick(0.0)
+    out = protocol(t.h.tick(48.0625))
+    assert out == [Release(w.token), t.failed(FailReason.TRANSFER_TIMEOUT), out[-1]]
+    assert events(out) == [freed(ProducerOutcome.FAILED)]
+
+
+def answered_stale(t: P, now: float, tid: str = TID) -> list[Action]:
+    """A push_reg queued during a freeze: P handshakes with D only to answer it; what follows the answer."""
+    hs = one(t.from_d(now, t.push_reg(tid)), StartHandshake)
+    return t.h.done(now, hs.token, t.d.peer_rank(mode=PeerMode.FULL))
+
+
+def test_push_regs_queued_during_a_freeze_are_refused_until_the_next_tick() -> None:
+    t = P()
+    t.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
+    t.h.tick(0.0)
+    t.h.tick(4.0)  # a gap of exactly liveness 5 - heartbeat 1 is no freeze
+    assert only(t.from_d(4.0, t.push_reg("req-0")), StartHandshake)
+    t.h.tick(8.5)  # 4.5 s without input: a freeze; the next notifications queued up during it
+    out = answered_stale(t, 8.5)
+    assert sent(out, Failed) == [t.failed(FailReason.FENCE_EXPIRED).msg]
+    assert not [a for a in out if isinstance(a, PostWrite)]  # nothing is written for it
+    assert t.from_d(8.5, t.heartbeat(TID)) == []  # proves nothing about D's view of P now
+    # The next tick ends the thaw: a push_reg is served again.
+    t.h.tick(8.75)
+    assert only(t.from_d(8.75, t.push_reg("req-2")), StartHandshake)
+
+
+def test_a_freeze_noticed_on_a_notification_refuses_until_the_tick_after_next() -> None:
+    t = P()
+    t.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
+    # The first input after the freeze is a queued push_reg: answered failed, not served.
+    assert sent(answered_stale(t, 4.5), Failed) == [t.failed(FailReason.FENCE_EXPIRED).msg]
+    t.h.tick(4.5)  # drains what queued up
+    assert sent(answered_stale(t, 4.5, "req-2"), Failed) == [t.failed(FailReason.FENCE_EXPIRED, "req-2").msg]
+    t.h.tick(4.75)
+    assert only(t.from_d(4.75, t.push_reg("req-3")), StartHandshake)
+
+
+def test_a_push_reg_queued_during_a_freeze_is_answered_failed() -> None:
+    t = P()
+    t.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
+    t.h.tick(0.0)
+    t.h.tick(4.5)
+    assert sent(answered_stale(t, 4.5), Failed) == [t.failed(FailReason.FENCE_EXPIRED).msg]
+
+
+def test_cancel_during_writing_waits_for_the_write_to_end_before_cancel_ack() -> None:
+    t = P()
+    w = t.writing(0.0)
+    assert t.from_d(0.25, t.cancel()) == []  # CANCEL_PENDING: the write cannot be recalled
+    assert t.from_d(0.375, t.cancel()) == []  # a repeat changes nothing
+    out = t.h.ended(0.5, w.token, ok=True)
+    assert out == [Release(w.token), t.cancel_ack(wrote=True), out[-1]]
+    assert events(out) == [freed(ProducerOutcome.ABORTED)]
+
+
+def test_cancel_during_writing_then_failed_write_acks_wrote_true() -> None:
+    t = P()
+    w = t.writing(0.0)
+    t.from_d(0.25, t.cancel())
+    out = t.h.ended(0.5, w.token, ok=False)
+    assert out[:2] == [Release(w.token), t.cancel_ack(wrote=True)]  # it may have landed in part
+
+
+def test_cancel_crossing_done_gets_no_ack() -> None:
+    t = P()
+    w = t.writing(0.0)
+    t.h.ended(0.25, w.token)
+    # Request ended (tombstone): the registration is in FREED, which takes no cancel.
+    with pytest.raises(Refused) as err:
+        t.from_d(0.5, t.cancel())
+    assert err.value.reason is DropReason.LATE
+
+
+def test_cancel_before_push_reg_refuses_that_push_reg() -> None:
+    t = P()
+    t.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
+    assert t.from_d(0.25, t.cancel()) == [t.cancel_ack(wrote=False)]
+    with pytest.raises(Refused) as err:
+        t.from_d(0.5, t.push_reg())
+    assert err.value.reason is DropReason.CANCELLED
+    assert t.core.registrations(TID) == 0 and t.h.log[-1] == t.cancel_ack(wrote=False)
+
+
+def test_cancel_of_a_registration_waiting_for_prefill_acks_at_once() -> None:
+    t = P()
+    t.registered(0.0)
+    assert t.from_d(0.25, t.cancel()) == [t.cancel_ack(wrote=False)]
+    # Every registration ended while prefilling: the request ends, with no event (never held).
+    assert events(t.h.at(0.5, Finished(TID, BLOCKS, TOKENS))) == [freed(ProducerOutcome.ABORTED)]
+
+
+def test_failed_post_fails_the_registration() -> None:
+    t = P()
+    t.h.accept = lambda a: not isinstance(a, PostWrite)
+    t.registered(0.0)
+    out = t.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
+    assert [type(a).__name__ for a in out] == ["PostWrite", "Send", "Emit"]
+    assert out[1] == t.failed(FailReason.POST_FAILED) and events(out) == [freed(ProducerOutcome.FAILED)]
+
+
+def test_d_handshake_failure_sends_nothing_and_frees() -> None:
+    t = P()
+    t.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
+    hs = one(t.from_d(0.0, t.push_reg()), StartHandshake)
+    out = t.h.done(0.25, hs.token, None, "refused")
+    assert out == [out[-1]] and events(out) == [freed(ProducerOutcome.FAILED)]
+
+
+def test_bad_d_block_ids_are_refused_before_any_write() -> None:
+    t = P()
+    hs = one(t.from_d(0.0, t.push_reg(blocks=[7, 99])), StartHandshake)  # D has 16 blocks
+    assert t.h.done(0.0, hs.token, t.d.peer_rank()) == [t.failed(FailReason.BAD_REGISTRATION)]
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (b"\x00garbage", DropReason.MALFORMED),
+        (None, DropReason.WRONG_SENDER),
+    ],
+)
+def test_p_refuses_malformed_and_misattributed_notifications(raw: bytes | None, reason: DropReason) -> None:
+    t = P()
+    msg = NotifIn((0, 0), "X/X-life1/pp0/tp0", raw if raw is not None else encode_notif(t.push_reg()))
+    with pytest.raises(Refused) as err:
+        t.h.at(0.0, msg)
+    assert err.value.reason is reason and err.value.role == "producer"
+    assert t.core.registrations(TID) == 0 and t.h.log == []
+
+
+def test_p_refuses_duplicate_overload_and_unexpected() -> None:
+    t = P(dataclasses.replace(CFG, max_early_registrations=1))
+    t.from_d(0.0, t.push_reg())
+    with pytest.raises(Refused) as dup:
+        t.from_d(0.0, t.push_reg())
+    with pytest.raises(Refused) as over:
+        t.from_d(0.0, t.push_reg("req-2"))
+    done = Done(transfer_id=TID, engine_id="D", incarnation="D-life1", tp_rank=0, pp_rank=0, num_blocks=2)
+    with pytest.raises(Refused) as unexpected:
+        t.from_d(0.0, done)
+    with pytest.raises(Refused) as unknown:
+        t.from_d(0.0, t.cancel("req-3"))
+    reasons = [e.value.reason for e in (dup, over, unexpected, unknown)]
+    assert reasons == [
+        DropReason.DUPLICATE,
+        DropReason.OVERLOAD,
+        DropReason.UNEXPECTED,
+        DropReason.UNKNOWN_TRANSFER,
+    ]
+    assert t.core.registrations(TID) == 1 and t.core.registrations("req-2") == 0
+    assert t.core.early_registrations == 1
+
+
+# -- P (pull) ---------------------------------------------------------------------------------------------
+
+
+def d_end(t: P, ok: bool, tid: str = TID) -> Done | Failed:
+    common = {"transfer_id": tid, "engine_id": "D", "incarnation": "D-life1", "tp_rank": 0, "pp_rank": 0}
+    if ok:
+        return Done(num_blocks=2, **common)  # type: ignore[arg-type]
+    return Failed(reason=FailReason.WRITE_FAILED, **common)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("ok", "how"), [(True, ProducerOutcome.PULLED), (False, ProducerOutcome.FAILED)])
+def test_pull_producer_frees_on_ds_done_or_failed_once(ok: bool, how: ProducerOutcome) -> None:
+    t = P(mode=PULL)
+    t.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
+    assert events(t.from_d(1.0, d_end(t, ok))) == [freed(how)]
+    assert t.from_d(1.0, d_end(t, ok)) == []  # another D rank's: the first one ended it
+
+
+def test_pull_producer_lease_and_stray_messages() -> None:
+    t = P(mode=PULL)
+    with pytest.raises(Refused) as unknown:
+        t.from_d(0.0, d_end(t, True))
+    with pytest.raises(Refused) as unexpected:
+        t.from_d(0.0, t.push_reg())
+    assert (unknown.value.reason, unexpected.value.reason) == (
+        DropReason.UNKNOWN_TRANSFER,
+        DropReason.UNEXPECTED,
+    )
+    t.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
+    assert events(t.h.ticks(29.75, 0.25)) == []
+    assert events(t.h.tick(30.0)) == [freed(ProducerOutcome.EXPIRED)]
+
+
+def test_p_answers_a_failed_from_d_in_push_as_a_cancel() -> None:
+    t = P()
+    t.registered(0.0)
+    failed = Failed(
+        transfer_id=TID,
+        engine_id=t.d.engine_id,
+        incarnation=t.d.incarnation,
+        tp_rank=0,
+        pp_rank=0,
+        reason=FailReason.ABORTED,
+    )
+    out = t.from_d(0.25, failed)
+    assert sent(out, CancelAck) == [t.cancel_ack(wrote=False).msg]
+    assert t.core.stats.cancels == 1
