@@ -46,11 +46,13 @@ class Pair:
         config: ConnectorConfig | None = None,
         d_config: ConnectorConfig | None = None,
         num_blocks: int = 32,
+        secret: bytes | None = None,
     ) -> None:
         n = next(_ids)
         self.spec = spec
         self.num_blocks = num_blocks
         self.mode = mode
+        self.secret = secret
         self.p_tp, self.p_pp, self.d_tp = p_tp, p_pp, d_tp
         self.fabric = InprocFabric()
         # One loop for both sides: the in-process agents are then only touched from one thread.
@@ -63,8 +65,8 @@ class Pair:
         self.d: EngineSetup = build_engine(
             f"d{n}", spec, tp=d_tp, num_blocks=num_blocks, mode=mode, fabric=self.fabric
         )
-        self.producer = Producer(self.p.engine, self.p.ranks, cfg, loop=self.loop)
-        self.consumer = Consumer(self.d.engine, self.d.ranks, self.d_config, loop=self.loop)
+        self.producer = Producer(self.p.engine, self.p.ranks, cfg, loop=self.loop, secret=secret)
+        self.consumer = Consumer(self.d.engine, self.d.ranks, self.d_config, loop=self.loop, secret=secret)
         self.p_port = self.producer.start()
         self.consumer.start()
         self.p_events: list[ProducerEvent] = []
@@ -91,7 +93,9 @@ class Pair:
             eid, self.spec, tp=self.p_tp, pp=self.p_pp, num_blocks=self.num_blocks, mode=self.mode,
             fabric=self.fabric,
         )  # fmt: skip
-        self.producer = Producer(self.p.engine, self.p.ranks, self.p_config, port=self.p_port, loop=self.loop)
+        self.producer = Producer(
+            self.p.engine, self.p.ranks, self.p_config, port=self.p_port, loop=self.loop, secret=self.secret
+        )
         assert self.producer.start() == self.p_port
 
     def restart_d(self) -> None:
@@ -103,7 +107,9 @@ class Pair:
             self.d.engine.engine_id, self.spec, tp=self.d_tp, num_blocks=self.num_blocks, mode=self.mode,
             fabric=self.fabric,
         )  # fmt: skip
-        self.consumer = Consumer(self.d.engine, self.d.ranks, self.d_config, port=port, loop=self.loop)
+        self.consumer = Consumer(
+            self.d.engine, self.d.ranks, self.d_config, port=port, loop=self.loop, secret=self.secret
+        )
         assert self.consumer.start() == port
 
     def p_agent(self, i: int = 0) -> InprocAgent:

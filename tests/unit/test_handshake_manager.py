@@ -298,10 +298,13 @@ def test_expected_engine_id_is_checked() -> None:
 
 @pytest.mark.parametrize(
     ("server_secret", "client_secret", "ok"),
-    [(SECRET, SECRET, True), (SECRET, b"wrong", False), (SECRET, None, False), (None, SECRET, True)],
+    [(SECRET, SECRET, True), (SECRET, b"wrong", False), (SECRET, None, False), (None, SECRET, False)],
     ids=["good", "bad", "missing", "server-open"],
 )
 def test_auth(server_secret: bytes | None, client_secret: bytes | None, ok: bool) -> None:
+    """server-open: a client holding a secret refuses metadata that is not sealed with it (the side that
+    answered cannot show it holds the secret: an impostor on the peer's address looks the same)."""
+
     async def body() -> None:
         async with pair(
             server_secret=server_secret, client_secret=client_secret, clock_samples=3, clock_rtt_target_s=0.0

@@ -8,10 +8,11 @@ from collections.abc import Awaitable, Callable
 import msgspec
 import pytest
 
+from kvwire.errors import AuthError
 from kvwire.handshake.server import SideChannelServer
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.auth import sign
-from kvwire.protocol.codec import FrameDecoder, encode_frame
+from kvwire.protocol.codec import FrameDecoder, decode_side, encode_frame
 from kvwire.protocol.compat import compat_hash
 from kvwire.protocol.messages import (
     MAX_FRAME_BYTES,
@@ -19,9 +20,11 @@ from kvwire.protocol.messages import (
     ErrorReply,
     GetMetadata,
     Metadata,
+    Sealed,
     SideMessage,
     TransferMode,
 )
+from kvwire.protocol.seal import ReplySeal
 from kvwire.testing.handshake_env import build_registered_engine
 from kvwire.transport.inproc import InprocFabric
 
@@ -225,7 +228,15 @@ def test_auth_good_missing_wrong_and_replayed() -> None:
             me = f"127.0.0.1:{server.port}"
             good = sign(GetMetadata(pp_rank=0, tp_rank=0), SECRET, target=me)
             replies, _ = await exchange(server.port, encode_frame(good))
-            assert isinstance(replies[0], Metadata)
+            # The answer goes sealed: it opens, with the secret, as the metadata of that request only.
+            assert isinstance(replies[0], Sealed)
+            opened = decode_side(ReplySeal(SECRET).open(replies[0], good))
+            assert isinstance(opened, Metadata) and opened.engine_id == server.engine.engine_id
+            other = sign(GetMetadata(pp_rank=0, tp_rank=0), SECRET, target=me)
+            with pytest.raises(AuthError):
+                ReplySeal(SECRET).open(replies[0], other)
+            with pytest.raises(AuthError):
+                ReplySeal(b"other").open(replies[0], good)
             for bad in (
                 GetMetadata(pp_rank=0, tp_rank=0),  # missing
                 sign(GetMetadata(pp_rank=0, tp_rank=0), b"other", target=me),  # wrong secret

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 from kvwire.connector.timeline import Stage, Timeline
-from kvwire.core.base import CoreBase, Feeder, Refused
+from kvwire.core.base import CoreBase, DropReason, Feeder, Refused
 from kvwire.core.config import ConnectorConfig
 from kvwire.core.events import ConnectorStats
 from kvwire.core.io import (
@@ -52,6 +52,7 @@ from kvwire.core.io import (
     XferEnded,
 )
 from kvwire.errors import (
+    AuthError,
     ConfigError,
     IncompatiblePeer,
     KvwireError,
@@ -69,6 +70,7 @@ from kvwire.kv.mapping import RankLayout
 from kvwire.protocol.codec import decode_notif, encode_notif
 from kvwire.protocol.messages import Done, FailReason, PushReg
 from kvwire.protocol.ranks import RankKey
+from kvwire.protocol.seal import NotifSeal, open_unsealed
 from kvwire.transport.base import Registration, XferHandle, XferOp, XferStatus
 
 log = logging.getLogger("kvwire.connector")
@@ -156,6 +158,8 @@ class ConnectorBase(Generic[E]):
         self._bind_host = host
         self._port = port
         self._secret = secret
+        # With a secret every notification is sealed to its receiver, and only sealed ones are taken.
+        self._notif_seal = NotifSeal(secret) if secret else None
         self._clock = clock
         num_blocks = min(r.cache.num_blocks for r in ranks)
         layouts = {
@@ -358,7 +362,8 @@ class ConnectorBase(Generic[E]):
         """Send one notification; False (logged) when the transport refuses."""
         self._quiet = 0  # an answer may follow
         try:
-            self.ranks[action.key].agent.send_notif(action.peer, encode_notif(action.msg))
+            data = self._sealed(action.key, action.peer, encode_notif(action.msg))
+            self.ranks[action.key].agent.send_notif(action.peer, data)
         except PeerDisconnected as exc:
             log.debug("%s: %s to %s not sent: %s", self.role, type(action.msg).__name__, action.peer, exc)
             self._forget_agent(action.peer)  # its process is gone: nothing of it stays loaded
@@ -371,6 +376,7 @@ class ConnectorBase(Generic[E]):
     def _post(self, action: PostWrite | PostRead) -> None:
         rank = self.ranks[action.key]
         write = isinstance(action, PostWrite)
+        notif = self._sealed(action.key, action.peer, action.notif) if isinstance(action, PostWrite) else None
         try:
             # The plan's [n, 3] arrays go to the transport as they are: no Desc object per descriptor.
             handle = rank.agent.post_array(
@@ -378,7 +384,7 @@ class ConnectorBase(Generic[E]):
                 action.src if write else action.dst,
                 action.dst if write else action.src,
                 action.peer,
-                notif=action.notif if isinstance(action, PostWrite) else None,
+                notif=notif,
                 kind=rank.cache.mem_kind,
             )
         except TransportError as exc:
@@ -534,11 +540,29 @@ class ConnectorBase(Generic[E]):
                     )
                 continue
             for sender, msgs in inbox.items():
-                for raw in msgs:
+                for sealed in msgs:
                     self._quiet = 0
-                    self._mark_arrival(raw)
-                    self._apply(now, NotifIn(key, sender, raw))
+                    raw = self._opened(key, sender, sealed)
+                    if raw is not None:
+                        self._mark_arrival(raw)
+                        self._apply(now, NotifIn(key, sender, raw))
         self._poll_transfers(now)
+
+    def _sealed(self, key: RankKey, peer: str, data: bytes) -> bytes:
+        seal = self._notif_seal
+        return data if seal is None else seal.seal(self.ranks[key].agent.name, peer, data)
+
+    def _opened(self, key: RankKey, sender: str, data: bytes) -> bytes | None:
+        """The notification a peer sent, or None (counted as ``unauthenticated``) when this side cannot
+        authenticate it: NIXL lets a sender pick any name, so only the seal says who sent it."""
+        try:
+            if self._notif_seal is None:
+                return open_unsealed(sender, data)
+            return self._notif_seal.open(sender, self.ranks[key].agent.name, data)
+        except AuthError as exc:
+            self.stats.dropped_notifs[DropReason.UNAUTHENTICATED.value] += 1
+            log.debug("%s: dropped a notification: %s", self.role, exc)
+            return None
 
     def _mark_arrival(self, raw: bytes) -> None:
         """Timeline marks of the notifications a request waits on (a second decode of a small message,

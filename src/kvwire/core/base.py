@@ -48,6 +48,9 @@ class DropReason(enum.Enum):
     LATE = "late"
     OVERLOAD = "overload"
     CANCELLED = "cancelled"
+    # Dropped by the driver before the core: not sealed by a holder of the shared secret for this receiver
+    # (or sealed while this side has no secret).
+    UNAUTHENTICATED = "unauthenticated"
 
 
 class Refused(ProtocolError):

@@ -6,7 +6,8 @@ translates everything that can go wrong into ``kvwire.errors`` types:
 * ``PeerUnreachable``: refused, reset, or closed before replying (worth retrying);
 * ``HandshakeTimeout``: no complete answer before the deadline;
 * ``IncompatiblePeer`` / ``Unauthorized`` / ``NoSuchRank``: the peer refused, or its reply does not match
-  (compat hash, version, rank); retrying will not help;
+  (compat hash, version, rank; with a secret, a reply that is not sealed for this request); retrying will
+  not help;
 * ``HandshakeError``: the peer's reply is not a valid frame.
 """
 
@@ -14,10 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 
 from kvwire.errors import (
+    AuthError,
     HandshakeError,
     HandshakeTimeout,
     IncompatiblePeer,
@@ -33,7 +36,16 @@ from kvwire.handshake.types import PeerAddress
 from kvwire.protocol.auth import sign
 from kvwire.protocol.codec import FRAME_HEADER_BYTES, decode_side, encode_frame, parse_frame_header
 from kvwire.protocol.compat import describe_mismatch, fields_of
-from kvwire.protocol.messages import VERSION, ErrorCode, ErrorReply, GetMetadata, Metadata
+from kvwire.protocol.messages import (
+    VERSION,
+    ErrorCode,
+    ErrorReply,
+    GetMetadata,
+    Metadata,
+    Sealed,
+    SideMessage,
+)
+from kvwire.protocol.seal import ReplySeal
 
 _REFUSALS: dict[ErrorCode, type[HandshakeError]] = {
     ErrorCode.INCOMPATIBLE: IncompatiblePeer,
@@ -129,11 +141,43 @@ async def _request(
     except ProtocolError as exc:
         raise HandshakeError(f"{addr}: bad reply: {exc}") from None
     rtt = time.perf_counter() - sent
+    reply = _opened(reply, req, secret, addr)
     if isinstance(reply, ErrorReply):
         raise _REFUSALS[reply.code](f"{addr} refused: {reply.code.value}: {reply.message}")
     if not isinstance(reply, Metadata):
         raise HandshakeError(f"{addr}: bad reply: {type(reply).__name__} is no reply")
     return reply, rtt, reply.server_time - (sent_wall + rtt / 2)
+
+
+@functools.lru_cache(maxsize=8)
+def _reply_seal(secret: bytes) -> ReplySeal:
+    return ReplySeal(secret)
+
+
+def _opened(reply: SideMessage, req: GetMetadata, secret: bytes | None, addr: PeerAddress) -> SideMessage:
+    """The reply a holder of the secret can trust: with a secret, metadata only from a ``Sealed`` reply
+    made for ``req`` (a relay or an impostor answering on the peer's address cannot make one). A plain
+    refusal passes: it grants nothing, and a peer refusing our credentials cannot seal its answer."""
+    if not secret:
+        if isinstance(reply, Sealed):
+            raise Unauthorized(f"{addr}: the peer seals its replies (it has a KVWIRE_SECRET, this side none)")
+        return reply
+    if isinstance(reply, ErrorReply):
+        return reply
+    if not isinstance(reply, Sealed):
+        raise Unauthorized(
+            f"{addr}: {type(reply).__name__} reply is not sealed: the peer has no KVWIRE_SECRET, or is "
+            "not the engine it claims"
+        )
+    try:
+        inner = decode_side(_reply_seal(secret).open(reply, req))
+    except AuthError as exc:
+        raise Unauthorized(f"{addr}: {exc}") from None
+    except ProtocolError as exc:
+        raise HandshakeError(f"{addr}: bad sealed reply: {exc}") from None
+    if isinstance(inner, Sealed):
+        raise HandshakeError(f"{addr}: bad sealed reply: a sealed reply inside another")
+    return inner
 
 
 def _check(md: Metadata, addr: PeerAddress, compat_hash: str, notif_only: bool) -> None:

@@ -10,7 +10,9 @@ takes clock samples that way).
 Every refusal is an ``error`` frame, never a crash: ``bad_request`` for a frame that does not decode (the
 connection is then closed, since the stream is out of sync), ``incompatible`` for a newer wire version,
 ``unauthorized`` when a shared secret is set and the request's HMAC is missing, wrong or replayed,
-``no_such_rank``. Connections are bounded: an idle timeout and a request count per connection.
+``no_such_rank``. With a secret, every reply to a verified request goes ``sealed`` (encrypted and bound to
+that request, ``protocol/seal.py``). Connections are bounded: an idle timeout and a request count per
+connection.
 """
 
 from __future__ import annotations
@@ -27,7 +29,13 @@ from dataclasses import dataclass, field
 from kvwire.errors import AuthError, ConfigError, KvwireError, ProtocolError, VersionMismatch
 from kvwire.handshake.types import EngineInfo, LocalRank
 from kvwire.protocol.auth import ReplayGuard, verify
-from kvwire.protocol.codec import FRAME_HEADER_BYTES, decode_side, encode_frame, parse_frame_header
+from kvwire.protocol.codec import (
+    FRAME_HEADER_BYTES,
+    decode_side,
+    encode_body,
+    encode_frame,
+    parse_frame_header,
+)
 from kvwire.protocol.compat import compat_fields, compat_hash
 from kvwire.protocol.messages import (
     CompatFields,
@@ -37,7 +45,9 @@ from kvwire.protocol.messages import (
     KVInfo,
     Metadata,
     RegionMsg,
+    Sealed,
 )
+from kvwire.protocol.seal import ReplySeal
 
 log = logging.getLogger("kvwire.handshake")
 
@@ -122,6 +132,7 @@ class SideChannelServer:
         self._port = port
         self._secret = secret or None
         self._replays = ReplayGuard() if self._secret else None
+        self._seal = ReplySeal(self._secret) if self._secret else None
         self._idle_timeout_s = idle_timeout_s
         self._max_requests = max_requests_per_conn
         self._max_conns = max_connections
@@ -253,7 +264,7 @@ class SideChannelServer:
                     writer, self._refuse(ErrorCode.BAD_REQUEST, f"{type(msg).__name__} is no request")
                 )
                 return
-            await self._send(writer, self.answer(msg))
+            await self._send(writer, self.sealed(msg, self.answer(msg)))
 
     async def _read(self, reader: asyncio.StreamReader, n: int, *, at_start: bool) -> bytes | None:
         """Exactly ``n`` bytes, or None on a clean EOF between frames."""
@@ -265,7 +276,7 @@ class SideChannelServer:
                 return None
             raise
 
-    async def _send(self, writer: asyncio.StreamWriter, reply: Metadata | ErrorReply) -> None:
+    async def _send(self, writer: asyncio.StreamWriter, reply: Metadata | ErrorReply | Sealed) -> None:
         writer.write(encode_frame(reply))
         async with asyncio.timeout(self._idle_timeout_s):
             await writer.drain()
@@ -289,6 +300,14 @@ class SideChannelServer:
             return False
         # Bound to every interface: the requester may have dialled any of our addresses.
         return self._host in ("0.0.0.0", "::", "") or host.strip("[]") == self._host
+
+    def sealed(self, req: GetMetadata, reply: Metadata | ErrorReply) -> Metadata | ErrorReply | Sealed:
+        """With a secret, the reply to a verified request goes sealed (``protocol/seal.py``): readable only
+        by a holder of the secret, and only as the answer to that request. A refusal of the request's
+        credentials stays plain: it cannot be bound to a request that was not verified, and grants nothing."""
+        if self._seal is None or (isinstance(reply, ErrorReply) and reply.code is ErrorCode.UNAUTHORIZED):
+            return reply
+        return self._seal.seal(encode_body(reply), req)
 
     def answer(self, req: GetMetadata) -> Metadata | ErrorReply:
         """The reply to one decoded request."""

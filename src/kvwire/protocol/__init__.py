@@ -32,6 +32,7 @@ from kvwire.protocol.messages import (
     Notification,
     PushReg,
     RegionMsg,
+    Sealed,
     SideMessage,
     TransferMode,
 )
@@ -81,6 +82,7 @@ __all__ = [
     "RankTracker",
     "RegionMsg",
     "ReplayGuard",
+    "Sealed",
     "SideMessage",
     "TransferMode",
     "TransitionTable",

@@ -36,6 +36,7 @@ from kvwire.protocol.messages import (
     Metadata,
     Notification,
     PushReg,
+    Sealed,
     SideMessage,
 )
 
@@ -45,7 +46,7 @@ NOTIF_TYPES: frozenset[str] = frozenset(
     str(cls.__struct_config__.tag) for cls in (PushReg, Done, Failed, Cancel, CancelAck, Heartbeat)
 )
 SIDE_TYPES: frozenset[str] = frozenset(
-    str(cls.__struct_config__.tag) for cls in (GetMetadata, Metadata, ErrorReply)
+    str(cls.__struct_config__.tag) for cls in (GetMetadata, Metadata, ErrorReply, Sealed)
 )
 
 
@@ -140,6 +141,11 @@ _FAIL_REASONS = frozenset(r.value for r in FailReason)
 
 
 # --- side channel ----------------------------------------------------------------------------------
+
+
+def encode_body(msg: SideMessage) -> bytes:
+    """A side-channel message without its frame header (what a ``Sealed`` reply encrypts)."""
+    return _ENCODER.encode(msg)
 
 
 def encode_frame(msg: SideMessage) -> bytes:

@@ -3,7 +3,7 @@
 Two channels (see ``docs/protocol.md``):
 
 * the **side channel** (TCP, one listener per engine): length-prefixed msgpack frames carrying
-  ``GetMetadata`` requests and ``Metadata`` or ``ErrorReply`` replies;
+  ``GetMetadata`` requests and ``Metadata`` or ``ErrorReply`` replies (``Sealed`` ones with a secret);
 * **notifications** through NIXL (``send_notif`` or attached to a WRITE): ``b"KVW1"`` + msgpack.
 
 Compatibility rules: fields may be added with defaults; removing or retyping one bumps ``VERSION``.
@@ -144,7 +144,16 @@ class ErrorReply(msgspec.Struct, tag="error", tag_field="type", kw_only=True):
     message: str
 
 
-SideMessage = GetMetadata | Metadata | ErrorReply
+class Sealed(msgspec.Struct, tag="sealed", tag_field="type", kw_only=True):
+    """A reply to a signed request, encrypted and authenticated under the shared secret
+    (``protocol/seal.py``): ``box`` opens to one encoded ``Metadata`` or ``ErrorReply``."""
+
+    version: Version = VERSION
+    nonce: bytes
+    box: bytes
+
+
+SideMessage = GetMetadata | Metadata | ErrorReply | Sealed
 
 
 # --- notifications ---------------------------------------------------------------------------------
