@@ -26,6 +26,7 @@ from kvwire.core.io import (
     PostWrite,
     Reap,
     Release,
+    ReportFailure,
     Send,
     StartHandshake,
 )
@@ -337,12 +338,31 @@ def test_failed_post_fails_the_registration() -> None:
     assert out[1] == t.failed(FailReason.POST_FAILED) and events(out) == [freed(ProducerOutcome.FAILED)]
 
 
-def test_d_handshake_failure_sends_nothing_and_frees() -> None:
+@pytest.mark.parametrize(
+    ("reason", "nobody_listens", "told"),
+    [
+        (FailReason.HANDSHAKE_FAILED, False, FailReason.HANDSHAKE_FAILED),  # timeout, bad reply
+        (FailReason.INCOMPATIBLE, False, FailReason.INCOMPATIBLE),
+        (FailReason.UNAUTHORIZED, False, FailReason.HANDSHAKE_FAILED),
+        (FailReason.HANDSHAKE_FAILED, True, None),  # D's side channel refuses connections: nobody to tell
+    ],
+)
+def test_d_handshake_failure_reports_to_d_side_channel_and_frees(
+    reason: FailReason, nobody_listens: bool, told: FailReason | None
+) -> None:
+    """No notification can reach D without its agent: D is told on its side channel (a ReportFailure
+    action), with the reason, unless nothing listens there."""
     t = P()
     t.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
     hs = one(t.from_d(0.0, t.push_reg()), StartHandshake)
-    out = t.h.done(0.25, hs.token, None, "refused")
-    assert out == [out[-1]] and events(out) == [freed(ProducerOutcome.FAILED)]
+    out = t.h.done(0.25, hs.token, None, "refused", reason, nobody_listens=nobody_listens)
+    assert events(out) == [freed(ProducerOutcome.FAILED)] and not [a for a in out if isinstance(a, Send)]
+    reports = [a for a in out if isinstance(a, ReportFailure)]
+    if told is None:
+        assert reports == []
+    else:
+        assert len(reports) == 1 and (reports[0].host, reports[0].port) == (hs.host, hs.port)
+        assert reports[0].failed == t.failed(told).msg and reports[0].remote == (0, 0)
 
 
 def test_bad_d_block_ids_are_refused_before_any_write() -> None:

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
+from kvwire.connector.reports import as_notification, deliver
 from kvwire.connector.timeline import Stage, Timeline
 from kvwire.core.base import CoreBase, DropReason, Feeder, Refused
 from kvwire.core.config import ConnectorConfig
@@ -45,6 +46,7 @@ from kvwire.core.io import (
     PostWrite,
     Reap,
     Release,
+    ReportFailure,
     Send,
     StartHandshake,
     Tick,
@@ -68,9 +70,9 @@ from kvwire.handshake.server import SideChannelServer
 from kvwire.handshake.types import EngineInfo, LocalRank, PeerRank
 from kvwire.kv.mapping import RankLayout
 from kvwire.protocol.codec import decode_notif, encode_notif
-from kvwire.protocol.messages import Done, FailReason, PushReg
+from kvwire.protocol.messages import Done, FailReason, PushReg, ReportFailed
 from kvwire.protocol.ranks import RankKey
-from kvwire.protocol.seal import NotifSeal, open_unsealed
+from kvwire.protocol.seal import NotifGate
 from kvwire.transport.base import Registration, XferHandle, XferOp, XferStatus
 
 log = logging.getLogger("kvwire.connector")
@@ -135,6 +137,7 @@ class ConnectorBase(Generic[E]):
     """Owns the loop thread, the side-channel server, one handshake manager per local rank."""
 
     role = "connector"
+    takes_reports = False  # D: its side channel takes P's report_failed (connector/reports.py)
 
     def __init__(
         self,
@@ -159,7 +162,7 @@ class ConnectorBase(Generic[E]):
         self._port = port
         self._secret = secret
         # With a secret every notification is sealed to its receiver, and only sealed ones are taken.
-        self._notif_seal = NotifSeal(secret) if secret else None
+        self._gate = NotifGate(secret)
         self._clock = clock
         num_blocks = min(r.cache.num_blocks for r in ranks)
         layouts = {
@@ -221,7 +224,12 @@ class ConnectorBase(Generic[E]):
         if self._bg is None:
             self._bg = BackgroundLoop(name=f"kvwire-{self.role}")
         self._server = SideChannelServer(
-            self.engine, list(self.ranks.values()), self._bind_host, self._port, self._secret
+            self.engine,
+            list(self.ranks.values()),
+            self._bind_host,
+            self._port,
+            self._secret,
+            on_report=self._on_report if self.takes_reports else None,
         )
         self._port = self._bg.run(self._server.start(), _START_TIMEOUT_S)
         self.core.port = self._port
@@ -349,6 +357,11 @@ class ConnectorBase(Generic[E]):
                 self._on_event()
         elif isinstance(action, StartHandshake):
             self._handshake(action)
+        elif isinstance(action, ReportFailure):
+            report = deliver(action, timeout_s=self.config.handshake_timeout_s, secret=self._secret)
+            task = asyncio.ensure_future(report)
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         elif isinstance(action, ForgetPeer):
             for mgr in self.managers.values():
                 mgr.forget(action.engine_id, action.incarnation)
@@ -362,7 +375,9 @@ class ConnectorBase(Generic[E]):
         """Send one notification; False (logged) when the transport refuses."""
         self._quiet = 0  # an answer may follow
         try:
-            data = self._sealed(action.key, action.peer, encode_notif(action.msg))
+            data = self._gate.outgoing(
+                self.ranks[action.key].agent.name, action.peer, encode_notif(action.msg)
+            )
             self.ranks[action.key].agent.send_notif(action.peer, data)
         except PeerDisconnected as exc:
             log.debug("%s: %s to %s not sent: %s", self.role, type(action.msg).__name__, action.peer, exc)
@@ -376,7 +391,9 @@ class ConnectorBase(Generic[E]):
     def _post(self, action: PostWrite | PostRead) -> None:
         rank = self.ranks[action.key]
         write = isinstance(action, PostWrite)
-        notif = self._sealed(action.key, action.peer, action.notif) if isinstance(action, PostWrite) else None
+        notif = None
+        if isinstance(action, PostWrite):
+            notif = self._gate.outgoing(rank.agent.name, action.peer, action.notif)
         try:
             # The plan's [n, 3] arrays go to the transport as they are: no Desc object per descriptor.
             handle = rank.agent.post_array(
@@ -429,6 +446,11 @@ class ConnectorBase(Generic[E]):
             self._wake()
 
         task.add_done_callback(finished)
+
+    def _on_report(self, report: ReportFailed) -> None:
+        """A peer's authenticated ``report_failed`` (side channel, same loop): the ``failed`` it means."""
+        self._guarded(self._apply, (self._clock(), as_notification(report)))
+        self._wake()
 
     def _later(self, inp: Input) -> None:
         loop = asyncio.get_running_loop()
@@ -542,27 +564,15 @@ class ConnectorBase(Generic[E]):
             for sender, msgs in inbox.items():
                 for sealed in msgs:
                     self._quiet = 0
-                    raw = self._opened(key, sender, sealed)
-                    if raw is not None:
-                        self._mark_arrival(raw)
-                        self._apply(now, NotifIn(key, sender, raw))
+                    try:  # NIXL lets a sender pick any name: only the seal says who sent it
+                        raw = self._gate.incoming(sender, rank.agent.name, sealed)
+                    except AuthError as exc:
+                        drop = Refused(self.role, DropReason.UNAUTHENTICATED, str(exc))
+                        self._failed(NotifIn(key, sender, sealed), drop)
+                        continue
+                    self._mark_arrival(raw)
+                    self._apply(now, NotifIn(key, sender, raw))
         self._poll_transfers(now)
-
-    def _sealed(self, key: RankKey, peer: str, data: bytes) -> bytes:
-        seal = self._notif_seal
-        return data if seal is None else seal.seal(self.ranks[key].agent.name, peer, data)
-
-    def _opened(self, key: RankKey, sender: str, data: bytes) -> bytes | None:
-        """The notification a peer sent, or None (counted as ``unauthenticated``) when this side cannot
-        authenticate it: NIXL lets a sender pick any name, so only the seal says who sent it."""
-        try:
-            if self._notif_seal is None:
-                return open_unsealed(sender, data)
-            return self._notif_seal.open(sender, self.ranks[key].agent.name, data)
-        except AuthError as exc:
-            self.stats.dropped_notifs[DropReason.UNAUTHENTICATED.value] += 1
-            log.debug("%s: dropped a notification: %s", self.role, exc)
-            return None
 
     def _mark_arrival(self, raw: bytes) -> None:
         """Timeline marks of the notifications a request waits on (a second decode of a small message,

@@ -36,6 +36,7 @@ class Consumer(ConnectorBase[ConsumerEvent]):
     """D side of kvwire for one engine and all its local ranks."""
 
     role = "consumer"
+    takes_reports = True
     core: ConsumerCore
 
     def _make_core(self, layouts: dict[RankKey, RankLayout], num_blocks: int) -> ConsumerCore:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvwire.handshake.types import PeerRank
-from kvwire.protocol.messages import FailReason, Notification
+from kvwire.protocol.messages import Failed, FailReason, Notification
 from kvwire.protocol.ranks import RankKey
 from kvwire.transport.base import PeerMode
 
@@ -186,6 +186,19 @@ class StartHandshake:
 
 
 @dataclass(frozen=True, slots=True)
+class ReportFailure:
+    """Tell the peer's side channel ``(host, port)`` (its rank ``remote``) that ``failed`` ended its
+    registration, when no notification can: the handshake with it failed. Best effort, one attempt within
+    the handshake timeout; nothing is fed back."""
+
+    key: RankKey
+    host: str
+    port: int
+    remote: RankKey
+    failed: Failed
+
+
+@dataclass(frozen=True, slots=True)
 class ForgetPeer:
     """Unload a peer engine's agents from every local rank (only that life when ``incarnation``)."""
 
@@ -214,5 +227,16 @@ class Emit:
     event: object
 
 
-Action = Send | PostWrite | PostRead | Release | StartHandshake | ForgetPeer | Reap | TouchPeer | Emit
+Action = (
+    Send
+    | PostWrite
+    | PostRead
+    | Release
+    | StartHandshake
+    | ReportFailure
+    | ForgetPeer
+    | Reap
+    | TouchPeer
+    | Emit
+)
 Actions = Sequence[Action]

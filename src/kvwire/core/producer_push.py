@@ -31,6 +31,7 @@ from kvwire.core.io import (
     PostWrite,
     Reap,
     Release,
+    ReportFailure,
     StartHandshake,
     Tick,
     XferEnded,
@@ -230,7 +231,11 @@ class PushProducerCore(ProducerCore):
             self._log_info("handshake with D for %s failed: %s", req.transfer_id, error)
             reg.handshake_failed = True
             reg.outbox.clear()
-            self._fail(req, reg, PT.HANDSHAKE_FAILED)
+            reason = FailReason.INCOMPATIBLE if inp.reason is FailReason.INCOMPATIBLE else None
+            if self._fail(req, reg, PT.HANDSHAKE_FAILED, reason) and not inp.nobody_listens:
+                # No notification can reach D, but its side channel may: tell it now, not at its liveness.
+                failed = self._replies.failed(req.transfer_id, reg.key, reason or FailReason.HANDSHAKE_FAILED)
+                self._do(ReportFailure(reg.key, reg.msg.host, reg.msg.port, (0, reg.msg.tp_rank), failed))
             self._settle(now, req)
             return
         reg.peer = peer
@@ -366,12 +371,13 @@ class PushProducerCore(ProducerCore):
     # -- replies ---------------------------------------------------------------------------------------------
     def _fail(
         self, req: Request, reg: Reg, event: PT, reason: FailReason | None = None, *, force: bool = False
-    ) -> None:
-        """End a registration in FAILED (if ``event`` applies now) and tell D, now or once D is loaded."""
+    ) -> bool:
+        """End a registration in FAILED (if ``event`` applies now: True) and tell D, now or once D is
+        loaded."""
         if not reg.machine.accepts(event):
             if force:
                 raise IllegalTransition(self.role, reg.state.name, event.name)
-            return
+            return False
         reg.machine.handle(event)
         reason = reason or FAIL_REASONS[event]
         self.stats.failures[reason] += 1
@@ -380,6 +386,7 @@ class PushProducerCore(ProducerCore):
             self._send(reg.key, reg.sender, failed)
         elif not reg.handshake_failed:
             reg.outbox.append(failed)
+        return True
 
     def _cancel_ack(self, req: Request, reg: Reg, wrote: bool) -> None:
         ack = self._replies.cancel_ack(req.transfer_id, reg.key, wrote)

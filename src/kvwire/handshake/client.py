@@ -38,10 +38,12 @@ from kvwire.protocol.codec import FRAME_HEADER_BYTES, decode_side, encode_frame,
 from kvwire.protocol.compat import describe_mismatch, fields_of
 from kvwire.protocol.messages import (
     VERSION,
+    Ack,
     ErrorCode,
     ErrorReply,
     GetMetadata,
     Metadata,
+    ReportFailed,
     Sealed,
     SideMessage,
 )
@@ -147,6 +149,39 @@ async def _request(
     if not isinstance(reply, Metadata):
         raise HandshakeError(f"{addr}: bad reply: {type(reply).__name__} is no reply")
     return reply, rtt, reply.server_time - (sent_wall + rtt / 2)
+
+
+async def send_report(
+    addr: PeerAddress, report: ReportFailed, *, timeout_s: float, secret: bytes | None = None
+) -> None:
+    """Deliver one ``report_failed`` to ``addr`` (D's side channel, its rank in ``addr``) within
+    ``timeout_s``; raises as ``fetch_metadata`` does, or the peer's refusal."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            reader, writer = await asyncio.open_connection(addr.host, addr.port)
+            try:
+                if secret:
+                    report = sign(report, secret, target=f"{addr.host}:{addr.port}")
+                writer.write(encode_frame(report))
+                await writer.drain()
+                header = await reader.readexactly(FRAME_HEADER_BYTES)
+                reply = decode_side(await reader.readexactly(parse_frame_header(header)))
+            finally:
+                writer.close()
+                with contextlib.suppress(OSError):
+                    await writer.wait_closed()
+    except TimeoutError:
+        raise HandshakeTimeout(f"{addr}: no answer within {timeout_s:.3g} s") from None
+    except ConnectionRefusedError as exc:
+        raise NobodyListens(f"{addr}: {type(exc).__name__}: {exc}") from None
+    except (OSError, asyncio.IncompleteReadError) as exc:
+        raise PeerUnreachable(f"{addr}: {type(exc).__name__}: {exc}") from None
+    except ProtocolError as exc:
+        raise HandshakeError(f"{addr}: bad reply: {exc}") from None
+    if isinstance(reply, ErrorReply):
+        raise _REFUSALS[reply.code](f"{addr} refused: {reply.code.value}: {reply.message}")
+    if not isinstance(reply, Ack):
+        raise HandshakeError(f"{addr}: bad reply: {type(reply).__name__} is no ack")
 
 
 @functools.lru_cache(maxsize=8)

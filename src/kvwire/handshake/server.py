@@ -23,12 +23,12 @@ import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvwire.errors import AuthError, ConfigError, KvwireError, ProtocolError, VersionMismatch
 from kvwire.handshake.types import EngineInfo, LocalRank
-from kvwire.protocol.auth import ReplayGuard, verify
+from kvwire.protocol.auth import ReplayGuard, SignedRequest, verify
 from kvwire.protocol.codec import (
     FRAME_HEADER_BYTES,
     decode_side,
@@ -38,6 +38,7 @@ from kvwire.protocol.codec import (
 )
 from kvwire.protocol.compat import compat_fields, compat_hash
 from kvwire.protocol.messages import (
+    Ack,
     CompatFields,
     ErrorCode,
     ErrorReply,
@@ -45,6 +46,7 @@ from kvwire.protocol.messages import (
     KVInfo,
     Metadata,
     RegionMsg,
+    ReportFailed,
     Sealed,
 )
 from kvwire.protocol.seal import ReplySeal
@@ -121,8 +123,12 @@ class SideChannelServer:
         max_requests_per_conn: int = DEFAULT_MAX_REQUESTS,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         max_connections_per_host: int = DEFAULT_MAX_CONNECTIONS_PER_HOST,
+        on_report: Callable[[ReportFailed], None] | None = None,
     ) -> None:
         self._ranks = {(r.pp_rank, r.tp_rank): r for r in ranks}
+        # Takes an authenticated ``report_failed`` (D's connector; runs on the server's loop). None: this
+        # engine takes none (P, or a bare metadata server).
+        self.on_report = on_report
         if len(self._ranks) != len(ranks):
             raise ConfigError("two local ranks share a (pp, tp) rank")
         self.engine = engine
@@ -259,6 +265,9 @@ class SideChannelServer:
                 # The stream is out of sync after a bad frame: answer, then close.
                 await self._send(writer, self._error_for(exc))
                 return
+            if isinstance(msg, ReportFailed):
+                await self._send(writer, self.report(msg))
+                continue
             if not isinstance(msg, GetMetadata):
                 await self._send(
                     writer, self._refuse(ErrorCode.BAD_REQUEST, f"{type(msg).__name__} is no request")
@@ -276,7 +285,7 @@ class SideChannelServer:
                 return None
             raise
 
-    async def _send(self, writer: asyncio.StreamWriter, reply: Metadata | ErrorReply | Sealed) -> None:
+    async def _send(self, writer: asyncio.StreamWriter, reply: Metadata | ErrorReply | Sealed | Ack) -> None:
         writer.write(encode_frame(reply))
         async with asyncio.timeout(self._idle_timeout_s):
             await writer.drain()
@@ -309,14 +318,36 @@ class SideChannelServer:
             return reply
         return self._seal.seal(encode_body(reply), req)
 
-    def answer(self, req: GetMetadata) -> Metadata | ErrorReply:
-        """The reply to one decoded request."""
+    def _unauthorized(self, req: SignedRequest) -> ErrorReply | None:
         try:
             verify(req, self._secret, is_mine=self._is_mine)
             if self._replays is not None:
                 self._replays.check(req)
         except AuthError as exc:
             return self._refuse(ErrorCode.UNAUTHORIZED, str(exc))
+        return None
+
+    def report(self, req: ReportFailed) -> Ack | ErrorReply:
+        """Take a peer's ``report_failed`` (authenticated as a metadata request) for one of our ranks."""
+        refused = self._unauthorized(req)
+        if refused is not None:
+            return refused
+        if self.on_report is None:
+            return self._refuse(ErrorCode.BAD_REQUEST, f"{self.engine.engine_id} takes no report_failed")
+        if (req.pp_rank, req.tp_rank) not in self._ranks:
+            return self._refuse(
+                ErrorCode.NO_SUCH_RANK,
+                f"{self.engine.engine_id} serves no rank pp{req.pp_rank}/tp{req.tp_rank}",
+            )
+        self.stats.replies["report"] += 1
+        self.on_report(req)
+        return Ack()
+
+    def answer(self, req: GetMetadata) -> Metadata | ErrorReply:
+        """The reply to one decoded request."""
+        refused = self._unauthorized(req)
+        if refused is not None:
+            return refused
         rank = self._ranks.get((req.pp_rank, req.tp_rank))
         if rank is None:
             return self._refuse(

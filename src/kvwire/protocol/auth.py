@@ -1,4 +1,5 @@
-"""Shared-secret authentication of side-channel ``get_metadata`` requests (wire contract v1).
+"""Shared-secret authentication of side-channel requests, ``get_metadata`` and ``report_failed`` (wire
+contract v1).
 
 ``auth`` is HMAC-SHA256, keyed with the cluster's shared secret, over a canonical encoding of the request's
 other fields: the msgpack array ``[b"kvwire/get_metadata/2", version, pp_rank, tp_rank, notif_only, nonce,
@@ -21,32 +22,54 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TypeVar
 
 import msgspec
 
 from kvwire.errors import AuthError, ConfigError
-from kvwire.protocol.messages import GetMetadata
+from kvwire.protocol.messages import GetMetadata, ReportFailed
+
+# The side-channel requests a shared secret authenticates.
+SignedRequest = GetMetadata | ReportFailed
+R = TypeVar("R", GetMetadata, ReportFailed)
 
 NONCE_BYTES = 16
 _DOMAIN = b"kvwire/get_metadata/2"
+_REPORT_DOMAIN = b"kvwire/report_failed/1"
 MAX_SKEW_MS = 30_000  # clocks of a cluster agree far better (NTP); a longer window only helps a replay
 _ENCODER = msgspec.msgpack.Encoder()
 
 
-def signed_bytes(req: GetMetadata) -> bytes:
+def signed_bytes(req: SignedRequest) -> bytes:
     """The canonical bytes that ``auth`` covers."""
+    if isinstance(req, ReportFailed):
+        return _ENCODER.encode(
+            [
+                _REPORT_DOMAIN,
+                req.version,
+                req.pp_rank,
+                req.tp_rank,
+                req.transfer_id,
+                req.engine_id,
+                req.incarnation,
+                req.from_pp_rank,
+                req.from_tp_rank,
+                req.reason.value,
+                req.nonce,
+                req.target,
+                req.ts_ms,
+            ]
+        )
     return _ENCODER.encode(
         [_DOMAIN, req.version, req.pp_rank, req.tp_rank, req.notif_only, req.nonce, req.target, req.ts_ms]
     )
 
 
-def _mac(req: GetMetadata, secret: bytes) -> bytes:
+def _mac(req: SignedRequest, secret: bytes) -> bytes:
     return hmac.new(secret, signed_bytes(req), hashlib.sha256).digest()
 
 
-def sign(
-    req: GetMetadata, secret: bytes, *, target: str, now_ms: int | None = None, nonce: bytes | None = None
-) -> GetMetadata:
+def sign(req: R, secret: bytes, *, target: str, now_ms: int | None = None, nonce: bytes | None = None) -> R:
     """A copy of ``req`` bound to ``target`` (``host:port`` being dialled) and now, with a fresh nonce (or
     the given one, for tests) and its ``auth``."""
     if not secret:
@@ -60,7 +83,7 @@ def sign(
 
 
 def verify(
-    req: GetMetadata,
+    req: SignedRequest,
     secret: bytes | None,
     *,
     is_mine: Callable[[str], bool] | None = None,
@@ -99,7 +122,7 @@ class ReplayGuard:
     def __len__(self) -> int:
         return len(self._seen)
 
-    def check(self, req: GetMetadata) -> None:
+    def check(self, req: SignedRequest) -> None:
         """Call after ``verify``: raise ``AuthError`` if this nonce was accepted before, else remember it."""
         if req.nonce is None:
             raise AuthError("request has no nonce")

@@ -25,6 +25,7 @@ from kvwire.protocol.messages import (
     MAX_FRAME_BYTES,
     NOTIF_MAGIC,
     VERSION,
+    Ack,
     Cancel,
     CancelAck,
     Done,
@@ -36,6 +37,7 @@ from kvwire.protocol.messages import (
     Metadata,
     Notification,
     PushReg,
+    ReportFailed,
     Sealed,
     SideMessage,
 )
@@ -46,7 +48,7 @@ NOTIF_TYPES: frozenset[str] = frozenset(
     str(cls.__struct_config__.tag) for cls in (PushReg, Done, Failed, Cancel, CancelAck, Heartbeat)
 )
 SIDE_TYPES: frozenset[str] = frozenset(
-    str(cls.__struct_config__.tag) for cls in (GetMetadata, Metadata, ErrorReply, Sealed)
+    str(cls.__struct_config__.tag) for cls in (GetMetadata, Metadata, ErrorReply, Sealed, ReportFailed, Ack)
 )
 
 

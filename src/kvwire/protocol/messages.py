@@ -153,7 +153,36 @@ class Sealed(msgspec.Struct, tag="sealed", tag_field="type", kw_only=True):
     box: bytes
 
 
-SideMessage = GetMetadata | Metadata | ErrorReply | Sealed
+class ReportFailed(msgspec.Struct, tag="report_failed", tag_field="type", kw_only=True):
+    """P tells D, on D's side channel, that it ended D's registration failed when no notification can
+    carry it: P's handshake with D failed (incompatible, refused, bad or no answer). Without it D would
+    wait for its liveness timeout. Authenticated as ``get_metadata`` (``protocol/auth.py``); answered
+    ``ack`` or ``error``."""
+
+    version: Version = VERSION
+    # D's rank whose registration it was (the push_reg's tp_rank; D runs with pp_size 1).
+    pp_rank: NonNeg
+    tp_rank: NonNeg
+    # The ``failed`` notification P would have sent: P's identity and rank, the transfer, the reason.
+    transfer_id: str
+    engine_id: str
+    incarnation: str
+    from_pp_rank: NonNeg
+    from_tp_rank: NonNeg
+    reason: FailReason
+    nonce: bytes | None = None
+    auth: bytes | None = None
+    target: str | None = None
+    ts_ms: int | None = None
+
+
+class Ack(msgspec.Struct, tag="ack", tag_field="type", kw_only=True):
+    """The answer to a ``report_failed`` that was taken."""
+
+    version: Version = VERSION
+
+
+SideMessage = GetMetadata | Metadata | ErrorReply | Sealed | ReportFailed | Ack
 
 
 # --- notifications ---------------------------------------------------------------------------------

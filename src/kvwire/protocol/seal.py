@@ -112,3 +112,19 @@ def open_unsealed(sender: str, data: bytes) -> bytes:
     if bytes(data[: len(SEALED_NOTIF_MAGIC)]) == SEALED_NOTIF_MAGIC:
         raise AuthError(f"sealed notification from {sender}, but this side has no KVWIRE_SECRET")
     return data
+
+
+class NotifGate:
+    """What a connector applies to every notification, with or without a secret."""
+
+    def __init__(self, secret: bytes | None) -> None:
+        self._seal = NotifSeal(secret) if secret else None
+
+    def outgoing(self, sender: str, receiver: str, data: bytes) -> bytes:
+        return data if self._seal is None else self._seal.seal(sender, receiver, data)
+
+    def incoming(self, sender: str, receiver: str, data: bytes) -> bytes:
+        """The notification ``sender`` sent, or ``AuthError`` when this side cannot authenticate it."""
+        if self._seal is None:
+            return open_unsealed(sender, data)
+        return self._seal.open(sender, receiver, data)

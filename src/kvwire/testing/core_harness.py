@@ -37,7 +37,7 @@ from kvwire.kv.cache import KVCache
 from kvwire.kv.mapping import RankLayout, layer_window
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.codec import encode_notif
-from kvwire.protocol.messages import Heartbeat, Notification, TransferMode
+from kvwire.protocol.messages import FailReason, Heartbeat, Notification, TransferMode
 from kvwire.protocol.ranks import RankKey
 from kvwire.transport.base import PeerMode, make_agent_name
 
@@ -168,9 +168,18 @@ class CoreHarness:
         out += self.tick(until)
         return out
 
-    def done(self, now: float, token: int, peer: PeerRank | None, error: str = "") -> list[Action]:
+    def done(
+        self,
+        now: float,
+        token: int,
+        peer: PeerRank | None,
+        error: str = "",
+        reason: FailReason = FailReason.HANDSHAKE_FAILED,
+        *,
+        nobody_listens: bool = False,
+    ) -> list[Action]:
         """Answer a ``StartHandshake``."""
-        return self.at(now, HandshakeDone(token, peer, error))
+        return self.at(now, HandshakeDone(token, peer, error, reason, nobody_listens))
 
     def ended(self, now: float, token: int, ok: bool = True, detail: str = "") -> list[Action]:
         """A posted transfer ended."""

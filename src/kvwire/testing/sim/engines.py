@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvwire.connector.reports import as_notification, report_of
 from kvwire.core.base import CoreBase, Feeder, Refused
 from kvwire.core.config import ConnectorConfig
 from kvwire.core.io import (
@@ -23,6 +24,7 @@ from kvwire.core.io import (
     PostRead,
     PostWrite,
     Release,
+    ReportFailure,
     Send,
     StartHandshake,
     Tick,
@@ -197,6 +199,8 @@ class SimEngine:
                 self._release(x)
         elif isinstance(action, StartHandshake):
             self._handshake(action)
+        elif isinstance(action, ReportFailure):
+            self._report(action)
         elif isinstance(action, ForgetPeer):
             prefix = f"{action.engine_id}/{action.incarnation or ''}"
             for names in self.loaded.values():
@@ -321,6 +325,22 @@ class SimEngine:
             error = f"no rank {a.remote}"
         life, tlife = self.life, (target.life if target is not None else 0)
         w.after(delay, lambda: self._handshake_done(life, a, target, tlife, error))
+
+    def _report(self, a: ReportFailure) -> None:
+        """A ``report_failed`` on the peer's side channel: lost when nobody listens there or the link is
+        cut (one attempt, as the driver makes); else it arrives as the ``failed`` it stands for."""
+        w = self.world
+        target = w.addresses.get((a.host, a.port))
+        if target is None or w.partitioned(self.engine_id, target.engine_id) or a.remote not in target.caches:
+            return
+        inp, tlife = as_notification(report_of(a)), target.life
+        agent = target.agent_names[a.remote]
+        w.after(200e-6 + w.rng.random() * 800e-6, lambda: self._report_arrives(target, tlife, agent, inp))
+
+    @staticmethod
+    def _report_arrives(target: SimEngine, tlife: int, agent: str, inp: NotifIn) -> None:
+        if target.life == tlife and target.alive:
+            target.notif_in(agent, inp.sender, inp.raw)
 
     def _cached(self, life: int, a: StartHandshake, peer: PeerRank) -> None:
         if life == self.life:

@@ -1,0 +1,62 @@
+"""``report_failed``: P tells D that a registration failed when no notification can reach D.
+
+P writes into D only after loading D's agent (its full handshake with D); when that handshake fails, P
+cannot send D the ``failed`` notification, and D would wait for its liveness timeout to give up on P. The
+report goes to D's side channel instead (the address D named in its ``push_reg``), signed like a metadata
+request; D feeds it to its core exactly as the ``failed`` notification it stands for, from the P rank it
+names, so the core's own checks (known transfer, that P life, that rank) apply unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvwire.core.io import NotifIn, ReportFailure
+from kvwire.errors import KvwireError
+from kvwire.handshake.client import send_report
+from kvwire.handshake.types import PeerAddress
+from kvwire.protocol.codec import encode_notif
+from kvwire.protocol.messages import Failed, ReportFailed
+from kvwire.transport.base import make_agent_name
+
+log = logging.getLogger("kvwire.connector")
+
+
+def report_of(action: ReportFailure) -> ReportFailed:
+    f = action.failed
+    return ReportFailed(
+        pp_rank=action.remote[0],
+        tp_rank=action.remote[1],
+        transfer_id=f.transfer_id,
+        engine_id=f.engine_id,
+        incarnation=f.incarnation,
+        from_pp_rank=f.pp_rank,
+        from_tp_rank=f.tp_rank,
+        reason=f.reason,
+    )
+
+
+async def deliver(action: ReportFailure, *, timeout_s: float, secret: bytes | None) -> bool:
+    """One attempt within ``timeout_s``; False (logged) when D could not be told."""
+    addr = PeerAddress(action.host, action.port, action.remote[0], action.remote[1])
+    try:
+        await send_report(addr, report_of(action), timeout_s=timeout_s, secret=secret)
+    except KvwireError as exc:
+        log.debug("report_failed for %s to %s not delivered: %s", action.failed.transfer_id, addr, exc)
+        return False
+    log.debug("report_failed for %s delivered to %s", action.failed.transfer_id, addr)
+    return True
+
+
+def as_notification(report: ReportFailed) -> NotifIn:
+    """The ``failed`` notification a report stands for, as the core's input."""
+    failed = Failed(
+        transfer_id=report.transfer_id,
+        engine_id=report.engine_id,
+        incarnation=report.incarnation,
+        tp_rank=report.from_tp_rank,
+        pp_rank=report.from_pp_rank,
+        reason=report.reason,
+    )
+    sender = make_agent_name(report.engine_id, report.incarnation, report.from_pp_rank, report.from_tp_rank)
+    return NotifIn((report.pp_rank, report.tp_rank), sender, encode_notif(failed))

@@ -1,0 +1,124 @@
+"""D is told at once when P cannot complete its handshake with D (issue 11, item 5): P's ``failed`` goes
+to D's side channel as a ``report_failed``, since no notification can reach a D that P could not load."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from connector_env import Pair, wait_for
+
+from kvwire.connector import ConnectorConfig, ConsumerEventKind, ProducerOutcome
+from kvwire.connector.reports import deliver
+from kvwire.core.io import ReportFailure
+from kvwire.errors import NoSuchRank, Unauthorized
+from kvwire.handshake.client import send_report
+from kvwire.handshake.types import PeerAddress
+from kvwire.kv.spec import KVSpec
+from kvwire.protocol.messages import Failed, FailReason, ReportFailed
+
+SPEC = KVSpec(num_layers=2, kv_heads=2, head_dim=8, block_size=4)
+SECRET = b"report-secret-0123456789abcdef00"
+CFG = ConnectorConfig(handshake_timeout_s=0.5, liveness_timeout_s=20.0, heartbeat_interval_s=1.0)
+
+
+def test_p_handshake_timeout_with_d_fails_d_at_once_not_at_its_liveness() -> None:
+    pair = Pair(SPEC, config=CFG, secret=SECRET)
+    try:
+        # P's loads of D's agent hang (an unreachable UCX port): P's handshake with D times out.
+        pair.p_agent().faults.stall_loads_s = 5.0
+        pair.fill_p([0, 1], 8)
+        start = time.monotonic()
+        pair.consumer.request_allocated("r1", [2, 3], 8, 0, pair.remote())
+        pair.producer.request_finished("r1", [0, 1], 8)
+        events = pair.d_event("r1")
+        took = time.monotonic() - start
+        assert [e.kind for e in events] == [ConsumerEventKind.FAILED, ConsumerEventKind.RELEASED]
+        assert events[0].reason is FailReason.HANDSHAKE_FAILED
+        # Within the handshake timeout and some slack; D's liveness verdict would take 20 s.
+        assert took < CFG.handshake_timeout_s + 3.0, took
+        assert pair.p_event("r1").outcome is ProducerOutcome.FAILED
+        assert pair.consumer.stats.peers_declared_dead == 0
+    finally:
+        pair.close()
+
+
+def _report(pair: Pair, tid: str, **kw: object) -> ReportFailed:
+    p = pair.p.engine
+    fields: dict[str, object] = {
+        "pp_rank": 0,
+        "tp_rank": 0,
+        "transfer_id": tid,
+        "engine_id": p.engine_id,
+        "incarnation": p.incarnation,
+        "from_pp_rank": 0,
+        "from_tp_rank": 0,
+        "reason": FailReason.INCOMPATIBLE,
+    }
+    fields.update(kw)
+    return ReportFailed(**fields)  # type: ignore[arg-type]
+
+
+def _send(pair: Pair, report: ReportFailed, secret: bytes | None) -> None:
+    addr = PeerAddress("127.0.0.1", pair.consumer.port, report.pp_rank, report.tp_rank)
+    pair.loop.run(send_report(addr, report, timeout_s=2.0, secret=secret), 5.0)
+
+
+def test_reports_are_authenticated_checked_and_taken_as_the_failed_they_stand_for() -> None:
+    pair = Pair(SPEC, config=CFG, secret=SECRET)
+    try:
+        # Hold the request in D: P never finishes it, so D waits for P.
+        pair.consumer.request_allocated("r2", [2, 3], 8, 0, pair.remote())
+        wait_for(
+            lambda: pair.producer.stats.transfers_started == 0 and pair.consumer.stats.handshakes_started, ""
+        )
+        # Without the secret, or for a rank D does not serve: refused, nothing changes.
+        with pytest.raises(Unauthorized):
+            _send(pair, _report(pair, "r2"), None)
+        with pytest.raises(Unauthorized):
+            _send(pair, _report(pair, "r2"), b"another secret")
+        with pytest.raises(NoSuchRank):
+            _send(pair, _report(pair, "r2", tp_rank=3), SECRET)
+        # Claiming another P life, or a transfer D does not hold: taken by the side channel, dropped by the
+        # core exactly as the notification would be.
+        _send(pair, _report(pair, "r2", incarnation="old-life"), SECRET)
+        _send(pair, _report(pair, "nope"), SECRET)
+        dropped = pair.consumer.stats.dropped_notifs
+        wait_for(lambda: sum(dropped.values()) == 2, "both dropped")
+        assert pair.consumer.poll() == []
+        # The real one ends the request with P's reason.
+        _send(pair, _report(pair, "r2"), SECRET)
+        events = pair.d_event("r2")
+        assert events[0].kind is ConsumerEventKind.FAILED and events[0].reason is FailReason.INCOMPATIBLE
+    finally:
+        pair.close()
+
+
+def test_p_takes_no_reports() -> None:
+    pair = Pair(SPEC, config=CFG)
+    try:
+        addr = PeerAddress("127.0.0.1", pair.p_port, 0, 0)
+        with pytest.raises(Exception, match="takes no report_failed"):
+            pair.loop.run(send_report(addr, _report(pair, "x"), timeout_s=2.0), 5.0)
+    finally:
+        pair.close()
+
+
+def test_an_unreachable_d_side_channel_ends_the_report_quietly() -> None:
+    """The delivery is one bounded attempt; a failure is the caller's to log, never a hang."""
+
+    async def body() -> None:
+
+        failed = Failed(
+            transfer_id="t",
+            engine_id="p",
+            incarnation="i",
+            tp_rank=0,
+            pp_rank=0,
+            reason=FailReason.INCOMPATIBLE,
+        )
+        action = ReportFailure((0, 0), "127.0.0.1", 1, (0, 0), failed)
+        assert await deliver(action, timeout_s=1.0, secret=None) is False
+
+    asyncio.run(body())
