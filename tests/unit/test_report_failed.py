@@ -16,7 +16,10 @@ from kvwire.errors import NoSuchRank, Unauthorized
 from kvwire.handshake.client import send_report
 from kvwire.handshake.types import PeerAddress
 from kvwire.kv.spec import KVSpec
-from kvwire.protocol.messages import Failed, FailReason, ReportFailed
+from kvwire.protocol.codec import encode_notif
+from kvwire.protocol.messages import Failed, FailReason, PushReg, ReportFailed
+from kvwire.testing.engines import untouched_blocks_zero
+from kvwire.transport.base import make_agent_name
 
 SPEC = KVSpec(num_layers=2, kv_heads=2, head_dim=8, block_size=4)
 SECRET = b"report-secret-0123456789abcdef00"
@@ -122,3 +125,38 @@ def test_an_unreachable_d_side_channel_ends_the_report_quietly() -> None:
         assert await deliver(action, timeout_s=1.0, secret=None) is False
 
     asyncio.run(body())
+
+
+def test_a_push_reg_of_a_gone_d_life_is_never_written_and_the_new_life_is_told_nothing_it_holds() -> None:
+    """A ``push_reg`` from D's previous life (delayed, or replayed by someone naming that life) reaches P
+    after D restarted at the same address: P's handshake names that life, the new one answers, so P
+    writes nothing; its report reaches the new life, which holds no such transfer and drops it."""
+    pair = Pair(SPEC, config=CFG)
+    try:
+        d = pair.d.engine
+        old_agent = make_agent_name(d.engine_id, d.incarnation, 0, 0)
+        port = pair.consumer.port
+        pair.restart_d()
+        ghost = pair.fabric.create_agent(old_agent)  # the old life's name, free again
+        pair.on_loop(lambda: ghost.add_peer(pair.p_agent().conn_metadata()))
+        reg = PushReg(
+            transfer_id="old",
+            engine_id=d.engine_id,
+            incarnation=d.incarnation,
+            tp_rank=0,
+            tp_size=1,
+            host="127.0.0.1",
+            port=port,
+            block_ids=[2, 3],
+            num_tokens=8,
+        )
+        pair.fill_p([0, 1], 8)
+        pair.producer.request_finished("old", [0, 1], 8)
+        pair.on_loop(lambda: ghost.send_notif(pair.p_agent().name, encode_notif(reg)))
+        assert pair.p_event("old").outcome is ProducerOutcome.FAILED
+        assert pair.producer.stats.transfers_started == 0 and pair.producer.stats.handshakes_failed == 1
+        dropped = pair.consumer.stats.dropped_notifs
+        wait_for(lambda: dropped["unknown_transfer"] == 1, "the new life drops the report")
+        assert untouched_blocks_zero(pair.d.ranks, [])
+    finally:
+        pair.close()
