@@ -51,6 +51,7 @@ class _Host:
         num_blocks: int,
         mode: str,
         backend: str = "nixl",
+        secret: bytes | None = None,
     ) -> dict[str, Any]:
         self.close_engine()
         kv = KVSpec(**spec)
@@ -60,7 +61,7 @@ class _Host:
         )
         cfg = ConnectorConfig(mode=tmode)
         cls = Producer if role == "p" else Consumer
-        self.conn = cls(self.setup.engine, self.setup.ranks, cfg)
+        self.conn = cls(self.setup.engine, self.setup.ranks, cfg, secret=secret)
         port = self.conn.start()
         return {"port": port, "engine_id": engine_id, "agents": [r.agent.name for r in self.setup.ranks]}
 
