@@ -44,10 +44,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("vllm")
     model = make_model(python, tmp / "tiny")
     p_sc, d_sc = free_port(), free_port()
+    # P and D share a secret: every handshake reply is sealed and every notification tagged, in real vLLM.
+    secret = {"KVWIRE_SECRET": "vllm-test-secret-0123456789abcdef"}
+    p_cfg = kvwire_transfer_config("kv_producer", "prefill", p_sc)
+    d_cfg = kvwire_transfer_config("kv_consumer", "decode", d_sc)
     engines = [
         VllmEngine("colocated", core=0),
-        VllmEngine("prefill", core=0, transfer_config=kvwire_transfer_config("kv_producer", "prefill", p_sc)),
-        VllmEngine("decode", core=1, transfer_config=kvwire_transfer_config("kv_consumer", "decode", d_sc)),
+        VllmEngine("prefill", core=0, transfer_config=p_cfg, env=secret),
+        VllmEngine("decode", core=1, transfer_config=d_cfg, env=secret),
     ]
     with ServerGroup(tmp / "logs") as group:
         colocated, prefill, decode = start_engines(group, python, model, engines)
