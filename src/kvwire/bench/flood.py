@@ -1,0 +1,844 @@
+"""``kvwire bench flood``: a hostile NIXL peer floods P with notifications while real requests run
+(issue 11, item 3: 20,000 ``push_reg``s for unknown transfers became live state on P, its RSS grew
+181 -> 329 MB and real requests went from 53 ms to 1.2 s p50; heartbeats naming 500,000 unknown ids were
+counted nowhere).
+
+The bench starts, on 127.0.0.1, a prefill engine P, a decode engine D (the reference numpy engine, ``tiny``
+preset, NIXL, push mode) and the router, as ``kvwire demo`` does, then per mode runs three phases, each
+bounded in count and time:
+
+1. **baseline**: ``--requests`` real requests through the router, one at a time (short prompts,
+   ``--max-tokens`` tokens, greedy), timed at the client; P's RSS (``/proc/PID/status`` ``VmRSS``).
+2. **during**: a rogue NIXL agent in this process, named like a D life (``make_agent_name`` of an engine
+   id and incarnation of its own), loads P's connection-only metadata and sends ``--push-regs``
+   ``push_reg``s for transfers P never saw, each naming a listener this bench owns (every connection it
+   receives is counted: P dialling it is P acting on the rogue's word), and heartbeats naming
+   ``--heartbeat-ids`` unknown transfer ids in ``--heartbeat-msgs`` messages, spread among them. Real
+   requests keep running meanwhile, until P has counted the whole flood and at least ``--requests // 2``
+   are done (``--phase-timeout`` at most); P's RSS is sampled every 20 ms (the peak is reported).
+3. **after**: once P has ended every registration the flood made it hold (they wait for their fence:
+   ``kvwire_failures{reason="fence_expired"}``; ``--settle-timeout`` at most; the wait is reported as
+   ``settle_s``), ``--requests`` real requests again, P's RSS.
+
+P's ``kvwire_dropped_notifications{reason}`` and ``kvwire_failures{reason}`` are read from ``/metrics``
+before the flood and at the end: the differences are the flood's drops, and the registrations P took and
+ended, by reason. Every real answer is checked token for token against the reference engine computed in
+this process (same preset and seed): a request that failed (an error or a timeout) is counted ``failed``,
+one with other tokens ``wrong``; the exit status is 1 only for a wrong answer.
+
+Two modes (``--modes``):
+
+* ``open``: no ``KVWIRE_SECRET``. The rogue gets P's metadata as anyone can: a notif-only ``get_metadata``
+  on P's side channel. P bounds the flood: at most ``max_early_registrations`` push_regs for transfers it
+  has not prefilled are held (``--p-max-early-registrations``, P's default 4096), the rest are dropped as
+  ``overload``; heartbeat ids P does not hold are counted (``heartbeat_unknown_ids``) and never stored.
+* ``secret``: ``KVWIRE_SECRET`` set on P, D and the router. An outsider cannot read P's metadata (the side
+  channel refuses unsigned requests and seals its replies: the bench records what an unsigned fetch gets),
+  so the bench hands the rogue P's metadata **out of band**, fetched with the secret, as a worst case (a
+  leaked metadata blob). Every notification the rogue sends is unsealed and is dropped as
+  ``unauthenticated`` before it is decoded.
+
+Ratios (during/after vs baseline) compare phases of the same run, against the same servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import math
+import random
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvwire.bench.common import bar_plot, envelope, print_table, write_json
+from kvwire.demo.procs import Server, ServerGroup, free_port, kvwire_command, server_env
+from kvwire.demo.report import percentile
+from kvwire.demo.workload import make_prompt
+
+MODES = ("open", "secret")
+PHASES = ("baseline", "during", "after")
+# The bench's own cluster secret (secret mode): its servers live only as long as the run, on loopback.
+BENCH_SECRET = "kvwire-bench-flood"
+PRESET = "tiny"
+SEED = 0
+ROGUE_ENGINE_ID = "decode-rogue"
+PROMPTS = (
+    "Hello over NIXL",
+    "the quick brown fox jumps over a lazy dog",
+    "kv caches move from prefill to decode",
+    "a short prompt",
+    "every token matches the colocated reference",
+    "push mode: decode registers blocks, prefill writes them",
+)
+
+_RSS_PERIOD_S = 0.02
+_SCRAPE_PERIOD_S = 0.25
+_STILL_S = 3.0  # P's drop counts unchanged this long: it has taken all of the flood that arrived
+_FLUSH_EVERY = 64  # rogue sends between progress calls (notifications leave on progress: no prog thread)
+
+
+def prompts(tokens: int) -> tuple[str, ...]:
+    """The real requests' prompts: ``PROMPTS``, or (``tokens`` > 0) as many prompts of ``tokens`` tokens."""
+    if tokens <= 0:
+        return PROMPTS
+    rng = random.Random(SEED)
+    return tuple(make_prompt(tokens, rng) for _ in PROMPTS)
+
+
+# -- P's process and metrics --------------------------------------------------------------------------------
+def _status_kb(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(f"{key} not in /proc/{pid}/status")
+
+
+def rss_mb(pid: int) -> float:
+    """Resident set of process ``pid`` now, in MB (10^6 bytes)."""
+    return _status_kb(pid, "VmRSS") * 1024 / 1e6
+
+
+def hwm_mb(pid: int) -> float:
+    """Peak resident set of process ``pid`` over its life so far (``VmHWM``), in MB."""
+    return _status_kb(pid, "VmHWM") * 1024 / 1e6
+
+
+class RssSampler:
+    """Samples a process's RSS every ``period_s`` in a thread while inside ``with``; ``peak`` is the most."""
+
+    def __init__(self, pid: int, period_s: float = _RSS_PERIOD_S) -> None:
+        self.pid, self.period_s = pid, period_s
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(OSError, KeyError, ValueError):
+                self.samples.append(rss_mb(self.pid))
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+
+    @property
+    def peak(self) -> float | None:
+        return max(self.samples) if self.samples else None
+
+
+def by_reason(metrics_text: str, name: str) -> dict[str, float]:
+    """Counter ``name`` summed per ``reason`` label (over ranks and other labels)."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == name:
+                reason = sample.labels.get("reason", "")
+                out[reason] = out.get(reason, 0.0) + sample.value
+    return out
+
+
+def dropped_by_reason(metrics_text: str) -> dict[str, float]:
+    """``kvwire_dropped_notifications{reason}``: the peer notifications P dropped, by reason."""
+    return by_reason(metrics_text, "kvwire_dropped_notifications_total")
+
+
+def failures_by_reason(metrics_text: str) -> dict[str, float]:
+    """``kvwire_failures{reason}``: transfers (registrations, on P) that ended failed, by reason."""
+    return by_reason(metrics_text, "kvwire_failures_total")
+
+
+def drops_between(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, int]:
+    """The drops counted between two scrapes, by reason (reasons that did not move left out)."""
+    out = {r: round(after[r] - before.get(r, 0.0)) for r in after}
+    return {r: n for r, n in sorted(out.items()) if n}
+
+
+# -- the listener the flood names ---------------------------------------------------------------------------
+class Listener:
+    """A TCP listener on 127.0.0.1 that counts the connections it gets and closes each at once."""
+
+    def __init__(self) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", free_port()))
+        self._sock.listen(128)
+        self._sock.settimeout(0.1)
+        self.port: int = self._sock.getsockname()[1]
+        self.connections = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="flood-listener", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.connections += 1
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        self._sock.close()
+
+
+# -- the rogue peer ------------------------------------------------------------------------------------------
+def p_compat_hash() -> str:
+    """The compat hash of the bench's engines (``kvwire serve``'s model id for the preset and seed)."""
+    from kvwire.engine.config import preset
+    from kvwire.protocol.compat import compat_hash
+    from kvwire.protocol.messages import TransferMode
+
+    spec = preset(PRESET).kv_spec()
+    return compat_hash(model_id=f"kvwire-{PRESET}/seed{SEED}", spec=spec, transfer_mode=TransferMode.PUSH)
+
+
+def fetch_p_metadata(host: str, port: int, secret: str | None) -> bytes:
+    """P's connection-only agent metadata (kvwire's 6-byte header included), over its side channel."""
+    from kvwire.handshake.client import fetch_metadata
+    from kvwire.handshake.types import PeerAddress
+
+    fetched = asyncio.run(
+        fetch_metadata(
+            PeerAddress(host, port, 0, 0),
+            notif_only=True,
+            compat_hash=p_compat_hash(),
+            timeout_s=10.0,
+            secret=secret.encode() if secret else None,
+        )
+    )
+    return fetched.metadata.agent_metadata
+
+
+def outsider_fetch(host: str, port: int) -> str:
+    """What an outsider without the secret gets from P's side channel: "metadata", or the refusal."""
+    from kvwire.errors import KvwireError
+
+    try:
+        fetch_p_metadata(host, port, None)
+    except KvwireError as exc:
+        return f"refused ({type(exc).__name__})"
+    return "metadata"
+
+
+@dataclass
+class Sent:
+    push_regs: int = 0
+    heartbeats: int = 0
+    heartbeat_ids: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+
+
+class Rogue:
+    """A NIXL agent in this process named like a D life, that loaded P's connection-only metadata."""
+
+    def __init__(self, p_metadata: bytes, listener_port: int) -> None:
+        from kvwire.transport.base import make_agent_name, new_incarnation
+        from kvwire.transport.nixl import NixlAgent
+
+        self.incarnation = new_incarnation()
+        self.listener_port = listener_port
+        self.agent = NixlAgent(make_agent_name(ROGUE_ENGINE_ID, self.incarnation, 0, 0))
+        try:
+            self.peer = self.agent.add_peer(p_metadata)
+        except BaseException:
+            self.agent.close()
+            raise
+
+    def push_reg(self, i: int) -> bytes:
+        from kvwire.protocol.codec import encode_notif
+        from kvwire.protocol.messages import PushReg
+
+        return encode_notif(
+            PushReg(
+                transfer_id=f"flood-{self.incarnation}-{i}",
+                engine_id=ROGUE_ENGINE_ID,
+                incarnation=self.incarnation,
+                tp_rank=0,
+                tp_size=1,
+                host="127.0.0.1",
+                port=self.listener_port,
+                block_ids=[i % 64],
+                num_tokens=16,
+            )
+        )
+
+    def heartbeat(self, first: int, count: int) -> bytes:
+        from kvwire.protocol.codec import encode_notif
+        from kvwire.protocol.messages import Heartbeat
+
+        ids = [f"ghost-{self.incarnation}-{k}" for k in range(first, first + count)]
+        return encode_notif(
+            Heartbeat(
+                transfer_id="", engine_id=ROGUE_ENGINE_ID, incarnation=self.incarnation, transfer_ids=ids
+            )
+        )
+
+    def flood(self, push_regs: int, heartbeat_ids: int, heartbeat_msgs: int, rate: float) -> Sent:
+        """Send the flood: ``push_regs`` push_regs with the heartbeats spread among them, the last message
+        a heartbeat; at ``rate`` messages a second (0: as fast as this process can)."""
+        from kvwire.errors import TransportError
+
+        sent = Sent()
+        msgs = heartbeat_msgs if heartbeat_ids > 0 else 0
+        per_hb = math.ceil(heartbeat_ids / msgs) if msgs else 0
+        # After push_reg number marks[k] goes heartbeat k (the last after the last push_reg).
+        marks = [round((k + 1) * push_regs / msgs) for k in range(msgs)]
+        t0 = time.perf_counter()
+        n = 0
+
+        def send(data: bytes) -> bool:
+            nonlocal n
+            try:
+                self.agent.send_notif(self.peer, data)
+            except TransportError:
+                sent.errors += 1
+                return False
+            n += 1
+            if n % _FLUSH_EVERY == 0:
+                self.agent.progress()
+                if rate > 0:
+                    ahead = n / rate - (time.perf_counter() - t0)
+                    if ahead > 0:
+                        time.sleep(ahead)
+            return True
+
+        hb = 0
+        for i in range(push_regs + 1):
+            while hb < msgs and marks[hb] == i:
+                count = min(per_hb, heartbeat_ids - sent.heartbeat_ids)
+                if count > 0 and send(self.heartbeat(sent.heartbeat_ids, count)):
+                    sent.heartbeats += 1
+                    sent.heartbeat_ids += count
+                hb += 1
+            if i < push_regs and send(self.push_reg(i)):
+                sent.push_regs += 1
+        for _ in range(20):  # what is still queued leaves on progress
+            self.agent.progress()
+        sent.seconds = time.perf_counter() - t0
+        return sent
+
+    def close(self) -> None:
+        self.agent.close()
+
+
+# -- real requests -------------------------------------------------------------------------------------------
+def reference_answers(prompts: Sequence[str], max_tokens: int) -> dict[str, list[int]]:
+    """Each prompt's greedy answer from the reference engine in this process (same preset and seed)."""
+    from kvwire.engine.config import EngineConfig, preset
+    from kvwire.engine.engine import Engine
+
+    model = preset(PRESET)
+    longest = max(len(p) for p in prompts) + 1 + max_tokens  # tokens: bytes, BOS, the answer
+    num_blocks = max(64, -(-longest // model.block_size) + 1)
+    ref = Engine(EngineConfig(model, num_blocks=num_blocks, seed=SEED))
+    return {p: list(ref.generate([ref.tokenizer.encode(p)], max_tokens, ignore_eos=True)[0]) for p in prompts}
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    latency_s: float
+    ok: bool  # HTTP 200 with tokens
+    correct: bool  # the reference's tokens
+    error: str = ""  # why it failed: "HTTP <status>" or the exception's type
+
+
+class Requests:
+    """Real requests through the router, one at a time, each checked against the reference."""
+
+    def __init__(
+        self,
+        client: httpx.Client,
+        url: str,
+        model: str,
+        refs: Mapping[str, list[int]],
+        max_tokens: int,
+        timeout_s: float,
+    ) -> None:
+        self.client, self.url, self.model = client, url, model
+        self.refs, self.prompts = refs, list(refs)
+        self.max_tokens, self.timeout_s = max_tokens, timeout_s
+        self._k = 0
+
+    def one(self) -> Sample:
+        prompt = self.prompts[self._k % len(self.prompts)]
+        self._k += 1
+        body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        t0 = time.perf_counter()
+        try:
+            resp = self.client.post(self.url + "/v1/completions", json=body, timeout=self.timeout_s)
+        except httpx.HTTPError as exc:
+            return Sample(time.perf_counter() - t0, False, False, type(exc).__name__)
+        latency = time.perf_counter() - t0
+        if resp.status_code != 200:
+            return Sample(latency, False, False, f"HTTP {resp.status_code}")
+        ids = resp.json()["choices"][0].get("token_ids") or []
+        return Sample(latency, bool(ids), ids == self.refs[prompt])
+
+    def with_client(self, client: httpx.Client) -> Requests:
+        return Requests(client, self.url, self.model, self.refs, self.max_tokens, self.timeout_s)
+
+    def run(self, n: int) -> list[Sample]:
+        return [self.one() for _ in range(n)]
+
+    def run_until(self, stop: threading.Event, at_least: int, deadline: float) -> list[Sample]:
+        """Requests until ``stop`` is set and ``at_least`` are done, or ``deadline`` (monotonic) passes."""
+        out: list[Sample] = []
+        while time.monotonic() < deadline and (not stop.is_set() or len(out) < at_least):
+            out.append(self.one())
+        return out
+
+
+def phase_figures(samples: Sequence[Sample]) -> dict[str, Any]:
+    lat = [s.latency_s for s in samples]
+
+    def ms(q: float) -> float | None:
+        v = percentile(lat, q)
+        return None if v is None else v * 1e3
+
+    return {
+        "requests": len(samples),
+        "failed": sum(not s.ok for s in samples),
+        "errors": dict(collections.Counter(s.error for s in samples if s.error)),
+        "wrong": sum(s.ok and not s.correct for s in samples),
+        "p50_ms": ms(50),
+        "p99_ms": ms(99),
+        "latencies_ms": [round(v * 1e3, 2) for v in lat],  # in the order sent
+    }
+
+
+# -- servers -------------------------------------------------------------------------------------------------
+@dataclass
+class Cluster:
+    p: Server
+    d: Server
+    router: Server
+    side_channel_port: int
+
+
+def start_cluster(group: ServerGroup, secret: str | None, args: argparse.Namespace) -> Cluster:
+    env = {"KVWIRE_SECRET": secret} if secret else {}
+    base = ["--host", "127.0.0.1", "--preset", PRESET, "--seed", str(SEED), "--mode", "push"]
+    p_port, d_port, sc_port = free_port(), free_port(), free_port()
+    p_args = ["serve", "prefill", "--port", str(p_port), "--side-channel-port", str(sc_port), *base]
+    if args.p_max_early_registrations:
+        p_args += ["--max-early-registrations", str(args.p_max_early_registrations)]
+    if args.p_fence_ms:
+        p_args += ["--fence-ms", str(args.p_fence_ms)]
+    d_args = ["serve", "decode", "--port", str(d_port), "--side-channel-port", str(free_port()), *base]
+    p = group.start_argv("prefill", kvwire_command(*p_args), p_port, env)
+    d = group.start_argv("decode", kvwire_command(*d_args), d_port, env)
+    group.wait_healthy([p, d], args.startup_timeout)
+    r_port = free_port()
+    r_args = [
+        "serve",
+        "router",
+        "--port",
+        str(r_port),
+        "--mode",
+        "push",
+        "--prefill",
+        p.url,
+        "--decode",
+        d.url,
+    ]
+    router = group.start_argv("router", kvwire_command(*r_args), r_port, env)
+    group.wait_healthy([router], args.startup_timeout)
+    return Cluster(p, d, router, sc_port)
+
+
+def _pid(server: Server) -> int:
+    if server.proc is None:
+        raise RuntimeError(f"{server.name} is not running")
+    return server.proc.pid
+
+
+# -- one mode ------------------------------------------------------------------------------------------------
+@dataclass
+class ModeResult:
+    mode: str
+    phases: dict[str, dict[str, Any]] = field(default_factory=dict)
+    drops: dict[str, int] = field(default_factory=dict)
+    sent: Sent = field(default_factory=Sent)
+    listener_connections: int = 0
+    metadata_source: str = ""
+    outsider_fetch: str = ""
+    drain_s: float = 0.0
+    drained: bool = False  # P counted the whole flood (the expected drops) before the phase ended
+    settle_s: float = 0.0  # from the flood phase's end until P had ended every registration it took
+    settled: bool = False
+    drops_before: dict[str, float] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)  # P's kvwire_failures{reason} over flood + after
+    failures_before: dict[str, float] = field(default_factory=dict)
+
+
+def _wait_counted(
+    client: httpx.Client,
+    p_url: str,
+    counter: Callable[[str], dict[str, float]],
+    before: Mapping[str, float],
+    expect: Mapping[str, int],
+    timeout_s: float,
+    pump: Callable[[], None],
+    still_s: float | None = None,
+) -> tuple[float, bool]:
+    """Wait until P's ``counter`` (parsed from ``/metrics``) grew by ``expect`` (each reason at least its
+    figure), calling ``pump`` (the rogue's progress: UCX completes a large notification's send only on the
+    sender's progress) every few ms; give up after ``timeout_s``, or once the counts stood still for
+    ``still_s`` (when given). Returns (seconds waited, whether ``expect`` was reached)."""
+    t0 = time.monotonic()
+    last: dict[str, int] | None = None
+    still_since = next_scrape = t0
+    while (now := time.monotonic()) - t0 < timeout_s:
+        pump()
+        if now >= next_scrape:
+            next_scrape = now + _SCRAPE_PERIOD_S
+            got = drops_between(before, counter(client.get(p_url + "/metrics").text))
+            if all(got.get(r, 0) >= n for r, n in expect.items()):
+                return time.monotonic() - t0, True
+            if got != last:
+                last, still_since = got, now
+            elif still_s is not None and now - still_since >= still_s:
+                break
+        time.sleep(0.005)
+    return time.monotonic() - t0, False
+
+
+@dataclass
+class Mode:
+    """One mode's servers, client, real requests and rogue, and what was measured."""
+
+    out: ModeResult
+    args: argparse.Namespace
+    client: httpx.Client
+    cluster: Cluster
+    reqs: Requests
+    rogue: Rogue
+
+    def metrics(self) -> str:
+        return self.client.get(self.cluster.p.url + "/metrics").text
+
+    def transfers(self) -> int:
+        return int(self.client.get(self.cluster.p.url + "/v1/kv_stats").json().get("transfers", 0))
+
+    def timed(self, phase: str, run: Callable[[], dict[str, Any]]) -> None:
+        """Run one phase; its figures, with P's RSS (unless the phase set its peak) and P's transfers."""
+        before = self.transfers()
+        figures = run()
+        figures.setdefault("rss_mb", rss_mb(_pid(self.cluster.p)))
+        figures["p_transfers"] = self.transfers() - before
+        self.out.phases[phase] = figures
+
+    def flood(self) -> dict[str, Any]:
+        """The flood, with real requests running beside it in a thread until P has taken all of it and at
+        least half of ``--requests`` are done (or ``--phase-timeout``); P's RSS sampled meanwhile."""
+        out, args = self.out, self.args
+        text = self.metrics()
+        out.drops_before, out.failures_before = dropped_by_reason(text), failures_by_reason(text)
+        stop = threading.Event()
+        during: list[Sample] = []
+        deadline = time.monotonic() + args.phase_timeout
+
+        def drive() -> None:
+            # Its own HTTP client: this thread's requests and the main thread's scrapes share nothing.
+            with httpx.Client(timeout=args.request_timeout) as own:
+                during.extend(
+                    self.reqs.with_client(own).run_until(stop, max(1, args.requests // 2), deadline)
+                )
+
+        worker = threading.Thread(target=drive, name="flood-requests", daemon=True)
+        with RssSampler(_pid(self.cluster.p)) as rss:
+            worker.start()
+            out.sent = self.rogue.flood(args.push_regs, args.heartbeat_ids, args.heartbeat_msgs, args.rate)
+            expect = (
+                {"unauthenticated": out.sent.push_regs + out.sent.heartbeats}
+                if out.mode == "secret"
+                else {"heartbeat_unknown_ids": out.sent.heartbeat_ids}
+            )
+            left = max(1.0, deadline - time.monotonic())
+            out.drain_s, out.drained = _wait_counted(
+                self.client, self.cluster.p.url, dropped_by_reason, out.drops_before, expect, left,
+                self.rogue.agent.progress, still_s=_STILL_S,
+            )  # fmt: skip
+            stop.set()
+            worker.join(timeout=args.request_timeout + 5.0)
+        figures = phase_figures(during)
+        figures["rss_mb"] = rss.peak
+        return figures
+
+    def settle(self) -> None:
+        """Wait until P ended every registration the flood made (they hold P's early-registration slots
+        until their fence expires: counted in ``kvwire_failures``), at most ``--settle-timeout``."""
+        out = self.out
+        dropped = drops_between(out.drops_before, dropped_by_reason(self.metrics()))
+        # The push_regs P took (real push_regs dropped as overload meanwhile make this a little low).
+        held = max(0, out.sent.push_regs - dropped.get("overload", 0) - dropped.get("unauthenticated", 0))
+        before = {"all": sum(out.failures_before.values())}
+        out.settle_s, out.settled = _wait_counted(
+            self.client, self.cluster.p.url, lambda t: {"all": sum(failures_by_reason(t).values())},
+            before, {"all": held}, self.args.settle_timeout, self.rogue.agent.progress,
+        )  # fmt: skip
+
+    def finish(self) -> None:
+        text = self.metrics()
+        self.out.drops = drops_between(self.out.drops_before, dropped_by_reason(text))
+        self.out.failures = drops_between(self.out.failures_before, failures_by_reason(text))
+
+
+def run_mode(mode: str, args: argparse.Namespace, refs: Mapping[str, list[int]], log_dir: Path) -> ModeResult:
+    """Start P, D and the router (with ``KVWIRE_SECRET`` in secret mode), run the phases, stop them."""
+    secret = BENCH_SECRET if mode == "secret" else None
+    out = ModeResult(mode)
+    with ServerGroup(log_dir / mode, server_env()) as group:
+        cluster = start_cluster(group, secret, args)
+        p_pid = _pid(cluster.p)
+        with httpx.Client(timeout=args.request_timeout) as client:
+            reqs = Requests(client, cluster.router.url, "kvwire", refs, args.max_tokens, args.request_timeout)
+            reqs.run(args.warmup)  # handshakes, first allocations, lazy imports: not counted
+            before = _transfers(client, cluster.p.url)
+            out.phases["baseline"] = phase_figures(reqs.run(args.requests))
+            transfers = _transfers(client, cluster.p.url) - before
+            out.phases["baseline"].update(rss_mb=rss_mb(p_pid), p_transfers=transfers)
+            out.outsider_fetch = outsider_fetch("127.0.0.1", cluster.side_channel_port)
+            out.metadata_source = (
+                "out of band (fetched by the bench WITH the secret: a worst case)"
+                if secret
+                else "P's side channel (a notif-only get_metadata, no credentials)"
+            )
+            p_md = fetch_p_metadata("127.0.0.1", cluster.side_channel_port, secret)
+            listener = Listener()
+            try:
+                rogue = Rogue(p_md, listener.port)
+                try:
+                    m = Mode(out, args, client, cluster, reqs, rogue)
+                    m.timed("during", m.flood)
+                    m.settle()
+                    m.timed("after", lambda: phase_figures(reqs.run(args.requests)))
+                    m.finish()
+                finally:
+                    rogue.close()
+            finally:
+                listener.close()
+            out.listener_connections = listener.connections
+            out.phases["after"]["rss_hwm_mb"] = hwm_mb(p_pid)
+        group.check_all_alive()
+    return out
+
+
+def _transfers(client: httpx.Client, url: str) -> int:
+    return int(client.get(url + "/v1/kv_stats").json().get("transfers", 0))
+
+
+# -- the run -------------------------------------------------------------------------------------------------
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _cases(result: ModeResult) -> list[dict[str, Any]]:
+    base = result.phases["baseline"]
+    cases = []
+    for phase in PHASES:
+        fig = result.phases[phase]
+        case = {"mode": result.mode, "phase": phase, **fig}
+        for key in ("p50_ms", "p99_ms", "rss_mb"):
+            case[key.rsplit("_", 1)[0] + "_x_baseline"] = _ratio(fig.get(key), base.get(key))
+        cases.append(case)
+    return cases
+
+
+def _mode_doc(result: ModeResult) -> dict[str, Any]:
+    base, during = result.phases["baseline"], result.phases["during"]
+    growth = None if during["rss_mb"] is None else during["rss_mb"] - base["rss_mb"]
+    return {
+        "drops": result.drops,
+        "p_failures": result.failures,
+        "listener_connections": result.listener_connections,
+        "sent": {"push_regs": result.sent.push_regs, "heartbeats": result.sent.heartbeats,
+                 "heartbeat_ids": result.sent.heartbeat_ids, "send_errors": result.sent.errors,
+                 "seconds": result.sent.seconds},
+        "drain_s": result.drain_s,
+        "drained": result.drained,
+        "settle_s": result.settle_s,
+        "settled": result.settled,
+        "rss_growth_mb": growth,
+        "rss_hwm_mb": result.phases["after"].get("rss_hwm_mb"),
+        "metadata_source": result.metadata_source,  # how the rogue got P's connection metadata
+        "outsider_fetch": result.outsider_fetch,
+    }  # fmt: skip
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    refs = reference_answers(prompts(args.prompt_tokens), args.max_tokens)
+    keep = args.log_dir is not None
+    log_dir = Path(args.log_dir) if keep else Path(tempfile.mkdtemp(prefix="kvwire-bench-flood-"))
+    ok = False
+    results: list[ModeResult] = []
+    try:
+        for mode in args.modes:
+            results.append(run_mode(mode, args, refs, log_dir))
+        ok = True
+    finally:
+        if ok and not keep:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        elif not ok:
+            print(f"flood: server logs kept in {log_dir}", flush=True)
+    doc: dict[str, Any] = envelope("flood", [c for r in results for c in _cases(r)])
+    doc["modes"] = {r.mode: _mode_doc(r) for r in results}
+    doc["config"] = {
+        "requests": args.requests, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens or None,
+        "push_regs": args.push_regs,
+        "heartbeat_ids": args.heartbeat_ids, "heartbeat_msgs": args.heartbeat_msgs, "rate": args.rate,
+        "p_max_early_registrations": args.p_max_early_registrations or "P's default",
+        "p_fence_ms": args.p_fence_ms or "P's default",
+        "preset": PRESET, "backend": "nixl",
+    }  # fmt: skip
+    return doc
+
+
+# -- output --------------------------------------------------------------------------------------------------
+def _fmt(v: Any) -> Any:
+    return "-" if v is None else v
+
+
+def print_results(doc: Mapping[str, Any]) -> None:
+    rows = [
+        (c["mode"], c["phase"], c["requests"], c["failed"], c["wrong"], _fmt(c["p50_ms"]), _fmt(c["p99_ms"]),
+         _fmt(c["rss_mb"]), _fmt(c["p50_x_baseline"]), _fmt(c["p99_x_baseline"]), _fmt(c["rss_x_baseline"]))
+        for c in doc["cases"]
+    ]  # fmt: skip
+    print_table(
+        "flood: real requests through the router while a rogue peer floods P (during: P's peak RSS)",
+        ("mode", "phase", "reqs", "failed", "wrong", "p50 ms", "p99 ms", "P RSS MB", "p50 x base",
+         "p99 x base", "RSS x base"),
+        rows,
+    )  # fmt: skip
+    drop_rows = []
+    for mode, m in doc["modes"].items():
+        sent = m["sent"]
+        flood = (
+            f"{sent['push_regs']} push_regs, {sent['heartbeats']} heartbeats ({sent['heartbeat_ids']} ids)"
+        )
+        drops = ", ".join(f"{r} {n}" for r, n in m["drops"].items()) or "none"
+        ended = ", ".join(f"{r} {n}" for r, n in m["p_failures"].items()) or "none"
+        held = f"{m['settle_s']:.1f}" + ("" if m["settled"] else " (timeout)")
+        drop_rows.append(
+            (mode, flood, drops, ended, held, m["listener_connections"], _fmt(m["rss_growth_mb"]))
+        )
+    print_table(
+        "flood: what P did with it (kvwire_dropped_notifications and kvwire_failures from P's /metrics)",
+        ("mode", "sent", "dropped by reason", "registrations ended", "held s", "P dialled", "RSS +MB"),
+        drop_rows,
+    )
+    for mode, m in doc["modes"].items():
+        print(f"{mode}: the rogue got P's metadata from {m['metadata_source']}; an unsigned get_metadata "
+              f"gets {m['outsider_fetch']}")  # fmt: skip
+    print(
+        "held s: after the flood phase, until P had ended the registrations the flood made; P dialled: "
+        "connections the bench's listener (named in every push_reg) received"
+    )
+
+
+def plot(path: str, doc: Mapping[str, Any]) -> None:
+    labels = [f"{c['mode']}\n{c['phase']}" for c in doc["cases"]]
+    series = {
+        "p50 ms": [c["p50_ms"] or 0.0 for c in doc["cases"]],
+        "p99 ms": [c["p99_ms"] or 0.0 for c in doc["cases"]],
+        "P RSS MB": [c["rss_mb"] or 0.0 for c in doc["cases"]],
+    }
+    bar_plot(path, "flood: latency and P's RSS per phase", labels, series, "ms / MB")
+
+
+def _modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"modes are a comma-separated list of {', '.join(MODES)}")
+    return modes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--modes", type=_modes, default=",".join(MODES), help="comma-separated: open (no secret), secret")
+    add("--requests", type=int, default=30, help="real requests in the baseline and after phases")
+    add("--warmup", type=int, default=5, help="requests before the baseline, not counted")
+    add("--max-tokens", type=int, default=4, help="tokens per real request")
+    add(
+        "--prompt-tokens",
+        type=int,
+        default=0,
+        help="prompt length of the real requests; 0: short prompts "
+        "of 16-57 tokens (P's prefill then often ends before D's push_reg arrives, so a full table of "
+        "early registrations hits only some of them; 1500: most)",
+    )
+    add("--push-regs", type=int, default=20_000, help="push_regs for unknown transfers in the flood")
+    add("--heartbeat-ids", type=int, default=500_000, help="unknown transfer ids named by heartbeats")
+    add("--heartbeat-msgs", type=int, default=50, help="heartbeat messages carrying them")
+    add("--rate", type=float, default=0.0, help="flood messages per second; 0: as fast as possible")
+    add(
+        "--p-max-early-registrations",
+        type=int,
+        default=0,
+        help="P's --max-early-registrations (0: its default)",
+    )
+    add(
+        "--p-fence-ms",
+        type=int,
+        default=0,
+        help="P's --fence-ms (0: its default): how long P holds a push_reg whose prefill has not finished",
+    )
+    add(
+        "--settle-timeout",
+        type=float,
+        default=40.0,
+        help="after the flood, wait at most this long for P to "
+        "end the registrations it took (their fence) before the after phase",
+    )
+    add("--phase-timeout", type=float, default=60.0, help="the flood phase ends by then at the latest")
+    add("--startup-timeout", type=float, default=120.0)
+    add("--request-timeout", type=float, default=30.0)
+    add("--json", metavar="PATH", help="write the results as JSON")
+    add("--plot", metavar="PATH", help="write a PNG plot")
+    add(
+        "--log-dir",
+        metavar="DIR",
+        help="keep the servers' logs there (default: a temporary directory, kept only when the bench fails)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    doc = measure(args)
+    print_results(doc)
+    if args.json:
+        write_json(args.json, doc)
+    if args.plot:
+        plot(args.plot, doc)
+    failed = {f"{c['mode']}/{c['phase']}": c["failed"] for c in doc["cases"] if c["failed"]}
+    if failed:
+        print(f"flood: real requests failed (an error answer or a timeout): {failed}")
+    wrong = sum(c["wrong"] for c in doc["cases"])
+    if wrong:
+        print(f"flood: {wrong} real requests answered tokens other than the reference's")
+        return 1
+    return 0
