@@ -365,6 +365,19 @@ def test_d_handshake_failure_reports_to_d_side_channel_and_frees(
         assert reports[0].failed == t.failed(told).msg and reports[0].remote == (0, 0)
 
 
+def test_d_handshake_failure_during_the_prefill_ends_the_registration_at_once() -> None:
+    """The push_reg came before the prefill ended: the handshake's failure ends the registration and tells
+    D then, not when the prefill ends (it may be long) or at the fence."""
+    t = P()
+    hs = one(t.from_d(0.0, t.push_reg()), StartHandshake)
+    out = t.h.done(0.1, hs.token, None, "incompatible", FailReason.INCOMPATIBLE)
+    reports = [a for a in out if isinstance(a, ReportFailure)]
+    assert len(reports) == 1 and reports[0].failed == t.failed(FailReason.INCOMPATIBLE).msg
+    assert events(out) == []  # the request lives on: the engine has not finished it
+    out = t.h.at(0.2, Finished(TID, BLOCKS, TOKENS))
+    assert events(out) == [freed(ProducerOutcome.FAILED)] and not [a for a in out if isinstance(a, Send)]
+
+
 def test_bad_d_block_ids_are_refused_before_any_write() -> None:
     t = P()
     hs = one(t.from_d(0.0, t.push_reg(blocks=[7, 99])), StartHandshake)  # D has 16 blocks

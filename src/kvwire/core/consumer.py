@@ -306,6 +306,14 @@ class PushConsumerCore(ConsumerCore):
         super().__init__(*args, **kwargs)
         self._sending: dict[int, tuple[Request, LocalPart, Link]] = {}  # push_reg token
 
+    @property
+    def busy(self) -> bool:
+        """A registration waits for P's writes: they may land (with ``done``) at any moment, and D polls
+        for that ``done``, so it polls at the busy rate; idle backoff here delayed READY by up to the idle
+        interval (2 ms) after the last byte."""
+        parts = (p for r in self._requests.values() for p in r.parts.values())
+        return any(p.machine.state is ConsumerState.WAITING for p in parts)
+
     def _start(self, now: float, req: Request, part: LocalPart, link: Link, peer: PeerRank) -> None:
         reg = PushReg(
             transfer_id=req.transfer_id,

@@ -437,6 +437,9 @@ PRODUCER_TABLE: TransitionTable[ProducerState, ProducerTrigger] = TransitionTabl
                 [
                     (_PE.PREFILL_DONE, _PS.CONNECTING),
                     (_PE.CANCEL, _PS.CANCELLED),
+                    # The handshake with D runs during the prefill: its failure ends the registration
+                    # at once (and D is told), not when the prefill ends or the fence expires.
+                    (_PE.HANDSHAKE_FAILED, _PS.FAILED),
                     (_PE.FENCE_EXPIRED, _PS.FAILED),
                     (_PE.PEER_DEAD, _PS.FAILED),
                     *_PRE_WRITE_FAILS,
