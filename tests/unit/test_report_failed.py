@@ -10,14 +10,20 @@ import pytest
 from connector_env import Pair, wait_for
 
 from kvwire.connector import ConnectorConfig, ConsumerEventKind, ProducerOutcome
-from kvwire.connector.reports import deliver
+from kvwire.connector.reports import Reporter
 from kvwire.core.io import ReportFailure
 from kvwire.errors import NoSuchRank, Unauthorized
 from kvwire.handshake.client import send_report
 from kvwire.handshake.types import PeerAddress
 from kvwire.kv.spec import KVSpec
-from kvwire.protocol.codec import encode_notif
-from kvwire.protocol.messages import Failed, FailReason, PushReg, ReportFailed
+from kvwire.protocol.codec import (
+    FRAME_HEADER_BYTES,
+    decode_side,
+    encode_frame,
+    encode_notif,
+    parse_frame_header,
+)
+from kvwire.protocol.messages import Ack, Failed, FailReason, PushReg, ReportFailed
 from kvwire.testing.engines import untouched_blocks_zero
 from kvwire.transport.base import make_agent_name
 
@@ -108,21 +114,45 @@ def test_p_takes_no_reports() -> None:
         pair.close()
 
 
-def test_an_unreachable_d_side_channel_ends_the_report_quietly() -> None:
-    """The delivery is one bounded attempt; a failure is the caller's to log, never a hang."""
+def _action(tid: str, port: int) -> ReportFailure:
+    reason = FailReason.INCOMPATIBLE
+    failed = Failed(transfer_id=tid, engine_id="p", incarnation="i", tp_rank=0, pp_rank=0, reason=reason)
+    return ReportFailure((0, 0), "127.0.0.1", port, (0, 0), failed)
+
+
+def test_reports_to_one_address_go_one_at_a_time_and_stop_when_nobody_answers() -> None:
+    """A burst of failed registrations naming one address opens one connection at a time there; once
+    nobody answers, the rest of that address's queue is dropped (counted), never a hang."""
 
     async def body() -> None:
+        live, peak, served = 0, 0, 0
 
-        failed = Failed(
-            transfer_id="t",
-            engine_id="p",
-            incarnation="i",
-            tp_rank=0,
-            pp_rank=0,
-            reason=FailReason.INCOMPATIBLE,
-        )
-        action = ReportFailure((0, 0), "127.0.0.1", 1, (0, 0), failed)
-        assert await deliver(action, timeout_s=1.0, secret=None) is False
+        async def ack(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal live, peak, served
+            live += 1
+            peak = max(peak, live)
+            header = await reader.readexactly(FRAME_HEADER_BYTES)
+            req = decode_side(await reader.readexactly(parse_frame_header(header)))
+            assert isinstance(req, ReportFailed)
+            await asyncio.sleep(0.002)
+            writer.write(encode_frame(Ack()))
+            await writer.drain()
+            served += 1
+            live -= 1
+            writer.close()
+
+        server = await asyncio.start_server(ack, "127.0.0.1", 0)
+        port = int(server.sockets[0].getsockname()[1])
+        reporter = Reporter(timeout_s=2.0, secret=None)
+        tasks = [t for t in (reporter.submit(_action(f"t{i}", port)) for i in range(20)) if t is not None]
+        assert len(tasks) == 1
+        await asyncio.gather(*tasks)
+        assert (served, peak, reporter.delivered, reporter.dropped) == (20, 1, 20, 0)
+        server.close()
+
+        tasks = [t for t in (reporter.submit(_action(f"u{i}", 1)) for i in range(5)) if t is not None]
+        await asyncio.gather(*tasks)
+        assert (reporter.delivered, reporter.dropped) == (20, 5)
 
     asyncio.run(body())
 

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
-from kvwire.connector.reports import as_notification, deliver
+from kvwire.connector.reports import Reporter, as_notification
 from kvwire.connector.timeline import Stage, Timeline
 from kvwire.core.base import CoreBase, DropReason, Feeder, Refused
 from kvwire.core.config import ConnectorConfig
@@ -163,6 +163,7 @@ class ConnectorBase(Generic[E]):
         self._secret = secret
         # With a secret every notification is sealed to its receiver, and only sealed ones are taken.
         self._gate = NotifGate(secret)
+        self.reporter = Reporter(timeout_s=self.config.handshake_timeout_s, secret=secret)
         self._clock = clock
         num_blocks = min(r.cache.num_blocks for r in ranks)
         layouts = {
@@ -358,10 +359,10 @@ class ConnectorBase(Generic[E]):
         elif isinstance(action, StartHandshake):
             self._handshake(action)
         elif isinstance(action, ReportFailure):
-            report = deliver(action, timeout_s=self.config.handshake_timeout_s, secret=self._secret)
-            task = asyncio.ensure_future(report)
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            task = self.reporter.submit(action)
+            if task is not None:
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
         elif isinstance(action, ForgetPeer):
             for mgr in self.managers.values():
                 mgr.forget(action.engine_id, action.incarnation)

@@ -9,6 +9,8 @@ names, so the core's own checks (known transfer, that P life, that rank) apply u
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import logging
 
 from kvwire.core.io import NotifIn, ReportFailure
@@ -20,6 +22,9 @@ from kvwire.protocol.messages import Failed, ReportFailed
 from kvwire.transport.base import make_agent_name
 
 log = logging.getLogger("kvwire.connector")
+
+MAX_QUEUED_PER_ADDRESS = 256
+MAX_ADDRESSES = 1024
 
 
 def report_of(action: ReportFailure) -> ReportFailed:
@@ -60,3 +65,45 @@ def as_notification(report: ReportFailed) -> NotifIn:
     )
     sender = make_agent_name(report.engine_id, report.incarnation, report.from_pp_rank, report.from_tp_rank)
     return NotifIn((report.pp_rank, report.tp_rank), sender, encode_notif(failed))
+
+
+class Reporter:
+    """Delivers reports one at a time per address: a burst of failed registrations naming one address
+    (a D whose handshake fails, or a flood naming a listener) opens one connection at a time there, not one
+    per registration. Once a delivery fails (nobody answers), that address's queued reports are dropped:
+    there is no one to tell. Queues and addresses are bounded; drops are counted in ``dropped``."""
+
+    def __init__(self, *, timeout_s: float, secret: bytes | None) -> None:
+        self._timeout_s = timeout_s
+        self._secret = secret
+        self._queues: dict[tuple[str, int], collections.deque[ReportFailure]] = {}
+        self.delivered = 0
+        self.dropped = 0
+
+    def submit(self, action: ReportFailure) -> asyncio.Task[None] | None:
+        """Queue ``action``; a new task when this address had none draining (the caller tracks it)."""
+        addr = (action.host, action.port)
+        queue = self._queues.get(addr)
+        if queue is not None:
+            if len(queue) >= MAX_QUEUED_PER_ADDRESS:
+                self.dropped += 1
+            else:
+                queue.append(action)
+            return None
+        if len(self._queues) >= MAX_ADDRESSES:
+            self.dropped += 1
+            return None
+        self._queues[addr] = collections.deque([action])
+        return asyncio.ensure_future(self._drain(addr))
+
+    async def _drain(self, addr: tuple[str, int]) -> None:
+        queue = self._queues[addr]
+        try:
+            while queue:
+                if await deliver(queue.popleft(), timeout_s=self._timeout_s, secret=self._secret):
+                    self.delivered += 1
+                else:
+                    self.dropped += 1 + len(queue)
+                    queue.clear()
+        finally:
+            del self._queues[addr]
