@@ -405,20 +405,18 @@ def test_p_refuses_duplicate_overload_and_unexpected() -> None:
     t.from_d(0.0, t.push_reg())
     with pytest.raises(Refused) as dup:
         t.from_d(0.0, t.push_reg())
-    with pytest.raises(Refused) as over:
-        t.from_d(0.0, t.push_reg("req-2"))
+    # Overload: dropped (counted), and D told on its side channel (it would wait for its liveness).
+    over = t.from_d(0.0, t.push_reg("req-2"))
+    assert len(over) == 1 and isinstance(over[0], ReportFailure)
+    assert over[0].failed.reason is FailReason.OVERLOADED and over[0].failed.transfer_id == "req-2"
+    assert t.core.stats.dropped_notifs["overload"] == 1
     done = Done(transfer_id=TID, engine_id="D", incarnation="D-life1", tp_rank=0, pp_rank=0, num_blocks=2)
     with pytest.raises(Refused) as unexpected:
         t.from_d(0.0, done)
     with pytest.raises(Refused) as unknown:
         t.from_d(0.0, t.cancel("req-3"))
-    reasons = [e.value.reason for e in (dup, over, unexpected, unknown)]
-    assert reasons == [
-        DropReason.DUPLICATE,
-        DropReason.OVERLOAD,
-        DropReason.UNEXPECTED,
-        DropReason.UNKNOWN_TRANSFER,
-    ]
+    reasons = [e.value.reason for e in (dup, unexpected, unknown)]
+    assert reasons == [DropReason.DUPLICATE, DropReason.UNEXPECTED, DropReason.UNKNOWN_TRANSFER]
     assert t.core.registrations(TID) == 1 and t.core.registrations("req-2") == 0
     assert t.core.early_registrations == 1
 

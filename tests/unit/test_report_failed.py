@@ -4,6 +4,7 @@ to D's side channel as a ``report_failed``, since no notification can reach a D 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -24,7 +25,7 @@ from kvwire.protocol.codec import (
     parse_frame_header,
 )
 from kvwire.protocol.messages import Ack, Failed, FailReason, PushReg, ReportFailed
-from kvwire.testing.engines import untouched_blocks_zero
+from kvwire.testing.engines import same_bytes, untouched_blocks_zero
 from kvwire.transport.base import make_agent_name
 
 SPEC = KVSpec(num_layers=2, kv_heads=2, head_dim=8, block_size=4)
@@ -153,6 +154,8 @@ def test_reports_to_one_address_go_one_at_a_time_and_stop_when_nobody_answers() 
         tasks = [t for t in (reporter.submit(_action(f"u{i}", 1)) for i in range(5)) if t is not None]
         await asyncio.gather(*tasks)
         assert (reporter.delivered, reporter.dropped) == (20, 5)
+        # That address stays off for the backoff: a flood naming it opens no connection per message.
+        assert reporter.submit(_action("v", 1)) is None and reporter.dropped == 6
 
     asyncio.run(body())
 
@@ -188,5 +191,27 @@ def test_a_push_reg_of_a_gone_d_life_is_never_written_and_the_new_life_is_told_n
         dropped = pair.consumer.stats.dropped_notifs
         wait_for(lambda: dropped["unknown_transfer"] == 1, "the new life drops the report")
         assert untouched_blocks_zero(pair.d.ranks, [])
+    finally:
+        pair.close()
+
+
+def test_a_push_reg_p_has_no_room_for_fails_at_d_at_once_as_overloaded() -> None:
+    """P's table of registrations waiting for their prefill is full: P drops the push_reg and tells D,
+    which fails the request ``overloaded`` at once instead of calling a busy P dead at its liveness."""
+    pair = Pair(SPEC, config=dataclasses.replace(CFG, max_early_registrations=1))
+    try:
+        pair.consumer.request_allocated("first", [2, 3], 8, 0, pair.remote())
+        wait_for(lambda: pair.on_loop(lambda: pair.producer.core.early_registrations) == 1, "first held")
+        start = time.monotonic()
+        pair.consumer.request_allocated("second", [4, 5], 8, 0, pair.remote())
+        events = pair.d_event("second")
+        assert events[0].kind is ConsumerEventKind.FAILED and events[0].reason is FailReason.OVERLOADED
+        assert time.monotonic() - start < 3.0
+        assert pair.producer.stats.dropped_notifs["overload"] == 1
+        # The held one is still served.
+        kv = pair.fill_p([0, 1], 8)
+        pair.producer.request_finished("first", [0, 1], 8)
+        assert [e.kind for e in pair.d_event("first")] == [ConsumerEventKind.READY]
+        assert same_bytes(pair.d_tokens([2, 3], range(8)), kv)
     finally:
         pair.close()

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
+from collections.abc import Callable
 
 from kvwire.core.io import NotifIn, ReportFailure
 from kvwire.errors import KvwireError
@@ -70,19 +72,43 @@ def as_notification(report: ReportFailed) -> NotifIn:
 class Reporter:
     """Delivers reports one at a time per address: a burst of failed registrations naming one address
     (a D whose handshake fails, or a flood naming a listener) opens one connection at a time there, not one
-    per registration. Once a delivery fails (nobody answers), that address's queued reports are dropped:
-    there is no one to tell. Queues and addresses are bounded; drops are counted in ``dropped``."""
+    per registration. Once a delivery fails (nobody answers), that address's queued reports are dropped,
+    and so are new ones for ``backoff_s``: there is no one to tell, and a flood naming an address that
+    refuses reports must not turn into a connection per message. Queues and addresses are bounded; drops
+    are counted in ``dropped``."""
 
-    def __init__(self, *, timeout_s: float, secret: bytes | None) -> None:
+    def __init__(
+        self,
+        *,
+        timeout_s: float,
+        secret: bytes | None,
+        backoff_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._timeout_s = timeout_s
         self._secret = secret
+        self._backoff_s = backoff_s
+        self._clock = clock
         self._queues: dict[tuple[str, int], collections.deque[ReportFailure]] = {}
+        self._failed_at: dict[tuple[str, int], float] = {}
         self.delivered = 0
         self.dropped = 0
+
+    def _backing_off(self, addr: tuple[str, int]) -> bool:
+        at = self._failed_at.get(addr)
+        if at is None:
+            return False
+        if self._clock() - at < self._backoff_s:
+            return True
+        del self._failed_at[addr]
+        return False
 
     def submit(self, action: ReportFailure) -> asyncio.Task[None] | None:
         """Queue ``action``; a new task when this address had none draining (the caller tracks it)."""
         addr = (action.host, action.port)
+        if self._backing_off(addr):
+            self.dropped += 1
+            return None
         queue = self._queues.get(addr)
         if queue is not None:
             if len(queue) >= MAX_QUEUED_PER_ADDRESS:
@@ -105,5 +131,8 @@ class Reporter:
                 else:
                     self.dropped += 1 + len(queue)
                     queue.clear()
+                    if len(self._failed_at) >= MAX_ADDRESSES:
+                        del self._failed_at[next(iter(self._failed_at))]
+                    self._failed_at[addr] = self._clock()
         finally:
             del self._queues[addr]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 
-from kvwire.core.base import DropReason
+from kvwire.core.base import DropReason, log
 from kvwire.core.events import ProducerOutcome
 from kvwire.core.io import (
     ForgetPeer,
@@ -101,8 +101,8 @@ class PushProducerCore(ProducerCore):
     ) -> None:
         known = self._requests.get(msg.transfer_id)
         if known is None and self._early >= self.config.max_early_registrations:
-            detail = f"push_reg {msg.transfer_id}: {self._early} registrations wait for prefill"
-            raise self._refuse(DropReason.OVERLOAD, detail)
+            self._overloaded(key, sender, msg)
+            return
         if known is not None and (key, sender) in known.regs:
             raise self._refuse(DropReason.DUPLICATE, f"push_reg {msg.transfer_id} from {sender}")
         if known is not None and (key, sender) in known.cancelled:
@@ -220,6 +220,17 @@ class PushProducerCore(ProducerCore):
             self._on_xfer_ended(now, inp)
         else:
             raise IllegalTransition(self.role, "push", type(inp).__name__)
+
+    def _overloaded(self, key: RankKey, sender: str, msg: PushReg) -> None:
+        """Drop a push_reg the table of early registrations has no room for (counted ``overload``), and
+        tell D on its side channel: P holds nothing of it, and D would otherwise wait for its liveness
+        timeout and call a busy P dead. Reports go one at a time per address (the driver's Reporter), so
+        a flood naming one address costs one connection at a time there."""
+        self.stats.dropped_notifs[DropReason.OVERLOAD.value] += 1
+        log.debug("%s: push_reg %s from %s dropped: %d registrations wait for prefill",
+                  self.role, msg.transfer_id, sender, self._early)  # fmt: skip
+        failed = self._replies.failed(msg.transfer_id, key, FailReason.OVERLOADED)
+        self._do(ReportFailure(key, msg.host, msg.port, (0, msg.tp_rank), failed))
 
     def _on_d_handshake(self, now: float, req: Request, reg: Reg, inp: HandshakeDone) -> None:
         peer, error = inp.peer, inp.error

@@ -56,6 +56,8 @@ class FailReason(enum.Enum):
     PEER_DEAD = "peer_dead"
     ABORTED = "aborted"
     SHUTDOWN = "shutdown"
+    # P's table of registrations waiting for their prefill (max_early_registrations) was full: try later.
+    OVERLOADED = "overloaded"
     # D only, never sent: the peer's side channel refused our credentials (a secret on one side only).
     UNAUTHORIZED = "unauthorized"
     # D only: a ``done`` that does not match what D registered (num_blocks), so the KV cannot be trusted.
