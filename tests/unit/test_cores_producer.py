@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import pytest
 from cores_env import BLOCKS, CFG, D_BLOCKS, PULL, TID, TOKENS, P, freed
 
@@ -376,6 +377,18 @@ def test_d_handshake_failure_during_the_prefill_ends_the_registration_at_once() 
     assert events(out) == []  # the request lives on: the engine has not finished it
     out = t.h.at(0.2, Finished(TID, BLOCKS, TOKENS))
     assert events(out) == [freed(ProducerOutcome.FAILED)] and not [a for a in out if isinstance(a, Send)]
+
+
+def test_a_registration_refused_before_the_handshake_still_reaches_d_when_the_handshake_fails() -> None:
+    """The ``failed`` waited for D to be loaded; the handshake then failed: it goes as the report."""
+    t = P()
+    t.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
+    bad = msgspec.structs.replace(t.push_reg(), num_cached_tokens=TOKENS + 4)  # more cached than asked
+    hs = one(t.from_d(0.0, bad), StartHandshake)
+    out = t.h.done(0.1, hs.token, None, "timed out")
+    reports = [a for a in out if isinstance(a, ReportFailure)]
+    assert len(reports) == 1 and reports[0].failed == t.failed(FailReason.BAD_REGISTRATION).msg
+    assert reports[0].remote_incarnation == "D-life1"
 
 
 def test_bad_d_block_ids_are_refused_before_any_write() -> None:

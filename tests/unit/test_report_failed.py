@@ -7,13 +7,14 @@ import asyncio
 import dataclasses
 import time
 
+import msgspec
 import pytest
 from connector_env import Pair, wait_for
 
 from kvwire.connector import ConnectorConfig, ConsumerEventKind, ProducerOutcome
 from kvwire.connector.reports import Reporter
 from kvwire.core.io import ReportFailure
-from kvwire.errors import NoSuchRank, Unauthorized
+from kvwire.errors import HandshakeError, NoSuchRank, Unauthorized
 from kvwire.handshake.client import send_report
 from kvwire.handshake.types import PeerAddress
 from kvwire.kv.spec import KVSpec
@@ -24,7 +25,7 @@ from kvwire.protocol.codec import (
     encode_notif,
     parse_frame_header,
 )
-from kvwire.protocol.messages import Ack, Failed, FailReason, PushReg, ReportFailed
+from kvwire.protocol.messages import Ack, ErrorCode, ErrorReply, Failed, FailReason, PushReg, ReportFailed
 from kvwire.testing.engines import same_bytes, untouched_blocks_zero
 from kvwire.transport.base import make_agent_name
 
@@ -59,6 +60,7 @@ def _report(pair: Pair, tid: str, **kw: object) -> ReportFailed:
     fields: dict[str, object] = {
         "pp_rank": 0,
         "tp_rank": 0,
+        "to_incarnation": pair.d.engine.incarnation,
         "transfer_id": tid,
         "engine_id": p.engine_id,
         "incarnation": p.incarnation,
@@ -90,6 +92,8 @@ def test_reports_are_authenticated_checked_and_taken_as_the_failed_they_stand_fo
             _send(pair, _report(pair, "r2"), b"another secret")
         with pytest.raises(NoSuchRank):
             _send(pair, _report(pair, "r2", tp_rank=3), SECRET)
+        with pytest.raises(HandshakeError, match="not this one"):  # for an earlier life of D
+            _send(pair, _report(pair, "r2", to_incarnation="earlier-life"), SECRET)
         # Claiming another P life, or a transfer D does not hold: taken by the side channel, dropped by the
         # core exactly as the notification would be.
         _send(pair, _report(pair, "r2", incarnation="old-life"), SECRET)
@@ -118,7 +122,7 @@ def test_p_takes_no_reports() -> None:
 def _action(tid: str, port: int) -> ReportFailure:
     reason = FailReason.INCOMPATIBLE
     failed = Failed(transfer_id=tid, engine_id="p", incarnation="i", tp_rank=0, pp_rank=0, reason=reason)
-    return ReportFailure((0, 0), "127.0.0.1", port, (0, 0), failed)
+    return ReportFailure((0, 0), "127.0.0.1", port, (0, 0), failed, "d-life")
 
 
 def test_reports_to_one_address_go_one_at_a_time_and_stop_when_nobody_answers() -> None:
@@ -156,6 +160,36 @@ def test_reports_to_one_address_go_one_at_a_time_and_stop_when_nobody_answers() 
         assert (reporter.delivered, reporter.dropped) == (20, 5)
         # That address stays off for the backoff: a flood naming it opens no connection per message.
         assert reporter.submit(_action("v", 1)) is None and reporter.dropped == 6
+        # Without a secret an overload is never reported: the address came in an unauthenticated push_reg.
+        over = _action("w", port)
+        over = dataclasses.replace(
+            over, failed=msgspec.structs.replace(over.failed, reason=FailReason.OVERLOADED)
+        )
+        assert reporter.submit(over) is None and reporter.dropped == 7
+
+    asyncio.run(body())
+
+
+def test_a_refused_report_does_not_stop_the_next_ones() -> None:
+    """D answered (it refused one report, e.g. for a rank it does not serve): the queue goes on."""
+
+    async def body() -> None:
+        answers = [ErrorReply(code=ErrorCode.NO_SUCH_RANK, message="no"), Ack(), Ack()]
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            header = await reader.readexactly(FRAME_HEADER_BYTES)
+            await reader.readexactly(parse_frame_header(header))
+            writer.write(encode_frame(answers.pop(0)))
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = int(server.sockets[0].getsockname()[1])
+        reporter = Reporter(timeout_s=2.0, secret=None)
+        tasks = [t for t in (reporter.submit(_action(f"t{i}", port)) for i in range(3)) if t is not None]
+        await asyncio.gather(*tasks)
+        assert (reporter.delivered, reporter.dropped) == (2, 1)
+        server.close()
 
     asyncio.run(body())
 
@@ -163,7 +197,7 @@ def test_reports_to_one_address_go_one_at_a_time_and_stop_when_nobody_answers() 
 def test_a_push_reg_of_a_gone_d_life_is_never_written_and_the_new_life_is_told_nothing_it_holds() -> None:
     """A ``push_reg`` from D's previous life (delayed, or replayed by someone naming that life) reaches P
     after D restarted at the same address: P's handshake names that life, the new one answers, so P
-    writes nothing; its report reaches the new life, which holds no such transfer and drops it."""
+    writes nothing; its report names the old life, and the new one refuses it."""
     pair = Pair(SPEC, config=CFG)
     try:
         d = pair.d.engine
@@ -188,8 +222,9 @@ def test_a_push_reg_of_a_gone_d_life_is_never_written_and_the_new_life_is_told_n
         pair.on_loop(lambda: ghost.send_notif(pair.p_agent().name, encode_notif(reg)))
         assert pair.p_event("old").outcome is ProducerOutcome.FAILED
         assert pair.producer.stats.transfers_started == 0 and pair.producer.stats.handshakes_failed == 1
-        dropped = pair.consumer.stats.dropped_notifs
-        wait_for(lambda: dropped["unknown_transfer"] == 1, "the new life drops the report")
+        # The report names the old life: the new one refuses it (answered, so P's reporter counts a drop).
+        wait_for(lambda: pair.producer.reporter.dropped == 1, "the new life refuses the report")
+        assert pair.producer.reporter.delivered == 0 and not pair.consumer.stats.dropped_notifs
         assert untouched_blocks_zero(pair.d.ranks, [])
     finally:
         pair.close()
@@ -197,8 +232,9 @@ def test_a_push_reg_of_a_gone_d_life_is_never_written_and_the_new_life_is_told_n
 
 def test_a_push_reg_p_has_no_room_for_fails_at_d_at_once_as_overloaded() -> None:
     """P's table of registrations waiting for their prefill is full: P drops the push_reg and tells D,
-    which fails the request ``overloaded`` at once instead of calling a busy P dead at its liveness."""
-    pair = Pair(SPEC, config=dataclasses.replace(CFG, max_early_registrations=1))
+    which fails the request ``overloaded`` at once instead of calling a busy P dead at its liveness.
+    (With a secret: without one, P does not dial the address an unauthenticated push_reg names.)"""
+    pair = Pair(SPEC, config=dataclasses.replace(CFG, max_early_registrations=1), secret=SECRET)
     try:
         pair.consumer.request_allocated("first", [2, 3], 8, 0, pair.remote())
         wait_for(lambda: pair.on_loop(lambda: pair.producer.core.early_registrations) == 1, "first held")

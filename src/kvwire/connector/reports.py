@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import enum
 import logging
 import time
 from collections.abc import Callable
 
 from kvwire.core.io import NotifIn, ReportFailure
-from kvwire.errors import KvwireError
+from kvwire.errors import HandshakeTimeout, KvwireError, PeerUnreachable
 from kvwire.handshake.client import send_report
 from kvwire.handshake.types import PeerAddress
 from kvwire.protocol.codec import encode_notif
-from kvwire.protocol.messages import Failed, ReportFailed
+from kvwire.protocol.messages import Failed, FailReason, ReportFailed
 from kvwire.transport.base import make_agent_name
 
 log = logging.getLogger("kvwire.connector")
@@ -34,6 +35,7 @@ def report_of(action: ReportFailure) -> ReportFailed:
     return ReportFailed(
         pp_rank=action.remote[0],
         tp_rank=action.remote[1],
+        to_incarnation=action.remote_incarnation,
         transfer_id=f.transfer_id,
         engine_id=f.engine_id,
         incarnation=f.incarnation,
@@ -43,16 +45,29 @@ def report_of(action: ReportFailure) -> ReportFailed:
     )
 
 
-async def deliver(action: ReportFailure, *, timeout_s: float, secret: bytes | None) -> bool:
-    """One attempt within ``timeout_s``; False (logged) when D could not be told."""
+class Delivery(enum.Enum):
+    DELIVERED = "delivered"
+    REFUSED = "refused"  # D answered and refused this report (another life, no such rank, ...)
+    UNANSWERED = "unanswered"  # nobody answered: refused connection, reset, timeout
+
+
+async def deliver(action: ReportFailure, *, timeout_s: float, secret: bytes | None) -> Delivery:
+    """One attempt within ``timeout_s``; how it ended (logged at DEBUG)."""
     addr = PeerAddress(action.host, action.port, action.remote[0], action.remote[1])
+    tid = action.failed.transfer_id
     try:
         await send_report(addr, report_of(action), timeout_s=timeout_s, secret=secret)
+    except (PeerUnreachable, HandshakeTimeout) as exc:  # NobodyListens is a PeerUnreachable
+        log.debug("report_failed for %s to %s not answered: %s", tid, addr, exc)
+        return Delivery.UNANSWERED
     except KvwireError as exc:
-        log.debug("report_failed for %s to %s not delivered: %s", action.failed.transfer_id, addr, exc)
-        return False
-    log.debug("report_failed for %s delivered to %s", action.failed.transfer_id, addr)
-    return True
+        log.debug("report_failed for %s to %s refused: %s", tid, addr, exc)
+        return Delivery.REFUSED
+    except Exception as exc:  # e.g. an address the OS refuses to dial: never kill the task silently
+        log.debug("report_failed for %s to %s failed: %r", tid, addr, exc)
+        return Delivery.UNANSWERED
+    log.debug("report_failed for %s delivered to %s", tid, addr)
+    return Delivery.DELIVERED
 
 
 def as_notification(report: ReportFailed) -> NotifIn:
@@ -106,6 +121,11 @@ class Reporter:
     def submit(self, action: ReportFailure) -> asyncio.Task[None] | None:
         """Queue ``action``; a new task when this address had none draining (the caller tracks it)."""
         addr = (action.host, action.port)
+        if self._secret is None and action.failed.reason is FailReason.OVERLOADED:
+            # Without a secret the push_reg P had no room for is unauthenticated, and so is the address it
+            # names: P does not dial it (a flood must not make P a connection reflector).
+            self.dropped += 1
+            return None
         if self._backing_off(addr):
             self.dropped += 1
             return None
@@ -126,8 +146,11 @@ class Reporter:
         queue = self._queues[addr]
         try:
             while queue:
-                if await deliver(queue.popleft(), timeout_s=self._timeout_s, secret=self._secret):
+                how = await deliver(queue.popleft(), timeout_s=self._timeout_s, secret=self._secret)
+                if how is Delivery.DELIVERED:
                     self.delivered += 1
+                elif how is Delivery.REFUSED:
+                    self.dropped += 1  # D answers: the next report may well be taken
                 else:
                     self.dropped += 1 + len(queue)
                     queue.clear()

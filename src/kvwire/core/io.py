@@ -196,6 +196,7 @@ class ReportFailure:
     port: int
     remote: RankKey
     failed: Failed
+    remote_incarnation: str = ""  # the peer's life the registration came from (the report names it)
 
 
 @dataclass(frozen=True, slots=True)

@@ -221,6 +221,21 @@ class PushProducerCore(ProducerCore):
         else:
             raise IllegalTransition(self.role, "push", type(inp).__name__)
 
+    def _d_handshake_failed(self, req: Request, reg: Reg, inp: HandshakeDone, error: str) -> None:
+        """No notification can reach a D that P could not load, but its side channel may: D is told there
+        now (``report_failed``), not at its liveness timeout, whether the handshake's failure ends the
+        registration or it had ended before (a ``failed`` waiting for D to be loaded)."""
+        self.stats.handshakes_failed += 1
+        self._log_info("handshake with D for %s failed: %s", req.transfer_id, error)
+        reg.handshake_failed = True
+        queued = [m for m in reg.outbox if isinstance(m, Failed)]
+        reg.outbox.clear()
+        reason = FailReason.INCOMPATIBLE if inp.reason is FailReason.INCOMPATIBLE else None
+        if self._fail(req, reg, PT.HANDSHAKE_FAILED, reason):
+            queued = [self._replies.failed(req.transfer_id, reg.key, reason or FailReason.HANDSHAKE_FAILED)]
+        if queued and not inp.nobody_listens:
+            self._report(reg.key, reg.msg, queued[-1])
+
     def _overloaded(self, key: RankKey, sender: str, msg: PushReg) -> None:
         """Drop a push_reg the table of early registrations has no room for (counted ``overload``), and
         tell D on its side channel: P holds nothing of it, and D would otherwise wait for its liveness
@@ -229,8 +244,10 @@ class PushProducerCore(ProducerCore):
         self.stats.dropped_notifs[DropReason.OVERLOAD.value] += 1
         log.debug("%s: push_reg %s from %s dropped: %d registrations wait for prefill",
                   self.role, msg.transfer_id, sender, self._early)  # fmt: skip
-        failed = self._replies.failed(msg.transfer_id, key, FailReason.OVERLOADED)
-        self._do(ReportFailure(key, msg.host, msg.port, (0, msg.tp_rank), failed))
+        self._report(key, msg, self._replies.failed(msg.transfer_id, key, FailReason.OVERLOADED))
+
+    def _report(self, key: RankKey, msg: PushReg, failed: Failed) -> None:
+        self._do(ReportFailure(key, msg.host, msg.port, (0, msg.tp_rank), failed, msg.incarnation))
 
     def _on_d_handshake(self, now: float, req: Request, reg: Reg, inp: HandshakeDone) -> None:
         peer, error = inp.peer, inp.error
@@ -238,15 +255,7 @@ class PushProducerCore(ProducerCore):
             error = f"D at {reg.msg.host}:{reg.msg.port} is now {peer.agent_name}, not {reg.sender}"
             peer = None
         if peer is None:
-            self.stats.handshakes_failed += 1
-            self._log_info("handshake with D for %s failed: %s", req.transfer_id, error)
-            reg.handshake_failed = True
-            reg.outbox.clear()
-            reason = FailReason.INCOMPATIBLE if inp.reason is FailReason.INCOMPATIBLE else None
-            if self._fail(req, reg, PT.HANDSHAKE_FAILED, reason) and not inp.nobody_listens:
-                # No notification can reach D, but its side channel may: tell it now, not at its liveness.
-                failed = self._replies.failed(req.transfer_id, reg.key, reason or FailReason.HANDSHAKE_FAILED)
-                self._do(ReportFailure(reg.key, reg.msg.host, reg.msg.port, (0, reg.msg.tp_rank), failed))
+            self._d_handshake_failed(req, reg, inp, error)
             self._settle(now, req)
             return
         reg.peer = peer

@@ -143,7 +143,7 @@ async def _request(
     except ProtocolError as exc:
         raise HandshakeError(f"{addr}: bad reply: {exc}") from None
     rtt = time.perf_counter() - sent
-    reply = _opened(reply, req, secret, addr)
+    reply = opened_reply(reply, req, secret, addr)
     if isinstance(reply, ErrorReply):
         raise _REFUSALS[reply.code](f"{addr} refused: {reply.code.value}: {reply.message}")
     if not isinstance(reply, Metadata):
@@ -184,20 +184,30 @@ async def send_report(
         raise HandshakeError(f"{addr}: bad reply: {type(reply).__name__} is no ack")
 
 
+# Refusals a server with a secret sends plain: of a request it could not verify, or could not decode.
+_PLAIN_REFUSALS = frozenset({ErrorCode.UNAUTHORIZED, ErrorCode.BAD_REQUEST, ErrorCode.INCOMPATIBLE})
+
+
 @functools.lru_cache(maxsize=8)
 def _reply_seal(secret: bytes) -> ReplySeal:
     return ReplySeal(secret)
 
 
-def _opened(reply: SideMessage, req: GetMetadata, secret: bytes | None, addr: PeerAddress) -> SideMessage:
+def opened_reply(
+    reply: SideMessage, req: GetMetadata, secret: bytes | None, addr: PeerAddress
+) -> SideMessage:
     """The reply a holder of the secret can trust: with a secret, metadata only from a ``Sealed`` reply
     made for ``req`` (a relay or an impostor answering on the peer's address cannot make one). A plain
-    refusal passes: it grants nothing, and a peer refusing our credentials cannot seal its answer."""
+    refusal of our credentials or of an undecodable request passes (the server cannot seal it, and it
+    grants nothing); any other refusal must come sealed."""
     if not secret:
         if isinstance(reply, Sealed):
             raise Unauthorized(f"{addr}: the peer seals its replies (it has a KVWIRE_SECRET, this side none)")
         return reply
     if isinstance(reply, ErrorReply):
+        if reply.code not in _PLAIN_REFUSALS:  # the server seals these: a plain one is not its own
+            detail = f"unsealed {reply.code.value} refusal: not from a holder of the secret"
+            raise Unauthorized(f"{addr}: {detail}")
         return reply
     if not isinstance(reply, Sealed):
         raise Unauthorized(

@@ -339,6 +339,10 @@ class SideChannelServer:
                 ErrorCode.NO_SUCH_RANK,
                 f"{self.engine.engine_id} serves no rank pp{req.pp_rank}/tp{req.tp_rank}",
             )
+        if req.to_incarnation != self.engine.incarnation:
+            # Meant for an earlier life at this address (a restart): nothing of it lives here.
+            detail = f"report for life {req.to_incarnation[:64]!r}, not this one"
+            return self._refuse(ErrorCode.BAD_REQUEST, detail)
         self.stats.replies["report"] += 1
         self.on_report(req)
         return Ack()

@@ -49,6 +49,7 @@ def signed_bytes(req: SignedRequest) -> bytes:
                 req.version,
                 req.pp_rank,
                 req.tp_rank,
+                req.to_incarnation,
                 req.transfer_id,
                 req.engine_id,
                 req.incarnation,

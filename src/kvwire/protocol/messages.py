@@ -26,6 +26,7 @@ MAX_FRAME_BYTES = 16 * 1024 * 1024
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Version = Annotated[int, msgspec.Meta(ge=1)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 
 
 class TransferMode(enum.Enum):
@@ -162,9 +163,11 @@ class ReportFailed(msgspec.Struct, tag="report_failed", tag_field="type", kw_onl
     ``ack`` or ``error``."""
 
     version: Version = VERSION
-    # D's rank whose registration it was (the push_reg's tp_rank; D runs with pp_size 1).
+    # D's rank whose registration it was (the push_reg's tp_rank; D runs with pp_size 1), and D's life
+    # that sent the push_reg: a newer life at the same address refuses the report.
     pp_rank: NonNeg
     tp_rank: NonNeg
+    to_incarnation: str
     # The ``failed`` notification P would have sent: P's identity and rank, the transfer, the reason.
     transfer_id: str
     engine_id: str
@@ -201,7 +204,7 @@ class PushReg(_Notif, tag="push_reg", tag_field="type", kw_only=True):
     tp_rank: NonNeg
     tp_size: Positive
     host: str
-    port: NonNeg
+    port: Port
     block_ids: list[NonNeg]
     num_tokens: NonNeg
     num_cached_tokens: NonNeg = 0
