@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import logging
 import socket
 import sys
 
 from kvwire.errors import ConfigError
+
+log = logging.getLogger("kvwire")
 
 EXIT_CONFIG = 2  # what argparse uses for a bad command line: a configuration the process cannot run with
 
@@ -58,11 +61,22 @@ def is_loopback(host: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(str(i[4][0])).is_loopback for i in infos)
 
 
+MIN_SECRET_BYTES = 32
+
+
 def check_exposure(
     host: str, secret: bytes | None, insecure: bool, where: str = "--host", override: str = "pass --insecure"
 ) -> None:
     """Without a shared secret the side channel answers anyone with the cache's region map, and a peer
     holding that map can write into D's KV: such an engine binds a loopback address only, unless told."""
+    if secret is not None and len(secret) < MIN_SECRET_BYTES:
+        # Not refused (tests and loopback demos use short ones), but said at start: one captured signed
+        # request is enough to guess a short secret offline.
+        log.warning(
+            "KVWIRE_SECRET is %d bytes: use at least %d random ones (e.g. `openssl rand -hex 32`)",
+            len(secret),
+            MIN_SECRET_BYTES,
+        )
     if secret is None and not insecure and not is_loopback(host):
         raise ConfigError(
             f"{where} {host} without KVWIRE_SECRET would let anyone who reaches it read the KV layout and "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -164,6 +165,14 @@ def test_no_secret_refuses_a_non_loopback_address_unless_insecure() -> None:
     for host in ("0.0.0.0", "10.0.0.1", "::"):
         with pytest.raises(ConfigError, match="--insecure"):
             check_exposure(host, None, insecure=False)
+
+
+def test_a_short_secret_is_named_at_start(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvwire"):
+        check_exposure("127.0.0.1", b"s3cret", insecure=False)
+        check_exposure("127.0.0.1", bytes(range(32)), insecure=False)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "6 bytes" in warnings[0] and "openssl rand -hex 32" in warnings[0]
 
 
 def test_bad_option_values_are_one_line() -> None:
