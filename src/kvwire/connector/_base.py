@@ -163,7 +163,6 @@ class ConnectorBase(Generic[E]):
         self._secret = secret
         # With a secret every notification is sealed to its receiver, and only sealed ones are taken.
         self._gate = NotifGate(secret)
-        self.reporter = Reporter(timeout_s=self.config.handshake_timeout_s, secret=secret)
         self._clock = clock
         num_blocks = min(r.cache.num_blocks for r in ranks)
         layouts = {
@@ -171,6 +170,8 @@ class ConnectorBase(Generic[E]):
             for key, r in self.ranks.items()
         }
         self.core = self._make_core(layouts, num_blocks)
+        timeout = self.config.handshake_timeout_s
+        self.reporter = Reporter(timeout_s=timeout, secret=secret, drops=self.core.stats.dropped_notifs)
         self._warm_up = warm_up
         self._own_loop = loop is None
         self._bg = loop
@@ -376,10 +377,8 @@ class ConnectorBase(Generic[E]):
         """Send one notification; False (logged) when the transport refuses."""
         self._quiet = 0  # an answer may follow
         try:
-            data = self._gate.outgoing(
-                self.ranks[action.key].agent.name, action.peer, encode_notif(action.msg)
-            )
-            self.ranks[action.key].agent.send_notif(action.peer, data)
+            agent, peer = self.ranks[action.key].agent, action.peer
+            agent.send_notif(peer, self._gate.outgoing(agent.name, peer, encode_notif(action.msg)))
         except PeerDisconnected as exc:
             log.debug("%s: %s to %s not sent: %s", self.role, type(action.msg).__name__, action.peer, exc)
             self._forget_agent(action.peer)  # its process is gone: nothing of it stays loaded

@@ -14,6 +14,7 @@ import collections
 import enum
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 
 from kvwire.core.io import NotifIn, ReportFailure
@@ -26,6 +27,7 @@ from kvwire.transport.base import make_agent_name
 
 log = logging.getLogger("kvwire.connector")
 
+UNDELIVERED = "report_undelivered"
 MAX_QUEUED_PER_ADDRESS = 256
 MAX_ADDRESSES = 1024
 
@@ -99,7 +101,11 @@ class Reporter:
         secret: bytes | None,
         backoff_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        drops: Counter[str] | None = None,
     ) -> None:
+        # ``drops``: the connector's dropped-notification counter (``/metrics``), where undelivered reports
+        # are counted as ``report_undelivered``.
+        self._drops: Counter[str] = drops if drops is not None else Counter()
         self._timeout_s = timeout_s
         self._secret = secret
         self._backoff_s = backoff_s
@@ -107,7 +113,13 @@ class Reporter:
         self._queues: dict[tuple[str, int], collections.deque[ReportFailure]] = {}
         self._failed_at: dict[tuple[str, int], float] = {}
         self.delivered = 0
-        self.dropped = 0
+
+    @property
+    def dropped(self) -> int:
+        return self._drops[UNDELIVERED]
+
+    def _drop(self, n: int = 1) -> None:
+        self._drops[UNDELIVERED] += n
 
     def _backing_off(self, addr: tuple[str, int]) -> bool:
         at = self._failed_at.get(addr)
@@ -124,20 +136,20 @@ class Reporter:
         if self._secret is None and action.failed.reason is FailReason.OVERLOADED:
             # Without a secret the push_reg P had no room for is unauthenticated, and so is the address it
             # names: P does not dial it (a flood must not make P a connection reflector).
-            self.dropped += 1
+            self._drop()
             return None
         if self._backing_off(addr):
-            self.dropped += 1
+            self._drop()
             return None
         queue = self._queues.get(addr)
         if queue is not None:
             if len(queue) >= MAX_QUEUED_PER_ADDRESS:
-                self.dropped += 1
+                self._drop()
             else:
                 queue.append(action)
             return None
         if len(self._queues) >= MAX_ADDRESSES:
-            self.dropped += 1
+            self._drop()
             return None
         self._queues[addr] = collections.deque([action])
         return asyncio.ensure_future(self._drain(addr))
@@ -150,9 +162,9 @@ class Reporter:
                 if how is Delivery.DELIVERED:
                     self.delivered += 1
                 elif how is Delivery.REFUSED:
-                    self.dropped += 1  # D answers: the next report may well be taken
+                    self._drop()  # D answers: the next report may well be taken
                 else:
-                    self.dropped += 1 + len(queue)
+                    self._drop(1 + len(queue))
                     queue.clear()
                     if len(self._failed_at) >= MAX_ADDRESSES:
                         del self._failed_at[next(iter(self._failed_at))]
