@@ -13,7 +13,7 @@ import dataclasses
 
 import msgspec
 import pytest
-from cores_env import BLOCKS, CFG, D_BLOCKS, PULL, TID, TOKENS, P, freed
+from cores_env import BLOCKS, CFG, D_BLOCKS, PULL, PUSH, TID, TOKENS, P, freed
 
 from kvwire.core.base import DropReason, Refused
 from kvwire.core.events import ProducerOutcome
@@ -432,6 +432,23 @@ def test_p_refuses_duplicate_overload_and_unexpected() -> None:
     assert reasons == [DropReason.DUPLICATE, DropReason.UNEXPECTED, DropReason.UNKNOWN_TRANSFER]
     assert t.core.registrations(TID) == 1 and t.core.registrations("req-2") == 0
     assert t.core.early_registrations == 1
+
+
+def test_one_d_life_holds_at_most_its_share_of_the_early_registrations() -> None:
+    """A peer that fills its share (max_early_registrations_per_peer) is refused as overloaded; another D
+    life still registers; a slot comes back when one of its requests leaves the prefill."""
+    t = P(dataclasses.replace(CFG, max_early_registrations=8, max_early_registrations_per_peer=2))
+    d2 = TestEngine.build("D2", mode=PUSH, port=6001)
+    for tid in ("a1", "a2"):
+        one(t.from_d(0.0, t.push_reg(tid)), StartHandshake)
+    over = t.from_d(0.0, t.push_reg("a3"))
+    assert [type(a) for a in over] == [ReportFailure] and over[0].failed.reason is FailReason.OVERLOADED
+    other = msgspec.structs.replace(t.push_reg("b1"), engine_id=d2.engine_id, incarnation=d2.incarnation)
+    one(t.h.at(0.0, d2.notif(other)), StartHandshake)
+    assert t.core.early_registrations == 3
+    t.h.at(0.1, Finished("a1", BLOCKS, TOKENS))  # a1 leaves the prefill: D's share has room again
+    one(t.from_d(0.2, t.push_reg("a3")), StartHandshake)
+    assert t.core.stats.dropped_notifs["overload"] == 1
 
 
 # -- P (pull) ---------------------------------------------------------------------------------------------

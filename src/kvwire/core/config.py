@@ -51,6 +51,8 @@ class ConnectorConfig:
     # P: registrations for requests it has not finished yet (D registers while P prefills) at most; more
     # are dropped (counted as "overload"): one peer's flood of push_regs cannot grow P without bound.
     max_early_registrations: int = 4096
+    # ...and from one D engine life at most: one peer cannot fill the table for every other D.
+    max_early_registrations_per_peer: int = 1024
 
     def __post_init__(self) -> None:
         positive = {
@@ -69,8 +71,9 @@ class ConnectorConfig:
         for name, value in positive.items():
             if not value > 0:
                 raise ConfigError(f"{name} must be positive, got {value!r}")
-        if self.max_early_registrations <= 0:
-            raise ConfigError(f"max_early_registrations must be positive, got {self.max_early_registrations}")
+        for name in ("max_early_registrations", "max_early_registrations_per_peer"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.dead_peer_grace_s < 0 or self.handshake_retries < 0:
             raise ConfigError("dead_peer_grace_s and handshake_retries must not be negative")
         if self.liveness_timeout_s <= self.heartbeat_interval_s:

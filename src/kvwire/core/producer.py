@@ -32,6 +32,7 @@ class ProducerCore(CoreBase):
         # tombstone period is fixed), so a busy engine's thousands of ended requests cost nothing per tick.
         self._live_reqs: dict[str, Request] = {}
         self._early = 0  # live requests still PREFILLING (registered by D, not finished here yet)
+        self._early_by_life: collections.Counter[tuple[str, str]] = collections.Counter()  # their owners
         self._tombs: collections.deque[Request] = collections.deque()
         self._replies = Replies(self.engine)
 
@@ -74,6 +75,14 @@ class ProducerCore(CoreBase):
             self._early += 1
         return req
 
+    def _leave_early(self, req: Request) -> None:
+        self._early -= 1
+        owner = req.early_owner
+        if owner is not None:
+            self._early_by_life[owner] -= 1
+            if self._early_by_life[owner] <= 0:
+                del self._early_by_life[owner]
+
     def _finished(self, now: float, inp: Finished) -> None:
         ids = list(inp.block_ids)
         if any(not 0 <= b < self.num_blocks for b in ids) or len(set(ids)) != len(ids):
@@ -85,7 +94,7 @@ class ProducerCore(CoreBase):
         if req.phase is Phase.ENDED:  # aborted, or every registration already ended: nothing to send
             self._emit(ProducerEvent(inp.transfer_id, req.outcome or ProducerOutcome.FAILED))
             return
-        self._early -= 1  # PREFILLING -> HELD
+        self._leave_early(req)  # PREFILLING -> HELD
         req.phase, req.block_ids, req.num_tokens = Phase.HELD, ids, inp.num_tokens
         req.lease_until = now + self.config.kv_lease_duration_s
         self._prefill_done(now, req)
@@ -109,7 +118,7 @@ class ProducerCore(CoreBase):
 
     def _end(self, now: float, req: Request, how: ProducerOutcome, *, emit: bool) -> None:
         if req.phase is Phase.PREFILLING:
-            self._early -= 1
+            self._leave_early(req)
         req.phase, req.outcome = Phase.ENDED, how
         req.forget_at = now + self.config.tombstone_s
         if self._live_reqs.pop(req.transfer_id, None) is req:

@@ -100,7 +100,12 @@ class PushProducerCore(ProducerCore):
         self, now: float, key: RankKey, sender: str, msg: PushReg, *, stale: bool = False
     ) -> None:
         known = self._requests.get(msg.transfer_id)
-        if known is None and self._early >= self.config.max_early_registrations:
+        life = (msg.engine_id, msg.incarnation)
+        cfg = self.config
+        if known is None and (
+            self._early >= cfg.max_early_registrations
+            or self._early_by_life[life] >= cfg.max_early_registrations_per_peer
+        ):
             self._overloaded(key, sender, msg)
             return
         if known is not None and (key, sender) in known.regs:
@@ -108,6 +113,9 @@ class PushProducerCore(ProducerCore):
         if known is not None and (key, sender) in known.cancelled:
             raise self._refuse(DropReason.CANCELLED, f"push_reg {msg.transfer_id} after its cancel")
         req = self._request(msg.transfer_id)
+        if known is None:
+            req.early_owner = life
+            self._early_by_life[life] += 1
         fence_s = min(msg.fence_ms, self.config.fence_ms) / 1000.0
         reg = req.regs[(key, sender)] = Reg(key, sender, msg, now + fence_s, received_at=now)
         reg.machine.handle(PT.PUSH_REG)

@@ -68,6 +68,9 @@ class Request:
     # (local rank, D agent) pairs whose cancel came before their push_reg: that push_reg is refused.
     cancelled: set[tuple[RankKey, str]] = field(default_factory=set)
     forget_at: float = math.inf
+    # The D life (engine_id, incarnation) whose push_reg created it while P was prefilling: its share of
+    # the early-registration table (None: created by the engine's own call).
+    early_owner: tuple[str, str] | None = None
 
 
 # Why a push_reg that arrives for an ended request is refused.

@@ -40,6 +40,7 @@ CONNECTOR_HELP: dict[str, tuple[str, frozenset[Command]]] = {
     "tombstone_s": ("how long P remembers an ended registration", frozenset({P})),
     "max_early_registrations": ("P: registrations waiting for their prefill at most; more are dropped",
                                 frozenset({P})),
+    "max_early_registrations_per_peer": ("P: of those, from one D engine life at most", frozenset({P})),
 }  # fmt: skip
 # Set by other options: the mode is --mode (P, D and the router agree on it).
 _NOT_KNOBS = frozenset({"mode"})
