@@ -245,10 +245,10 @@ class PushProducerCore(ProducerCore):
             self._report(reg.key, reg.msg, queued[-1])
 
     def _overloaded(self, key: RankKey, sender: str, msg: PushReg) -> None:
-        """Drop a push_reg the table of early registrations has no room for (counted ``overload``), and
-        tell D on its side channel: P holds nothing of it, and D would otherwise wait for its liveness
-        timeout and call a busy P dead. Reports go one at a time per address (the driver's Reporter), so
-        a flood naming one address costs one connection at a time there."""
+        """Drop a push_reg the table of early registrations (or its sender's share of it) has no room for
+        (counted ``overload``), and tell D on its side channel: P holds nothing of it, and D would
+        otherwise wait for its liveness timeout and call a busy P dead. The driver's Reporter sends it only
+        with a secret (else the address is unauthenticated), one at a time per address."""
         self.stats.dropped_notifs[DropReason.OVERLOAD.value] += 1
         log.debug("%s: push_reg %s from %s dropped: %d registrations wait for prefill",
                   self.role, msg.transfer_id, sender, self._early)  # fmt: skip
