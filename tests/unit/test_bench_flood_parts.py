@@ -9,17 +9,9 @@ import socket
 
 import pytest
 
-from kvwire.bench.flood import (
-    Listener,
-    Sample,
-    _modes,
-    dropped_by_reason,
-    drops_between,
-    failures_by_reason,
-    hwm_mb,
-    phase_figures,
-    rss_mb,
-)
+from kvwire.bench.common import counter_deltas
+from kvwire.bench.flood import Sample, _modes, phase_figures
+from kvwire.bench.flood_rogue import Listener, dropped_by_reason, failures_by_reason, hwm_mb, rss_mb
 
 METRICS = """\
 # HELP kvwire_dropped_notifications_total Peer notifications dropped
@@ -37,7 +29,7 @@ def test_counters_are_summed_per_reason_and_differences_keep_what_moved() -> Non
     assert dropped_by_reason(METRICS) == {"overload": 12.0, "heartbeat_unknown_ids": 5.0}
     assert failures_by_reason(METRICS) == {"fence_expired": 3.0}
     before = {"overload": 2.0, "heartbeat_unknown_ids": 5.0}
-    assert drops_between(before, dropped_by_reason(METRICS)) == {"overload": 10}
+    assert counter_deltas(before, dropped_by_reason(METRICS)) == {"overload": 10}
 
 
 def test_rss_of_this_process() -> None:

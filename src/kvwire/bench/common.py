@@ -89,3 +89,10 @@ def bar_plot(
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def counter_deltas(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, int]:
+    """What each counter of a ``/metrics`` scrape moved between two readings, by key, sorted (keys that
+    did not move left out)."""
+    out = {k: round(v - before.get(k, 0.0)) for k, v in sorted(after.items())}
+    return {k: n for k, n in out.items() if n}

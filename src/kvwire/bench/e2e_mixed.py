@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvwire.bench.common import envelope, print_table
+from kvwire.bench.common import counter_deltas, envelope, print_table
 from kvwire.bench.serving import (
     SERVING_COLUMNS,
     Slo,
@@ -115,10 +115,6 @@ def decisions(client: httpx.Client, router_url: str) -> dict[str, float]:
     return out
 
 
-def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
-    return {k: int(v - before.get(k, 0.0)) for k, v in sorted(after.items()) if v > before.get(k, 0.0)}
-
-
 def run_level(
     client: httpx.Client, cluster: MixedCluster, model: str, concurrency: int, cfg: MixedRun
 ) -> dict[str, Any]:
@@ -149,7 +145,7 @@ def run_level(
         "ttft_ms": {k: {"p50": v["p50_ttft_ms"], "p99": v["p99_ttft_ms"]} for k, v in paths.items()},
         "paths": paths,
         "mismatched": mismatched,
-        "conditional_decisions": _delta(made, decisions(client, cluster.urls[Path.CONDITIONAL])),
+        "conditional_decisions": counter_deltas(made, decisions(client, cluster.urls[Path.CONDITIONAL])),
     }
 
 

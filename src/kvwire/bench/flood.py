@@ -44,13 +44,9 @@ Ratios (during/after vs baseline) compare phases of the same run, against the sa
 from __future__ import annotations
 
 import argparse
-import asyncio
 import collections
-import contextlib
-import math
 import random
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -60,9 +56,22 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
-from kvwire.bench.common import bar_plot, envelope, print_table, write_json
+from kvwire.bench.common import bar_plot, counter_deltas, envelope, print_table, write_json
+from kvwire.bench.flood_rogue import (
+    PRESET,
+    SEED,
+    Listener,
+    Rogue,
+    RssSampler,
+    Sent,
+    dropped_by_reason,
+    failures_by_reason,
+    fetch_p_metadata,
+    hwm_mb,
+    outsider_fetch,
+    rss_mb,
+)
 from kvwire.demo.procs import Server, ServerGroup, free_port, kvwire_command, server_env
 from kvwire.demo.report import percentile
 from kvwire.demo.workload import make_prompt
@@ -71,9 +80,6 @@ MODES = ("open", "secret")
 PHASES = ("baseline", "during", "after")
 # The bench's own cluster secret (secret mode): its servers live only as long as the run, on loopback.
 BENCH_SECRET = "kvwire-bench-flood"
-PRESET = "tiny"
-SEED = 0
-ROGUE_ENGINE_ID = "decode-rogue"
 PROMPTS = (
     "Hello over NIXL",
     "the quick brown fox jumps over a lazy dog",
@@ -83,10 +89,8 @@ PROMPTS = (
     "push mode: decode registers blocks, prefill writes them",
 )
 
-_RSS_PERIOD_S = 0.02
 _SCRAPE_PERIOD_S = 0.25
 _STILL_S = 3.0  # P's drop counts unchanged this long: it has taken all of the flood that arrived
-_FLUSH_EVERY = 64  # rogue sends between progress calls (notifications leave on progress: no prog thread)
 
 
 def prompts(tokens: int) -> tuple[str, ...]:
@@ -95,252 +99,6 @@ def prompts(tokens: int) -> tuple[str, ...]:
         return PROMPTS
     rng = random.Random(SEED)
     return tuple(make_prompt(tokens, rng) for _ in PROMPTS)
-
-
-# -- P's process and metrics --------------------------------------------------------------------------------
-def _status_kb(pid: int, key: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise KeyError(f"{key} not in /proc/{pid}/status")
-
-
-def rss_mb(pid: int) -> float:
-    """Resident set of process ``pid`` now, in MB (10^6 bytes)."""
-    return _status_kb(pid, "VmRSS") * 1024 / 1e6
-
-
-def hwm_mb(pid: int) -> float:
-    """Peak resident set of process ``pid`` over its life so far (``VmHWM``), in MB."""
-    return _status_kb(pid, "VmHWM") * 1024 / 1e6
-
-
-class RssSampler:
-    """Samples a process's RSS every ``period_s`` in a thread while inside ``with``; ``peak`` is the most."""
-
-    def __init__(self, pid: int, period_s: float = _RSS_PERIOD_S) -> None:
-        self.pid, self.period_s = pid, period_s
-        self.samples: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            with contextlib.suppress(OSError, KeyError, ValueError):
-                self.samples.append(rss_mb(self.pid))
-            self._stop.wait(self.period_s)
-
-    def __enter__(self) -> RssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5.0)
-
-    @property
-    def peak(self) -> float | None:
-        return max(self.samples) if self.samples else None
-
-
-def by_reason(metrics_text: str, name: str) -> dict[str, float]:
-    """Counter ``name`` summed per ``reason`` label (over ranks and other labels)."""
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(metrics_text):
-        for sample in family.samples:
-            if sample.name == name:
-                reason = sample.labels.get("reason", "")
-                out[reason] = out.get(reason, 0.0) + sample.value
-    return out
-
-
-def dropped_by_reason(metrics_text: str) -> dict[str, float]:
-    """``kvwire_dropped_notifications{reason}``: the peer notifications P dropped, by reason."""
-    return by_reason(metrics_text, "kvwire_dropped_notifications_total")
-
-
-def failures_by_reason(metrics_text: str) -> dict[str, float]:
-    """``kvwire_failures{reason}``: transfers (registrations, on P) that ended failed, by reason."""
-    return by_reason(metrics_text, "kvwire_failures_total")
-
-
-def drops_between(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, int]:
-    """The drops counted between two scrapes, by reason (reasons that did not move left out)."""
-    out = {r: round(after[r] - before.get(r, 0.0)) for r in after}
-    return {r: n for r, n in sorted(out.items()) if n}
-
-
-# -- the listener the flood names ---------------------------------------------------------------------------
-class Listener:
-    """A TCP listener on 127.0.0.1 that counts the connections it gets and closes each at once."""
-
-    def __init__(self) -> None:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.bind(("127.0.0.1", free_port()))
-        self._sock.listen(128)
-        self._sock.settimeout(0.1)
-        self.port: int = self._sock.getsockname()[1]
-        self.connections = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="flood-listener", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self.connections += 1
-            conn.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5.0)
-        self._sock.close()
-
-
-# -- the rogue peer ------------------------------------------------------------------------------------------
-def p_compat_hash() -> str:
-    """The compat hash of the bench's engines (``kvwire serve``'s model id for the preset and seed)."""
-    from kvwire.engine.config import preset
-    from kvwire.protocol.compat import compat_hash
-    from kvwire.protocol.messages import TransferMode
-
-    spec = preset(PRESET).kv_spec()
-    return compat_hash(model_id=f"kvwire-{PRESET}/seed{SEED}", spec=spec, transfer_mode=TransferMode.PUSH)
-
-
-def fetch_p_metadata(host: str, port: int, secret: str | None) -> bytes:
-    """P's connection-only agent metadata (kvwire's 6-byte header included), over its side channel."""
-    from kvwire.handshake.client import fetch_metadata
-    from kvwire.handshake.types import PeerAddress
-
-    fetched = asyncio.run(
-        fetch_metadata(
-            PeerAddress(host, port, 0, 0),
-            notif_only=True,
-            compat_hash=p_compat_hash(),
-            timeout_s=10.0,
-            secret=secret.encode() if secret else None,
-        )
-    )
-    return fetched.metadata.agent_metadata
-
-
-def outsider_fetch(host: str, port: int) -> str:
-    """What an outsider without the secret gets from P's side channel: "metadata", or the refusal."""
-    from kvwire.errors import KvwireError
-
-    try:
-        fetch_p_metadata(host, port, None)
-    except KvwireError as exc:
-        return f"refused ({type(exc).__name__})"
-    return "metadata"
-
-
-@dataclass
-class Sent:
-    push_regs: int = 0
-    heartbeats: int = 0
-    heartbeat_ids: int = 0
-    errors: int = 0
-    seconds: float = 0.0
-
-
-class Rogue:
-    """A NIXL agent in this process named like a D life, that loaded P's connection-only metadata."""
-
-    def __init__(self, p_metadata: bytes, listener_port: int) -> None:
-        from kvwire.transport.base import make_agent_name, new_incarnation
-        from kvwire.transport.nixl import NixlAgent
-
-        self.incarnation = new_incarnation()
-        self.listener_port = listener_port
-        self.agent = NixlAgent(make_agent_name(ROGUE_ENGINE_ID, self.incarnation, 0, 0))
-        try:
-            self.peer = self.agent.add_peer(p_metadata)
-        except BaseException:
-            self.agent.close()
-            raise
-
-    def push_reg(self, i: int) -> bytes:
-        from kvwire.protocol.codec import encode_notif
-        from kvwire.protocol.messages import PushReg
-
-        return encode_notif(
-            PushReg(
-                transfer_id=f"flood-{self.incarnation}-{i}",
-                engine_id=ROGUE_ENGINE_ID,
-                incarnation=self.incarnation,
-                tp_rank=0,
-                tp_size=1,
-                host="127.0.0.1",
-                port=self.listener_port,
-                block_ids=[i % 64],
-                num_tokens=16,
-            )
-        )
-
-    def heartbeat(self, first: int, count: int) -> bytes:
-        from kvwire.protocol.codec import encode_notif
-        from kvwire.protocol.messages import Heartbeat
-
-        ids = [f"ghost-{self.incarnation}-{k}" for k in range(first, first + count)]
-        return encode_notif(
-            Heartbeat(
-                transfer_id="", engine_id=ROGUE_ENGINE_ID, incarnation=self.incarnation, transfer_ids=ids
-            )
-        )
-
-    def flood(self, push_regs: int, heartbeat_ids: int, heartbeat_msgs: int, rate: float) -> Sent:
-        """Send the flood: ``push_regs`` push_regs with the heartbeats spread among them, the last message
-        a heartbeat; at ``rate`` messages a second (0: as fast as this process can)."""
-        from kvwire.errors import TransportError
-
-        sent = Sent()
-        msgs = heartbeat_msgs if heartbeat_ids > 0 else 0
-        per_hb = math.ceil(heartbeat_ids / msgs) if msgs else 0
-        # After push_reg number marks[k] goes heartbeat k (the last after the last push_reg).
-        marks = [round((k + 1) * push_regs / msgs) for k in range(msgs)]
-        t0 = time.perf_counter()
-        n = 0
-
-        def send(data: bytes) -> bool:
-            nonlocal n
-            try:
-                self.agent.send_notif(self.peer, data)
-            except TransportError:
-                sent.errors += 1
-                return False
-            n += 1
-            if n % _FLUSH_EVERY == 0:
-                self.agent.progress()
-                if rate > 0:
-                    ahead = n / rate - (time.perf_counter() - t0)
-                    if ahead > 0:
-                        time.sleep(ahead)
-            return True
-
-        hb = 0
-        for i in range(push_regs + 1):
-            while hb < msgs and marks[hb] == i:
-                count = min(per_hb, heartbeat_ids - sent.heartbeat_ids)
-                if count > 0 and send(self.heartbeat(sent.heartbeat_ids, count)):
-                    sent.heartbeats += 1
-                    sent.heartbeat_ids += count
-                hb += 1
-            if i < push_regs and send(self.push_reg(i)):
-                sent.push_regs += 1
-        for _ in range(20):  # what is still queued leaves on progress
-            self.agent.progress()
-        sent.seconds = time.perf_counter() - t0
-        return sent
-
-    def close(self) -> None:
-        self.agent.close()
 
 
 # -- real requests -------------------------------------------------------------------------------------------
@@ -515,7 +273,7 @@ def _wait_counted(
         pump()
         if now >= next_scrape:
             next_scrape = now + _SCRAPE_PERIOD_S
-            got = drops_between(before, counter(client.get(p_url + "/metrics").text))
+            got = counter_deltas(before, counter(client.get(p_url + "/metrics").text))
             if all(got.get(r, 0) >= n for r, n in expect.items()):
                 return time.monotonic() - t0, True
             if got != last:
@@ -592,7 +350,7 @@ class Mode:
         """Wait until P ended every registration the flood made (they hold P's early-registration slots
         until their fence expires: counted in ``kvwire_failures``), at most ``--settle-timeout``."""
         out = self.out
-        dropped = drops_between(out.drops_before, dropped_by_reason(self.metrics()))
+        dropped = counter_deltas(out.drops_before, dropped_by_reason(self.metrics()))
         # The push_regs P took (real push_regs dropped as overload meanwhile make this a little low).
         held = max(0, out.sent.push_regs - dropped.get("overload", 0) - dropped.get("unauthenticated", 0))
         before = {"all": sum(out.failures_before.values())}
@@ -603,8 +361,8 @@ class Mode:
 
     def finish(self) -> None:
         text = self.metrics()
-        self.out.drops = drops_between(self.out.drops_before, dropped_by_reason(text))
-        self.out.failures = drops_between(self.out.failures_before, failures_by_reason(text))
+        self.out.drops = counter_deltas(self.out.drops_before, dropped_by_reason(text))
+        self.out.failures = counter_deltas(self.out.failures_before, failures_by_reason(text))
 
 
 def run_mode(mode: str, args: argparse.Namespace, refs: Mapping[str, list[int]], log_dir: Path) -> ModeResult:
