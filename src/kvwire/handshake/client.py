@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import functools
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from kvwire.errors import (
@@ -83,11 +84,34 @@ async def fetch_metadata(
     notif-only requests follow on the same connection, and the lowest-RTT sample wins: on a quiet link
     the first reply is precise enough, and the handshake pays no extra round trips.
     """
+    async with _connection(addr, timeout_s) as (reader, writer):
+        first, rtt, offset = await _request(reader, writer, addr, notif_only, secret)
+        _check(first, addr, compat_hash, notif_only)
+        for _ in range(max(1, clock_samples) - 1):
+            if rtt <= clock_rtt_target_s:
+                break
+            sample, s_rtt, s_offset = await _request(reader, writer, addr, True, secret)
+            _check(sample, addr, compat_hash, True)
+            if s_rtt < rtt:
+                rtt, offset = s_rtt, s_offset
+        return Fetched(first, offset, rtt)
+
+
+@contextlib.asynccontextmanager
+async def _connection(
+    addr: PeerAddress, timeout_s: float
+) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    """One connection to ``addr``, all its use within ``timeout_s``, closed after; the network's failures
+    as ``kvwire.errors`` (what the body raises itself passes as it is)."""
     try:
         async with asyncio.timeout(timeout_s):
-            return await _fetch(
-                addr, notif_only, compat_hash, secret, max(1, clock_samples), clock_rtt_target_s
-            )
+            reader, writer = await asyncio.open_connection(addr.host, addr.port)
+            try:
+                yield reader, writer
+            finally:
+                writer.close()
+                with contextlib.suppress(OSError):
+                    await writer.wait_closed()
     except TimeoutError:
         raise HandshakeTimeout(f"{addr}: no answer within {timeout_s:.3g} s") from None
     except ConnectionRefusedError as exc:
@@ -96,30 +120,20 @@ async def fetch_metadata(
         raise PeerUnreachable(f"{addr}: {type(exc).__name__}: {exc}") from None
 
 
-async def _fetch(
-    addr: PeerAddress,
-    notif_only: bool,
-    compat_hash: str,
-    secret: bytes | None,
-    samples: int,
-    rtt_target: float,
-) -> Fetched:
-    reader, writer = await asyncio.open_connection(addr.host, addr.port)
+async def _roundtrip(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, addr: PeerAddress, msg: SideMessage
+) -> SideMessage:
+    """Send one frame and read the one that answers it; a reply that does not decode as ``HandshakeError``
+    (a newer wire version: ``IncompatiblePeer``)."""
+    writer.write(encode_frame(msg))
+    await writer.drain()
     try:
-        first, rtt, offset = await _request(reader, writer, addr, notif_only, secret)
-        _check(first, addr, compat_hash, notif_only)
-        for _ in range(samples - 1):
-            if rtt <= rtt_target:
-                break
-            sample, s_rtt, s_offset = await _request(reader, writer, addr, True, secret)
-            _check(sample, addr, compat_hash, True)
-            if s_rtt < rtt:
-                rtt, offset = s_rtt, s_offset
-        return Fetched(first, offset, rtt)
-    finally:
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
+        header = await reader.readexactly(FRAME_HEADER_BYTES)
+        return decode_side(await reader.readexactly(parse_frame_header(header)))
+    except VersionMismatch as exc:
+        raise IncompatiblePeer(f"{addr}: {exc}") from None
+    except ProtocolError as exc:
+        raise HandshakeError(f"{addr}: bad reply: {exc}") from None
 
 
 async def _request(
@@ -133,15 +147,7 @@ async def _request(
     if secret:
         req = sign(req, secret, target=f"{addr.host}:{addr.port}")
     sent_wall, sent = time.time(), time.perf_counter()
-    writer.write(encode_frame(req))
-    await writer.drain()
-    try:
-        header = await reader.readexactly(FRAME_HEADER_BYTES)
-        reply = decode_side(await reader.readexactly(parse_frame_header(header)))
-    except VersionMismatch as exc:
-        raise IncompatiblePeer(f"{addr}: {exc}") from None
-    except ProtocolError as exc:
-        raise HandshakeError(f"{addr}: bad reply: {exc}") from None
+    reply = await _roundtrip(reader, writer, addr, req)
     rtt = time.perf_counter() - sent
     reply = opened_reply(reply, req, secret, addr)
     if isinstance(reply, ErrorReply):
@@ -156,28 +162,10 @@ async def send_report(
 ) -> None:
     """Deliver one ``report_failed`` to ``addr`` (D's side channel, its rank in ``addr``) within
     ``timeout_s``; raises as ``fetch_metadata`` does, or the peer's refusal."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            reader, writer = await asyncio.open_connection(addr.host, addr.port)
-            try:
-                if secret:
-                    report = sign(report, secret, target=f"{addr.host}:{addr.port}")
-                writer.write(encode_frame(report))
-                await writer.drain()
-                header = await reader.readexactly(FRAME_HEADER_BYTES)
-                reply = decode_side(await reader.readexactly(parse_frame_header(header)))
-            finally:
-                writer.close()
-                with contextlib.suppress(OSError):
-                    await writer.wait_closed()
-    except TimeoutError:
-        raise HandshakeTimeout(f"{addr}: no answer within {timeout_s:.3g} s") from None
-    except ConnectionRefusedError as exc:
-        raise NobodyListens(f"{addr}: {type(exc).__name__}: {exc}") from None
-    except (OSError, asyncio.IncompleteReadError) as exc:
-        raise PeerUnreachable(f"{addr}: {type(exc).__name__}: {exc}") from None
-    except ProtocolError as exc:
-        raise HandshakeError(f"{addr}: bad reply: {exc}") from None
+    if secret:
+        report = sign(report, secret, target=f"{addr.host}:{addr.port}")
+    async with _connection(addr, timeout_s) as (reader, writer):
+        reply = await _roundtrip(reader, writer, addr, report)
     if isinstance(reply, ErrorReply):
         raise _REFUSALS[reply.code](f"{addr} refused: {reply.code.value}: {reply.message}")
     if not isinstance(reply, Ack):
