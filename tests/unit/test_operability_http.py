@@ -29,9 +29,9 @@ from kvwire.router.engines import HealthInfo, pair_problem
 from kvwire.router.openai_api import ErrorType, engine_error_kind
 from kvwire.router.policy import Load
 from kvwire.testing.fake_engines import ServerThread
+from kvwire.testing.http_fakes import Seen, scripted_app
 
 pytestmark = pytest.mark.anyio
-P_PORT, D_PORT = 18_100, 18_200
 
 
 @pytest.fixture
@@ -81,20 +81,21 @@ def _health(role: str, *, authenticated: bool, mode: str = "push", seed: int = 0
 
 
 class Engines:
-    """The engines behind a router, as an httpx transport: their /health, and every request they got."""
+    """The engines behind a router, scripted: their /health, and every request they got."""
 
     def __init__(self, p_secret: bool, d_secret: bool) -> None:
+        self.p_port, self.d_port = free_port(), free_port()
         self.health = {
-            P_PORT: _health("prefill", authenticated=p_secret),
-            D_PORT: _health("decode", authenticated=d_secret),
+            self.p_port: _health("prefill", authenticated=p_secret),
+            self.d_port: _health("decode", authenticated=d_secret),
         }
-        self.seen: list[httpx.Request] = []
+        self.seen: list[Seen] = []
 
-    def __call__(self, request: httpx.Request) -> httpx.Response:
+    async def __call__(self, request: Seen) -> tuple[int, Any]:
         self.seen.append(request)
-        if request.url.path == "/health":
-            return httpx.Response(200, json=self.health[request.url.port or 0])
-        return httpx.Response(500, json={"error": {"message": "no leg expected", "type": "internal_error"}})
+        if request.path == "/health":
+            return 200, self.health[int(request.url.rpartition(":")[2])]
+        return 500, {"error": {"message": "no leg expected", "type": "internal_error"}}
 
 
 @pytest.fixture
@@ -102,14 +103,16 @@ def one_sided() -> Iterator[tuple[str, Engines]]:
     """A router (keys: clients 'rk', engines 'ek') whose P has KVWIRE_SECRET and whose D has not."""
     engines = Engines(p_secret=True, d_secret=False)
     config = RouterConfig(
-        prefill_urls=(f"http://127.0.0.1:{P_PORT}",),
-        decode_urls=(f"http://127.0.0.1:{D_PORT}",),
+        prefill_urls=(f"http://127.0.0.1:{engines.p_port}",),
+        decode_urls=(f"http://127.0.0.1:{engines.d_port}",),
         api_key="rk",
         engine_api_key="ek",
         health_interval_s=60.0,
     )
     port = free_port()
-    with ServerThread([(create_app(config, httpx.MockTransport(engines)), port)]):
+    fake = scripted_app(engines)
+    apps = [(fake, engines.p_port), (fake, engines.d_port), (create_app(config), port)]
+    with ServerThread(apps):
         yield f"http://127.0.0.1:{port}", engines
 
 
@@ -130,7 +133,8 @@ def test_secret_on_one_side_is_a_500_the_openai_client_does_not_retry(one_sided:
         in message
     )
     assert "127.0.0.1" not in message  # no internal address in the client's error
-    assert all(r.url.path == "/health" for r in engines.seen)  # no leg was sent to a pair that cannot work
+    # No leg was sent to a pair that cannot work.
+    assert engines.seen and all(r.path == "/health" for r in engines.seen)
     assert all(r.headers["authorization"] == "Bearer ek" for r in engines.seen)
     health = httpx.get(url + "/health")
     assert health.status_code == 503 and health.json()["status"] == "misconfigured"

@@ -1,18 +1,18 @@
 """Conditional disaggregation: the decision (``decide_prefill``), and the router sending a request to D
-alone or to both legs accordingly, against in-process fake engines (``httpx.MockTransport``)."""
+alone or to both legs accordingly, against scripted engines on 127.0.0.1 (``kvwire.testing.http_fakes``)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import pytest
 
 from kvwire.config import Disaggregation, RouterConfig
+from kvwire.demo.procs import free_port
 from kvwire.errors import ConfigError
 from kvwire.router.app import Router
 from kvwire.router.openai_api import ApiKind
@@ -24,6 +24,7 @@ from kvwire.router.policy import (
     decide_prefill,
     prompt_tokens,
 )
+from kvwire.testing.http_fakes import Seen, scripted_app, serving_here
 
 pytestmark = pytest.mark.anyio
 P, D = "http://p:1", "http://d:2"
@@ -72,31 +73,32 @@ def test_config_refuses_a_negative_threshold() -> None:
         RouterConfig((P,), (D,), local_prefill_max_tokens=-1)
 
 
-# -- the router against fake engines ------------------------------------------------------------------------
+# -- the router against scripted engines ---------------------------------------------------------------------
 @dataclass
 class Fakes:
-    """Two fake engines behind one transport; records each completion body by engine URL."""
+    """A scripted P and D; records each completion body by role."""
 
-    bodies: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: {P: [], D: []})
+    p: str
+    d: str
+    bodies: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: {"prefill": [], "decode": []})
     release_p: asyncio.Event = field(default_factory=asyncio.Event)
     hold_p: bool = False
     fail_d: bool = False
 
-    async def handle(self, request: httpx.Request) -> httpx.Response:
-        base = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
-        role = "prefill" if base == P else "decode"
-        if request.url.path == "/health":
-            return httpx.Response(200, json=_health(role))
-        body = json.loads(request.content)
-        self.bodies[base].append(body)
+    async def handle(self, request: Seen) -> tuple[int, Any]:
+        role = "prefill" if request.url == self.p else "decode"
+        if request.path == "/health":
+            return 200, _health(role)
+        body = request.json()
+        self.bodies[role].append(body)
         if role == "decode" and self.fail_d:
-            return httpx.Response(500, json={"error": {"message": "boom", "type": "engine_error"}})
+            return 500, {"error": {"message": "boom", "type": "engine_error"}}
         if role == "prefill" and self.hold_p:
             await self.release_p.wait()
         text = "p" if role == "prefill" else "d"
         choice = {"index": 0, "text": text, "token_ids": [1], "finish_reason": "length"}
         usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
-        return httpx.Response(200, json={"choices": [choice], "usage": usage})
+        return 200, {"choices": [choice], "usage": usage}
 
 
 def _health(role: str) -> dict[str, Any]:
@@ -112,8 +114,13 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture
-def fakes() -> Iterator[Fakes]:
-    yield Fakes()
+async def fakes() -> AsyncIterator[Fakes]:
+    p_port, d_port = free_port(), free_port()
+    fakes = Fakes(f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}")
+    app = scripted_app(fakes.handle)
+    async with serving_here([(app, p_port), (app, d_port)]):
+        yield fakes
+        fakes.release_p.set()  # a held P leg must not keep the server from stopping
 
 
 async def _ask(router: Router, prompt: str) -> dict[str, Any]:
@@ -134,8 +141,8 @@ def _decisions(router: Router) -> dict[tuple[str, str], float]:
 
 
 async def _router(fakes: Fakes, mode: Disaggregation) -> Router:
-    config = RouterConfig((P,), (D,), disaggregation=mode, local_prefill_max_tokens=16)
-    router = Router(config, httpx.MockTransport(fakes.handle))
+    config = RouterConfig((fakes.p,), (fakes.d,), disaggregation=mode, local_prefill_max_tokens=16)
+    router = Router(config)
     await router.registry.check_all()
     return router
 
@@ -145,9 +152,10 @@ async def test_short_prompt_goes_to_d_alone_as_an_ordinary_request(fakes: Fakes)
     try:
         answer = await _ask(router, "short")
         assert answer["choices"][0]["text"] == "d"
-        assert fakes.bodies[P] == [] and "kv_transfer_params" not in fakes.bodies[D][0]
+        assert fakes.bodies["prefill"] == [] and "kv_transfer_params" not in fakes.bodies["decode"][0]
         await _ask(router, "a prompt longer than sixteen bytes")
-        assert len(fakes.bodies[P]) == 1 and fakes.bodies[D][1]["kv_transfer_params"]["do_remote_prefill"]
+        assert len(fakes.bodies["prefill"]) == 1
+        assert fakes.bodies["decode"][1]["kv_transfer_params"]["do_remote_prefill"]
         assert _decisions(router) == {("local", "short_prompt"): 1.0, ("remote", "long_prompt"): 1.0}
         assert {e.prefill_tokens for s in router.registry.engines.values() for e in s} == {0}
     finally:
@@ -158,7 +166,7 @@ async def test_always_sends_short_prompts_through_p(fakes: Fakes) -> None:
     router = await _router(fakes, Disaggregation.ALWAYS)
     try:
         await _ask(router, "short")
-        assert len(fakes.bodies[P]) == 1 and "kv_transfer_params" in fakes.bodies[D][0]
+        assert len(fakes.bodies["prefill"]) == 1 and "kv_transfer_params" in fakes.bodies["decode"][0]
     finally:
         await router.close()
 
@@ -169,16 +177,16 @@ async def test_long_prompt_goes_to_d_while_p_is_still_prefilling_another(fakes: 
     try:
         long = "x" * 100
         await _ask(router, long)  # D answers; P's leg stays open, its 101 tokens queued on P
-        assert router.registry.get(P).prefill_tokens == 101
+        assert router.registry.get(fakes.p).prefill_tokens == 101
         await _ask(router, long)
-        assert len(fakes.bodies[P]) == 1 and "kv_transfer_params" not in fakes.bodies[D][1]
+        assert len(fakes.bodies["prefill"]) == 1 and "kv_transfer_params" not in fakes.bodies["decode"][1]
         assert _decisions(router)[("local", "prefill_queue")] == 1.0
         fakes.release_p.set()
         for _ in range(100):  # P's leg finishes in the background
-            if router.registry.get(P).prefill_tokens == 0:
+            if router.registry.get(fakes.p).prefill_tokens == 0:
                 break
             await asyncio.sleep(0.01)
-        assert router.registry.get(P).prefill_tokens == 0
+        assert router.registry.get(fakes.p).prefill_tokens == 0
     finally:
         await router.close()
 
@@ -190,8 +198,8 @@ async def test_a_failed_local_request_is_an_error_and_leaves_no_count_behind(fak
         raw = json.dumps({"model": "kvwire", "prompt": "short", "max_tokens": 1, "stream": True}).encode()
         resp = await router.serve(raw, ApiKind.COMPLETION)
         assert resp.status_code == 502 and "boom" in bytes(resp.body).decode()
-        assert fakes.bodies[P] == []
-        d = router.registry.get(D)
+        assert fakes.bodies["prefill"] == []
+        d = router.registry.get(fakes.d)
         assert (d.inflight, d.prefill_tokens) == (0, 0)
     finally:
         await router.close()

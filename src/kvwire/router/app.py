@@ -21,18 +21,18 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter, Gauge
 
-from kvwire.apikey import ApiKeyMiddleware, bearer
+from kvwire.apikey import ApiKeyMiddleware
 from kvwire.config import EngineKind, RouterConfig
 from kvwire.logsetup import transfer_extra
 from kvwire.metrics import CONTENT_TYPE, KvMetrics, MetricRole, Outcome
 from kvwire.protocol.messages import TransferMode
 from kvwire.router import openai_api as api
 from kvwire.router.engines import EngineRegistry, HealthInfo, pair_problem
+from kvwire.router.http import EngineClient
 from kvwire.router.legs import (
     DecodeStream,
     LegError,
@@ -116,13 +116,9 @@ def _event_tokens(event: Mapping[str, Any]) -> int:
 
 
 class Router:
-    def __init__(self, config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        timeout = httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s)
-        limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
-        self.client = httpx.AsyncClient(
-            timeout=timeout, limits=limits, transport=transport, headers=bearer(config.engine_api_key)
-        )
+        self.client = EngineClient(config.connect_timeout_s, config.request_timeout_s, config.engine_api_key)
         self.registry = EngineRegistry(
             self.client, config.prefill_urls, config.decode_urls, config.health_timeout_s, config.engines
         )
@@ -156,7 +152,7 @@ class Router:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.registry.close()
-        await self.client.aclose()
+        await self.client.close()
 
     # -- status endpoints ----------------------------------------------------------------------------
 
@@ -525,8 +521,8 @@ def _loop_deadline(monotonic_deadline: float) -> float:
     return loop.time() + (monotonic_deadline - time.monotonic())
 
 
-def create_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
-    router = Router(config, transport)
+def create_app(config: RouterConfig) -> FastAPI:
+    router = Router(config)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

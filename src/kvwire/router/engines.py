@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import time
 import urllib.parse
@@ -16,11 +17,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 
 from kvwire.config import EngineKind
 from kvwire.errors import ConfigError
 from kvwire.protocol.messages import TransferMode
+from kvwire.router.http import EngineClient
 from kvwire.router.policy import EngineView, Load, Role
 
 log = logging.getLogger(__name__)
@@ -121,6 +123,13 @@ def static_info(url: str, role: Role) -> HealthInfo:
     return HealthInfo(role.value, q.get("engine_id", base), "", host, port, tp, pp, "", Load())
 
 
+def _json_object(body: bytes) -> dict[str, Any]:
+    obj = json.loads(body)
+    if not isinstance(obj, dict):
+        raise ValueError("answer is not a JSON object")
+    return obj
+
+
 @dataclass
 class EngineState:
     url: str  # without the fragment: what legs are sent to
@@ -154,7 +163,7 @@ class EngineState:
 class EngineRegistry:
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        client: EngineClient,
         prefill: Sequence[str],
         decode: Sequence[str],
         timeout_s: float,
@@ -178,16 +187,16 @@ class EngineRegistry:
         return EngineState(base, role, static_info(url, role))
 
     async def _fetch(self, state: EngineState) -> HealthInfo:
-        resp = await self._client.get(f"{state.url}/health", timeout=self._timeout_s)
-        if resp.status_code != 200:
-            raise ValueError(f"/health answered {resp.status_code}")
+        status, body = await self._client.get(f"{state.url}/health", self._timeout_s)
+        if status != 200:
+            raise ValueError(f"/health answered {status}")
         if state.static is None:
-            return HealthInfo.parse(resp.json())
+            return HealthInfo.parse(_json_object(body))
         # vLLM: healthy when /health is 200; its served model names come from /v1/models.
-        models = await self._client.get(f"{state.url}/v1/models", timeout=self._timeout_s)
-        if models.status_code != 200:
-            raise ValueError(f"/v1/models answered {models.status_code}")
-        names = [str(m["id"]) for m in models.json().get("data", [])]
+        status, body = await self._client.get(f"{state.url}/v1/models", self._timeout_s)
+        if status != 200:
+            raise ValueError(f"/v1/models answered {status}")
+        names = [str(m["id"]) for m in _json_object(body).get("data", [])]
         return dataclasses.replace(state.static, model=names[0] if names else "")
 
     def pair_problems(self, mode: TransferMode) -> list[str]:
@@ -214,7 +223,7 @@ class EngineRegistry:
             info = await self._fetch(state)
             if info.role != state.role.value:
                 raise ValueError(f"configured as {state.role.value} but reports role {info.role!r}")
-        except (httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
+        except (aiohttp.ClientError, TimeoutError, KeyError, TypeError, ValueError) as exc:
             if state.healthy or state.error is None:
                 log.warning("%s engine %s unhealthy: %s", state.role.value, state.url, exc)
             state.healthy, state.error = False, str(exc) or type(exc).__name__

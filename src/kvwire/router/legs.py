@@ -1,20 +1,21 @@
 """The two HTTP legs of a disaggregated request: prefill (P, one token) and decode (D, the answer).
 
-httpx errors and engine error answers are translated here into ``LegError`` (an ``ApiError`` that knows
+HTTP client errors and engine error answers are translated here into ``LegError`` (an ``ApiError`` that knows
 which engine failed), so the app above handles one exception type.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-import httpx
+import aiohttp
 
 from kvwire.errors import InvalidRequest
 from kvwire.kv_params import FIELD, KvTransferParams, parse_kv_params
 from kvwire.router.engines import HealthInfo
+from kvwire.router.http import EngineClient
 from kvwire.router.openai_api import ApiError, ErrorType, engine_error_kind
 from kvwire.router.policy import Role
 
@@ -126,27 +127,30 @@ def _error_of_response(role: Role, url: str, status: int, content: bytes) -> Leg
     return LegError(role, url, kind, message, param=_engine_param(payload))
 
 
-def _translate(role: Role, url: str, exc: httpx.HTTPError) -> LegError:
-    if isinstance(exc, httpx.TimeoutException):
+def _translate(role: Role, url: str, exc: BaseException) -> LegError:
+    """aiohttp's failures (and its timeouts, which are ``TimeoutError``s) as a leg's error."""
+    if isinstance(exc, TimeoutError):
         return LegError(role, url, ErrorType.TIMEOUT, f"timed out ({type(exc).__name__})")
-    unreachable = isinstance(exc, httpx.TransportError)
+    # The engine could not be reached or dropped the connection: its health is worth a look at once.
+    unreachable = isinstance(exc, aiohttp.ClientConnectionError | aiohttp.ClientPayloadError)
     return LegError(
         role, url, ErrorType.ENGINE_ERROR, f"{type(exc).__name__}: {exc}", unreachable=unreachable
     )
 
 
 async def post_completion(
-    client: httpx.AsyncClient, role: Role, url: str, body: Mapping[str, Any]
+    client: EngineClient, role: Role, url: str, body: Mapping[str, Any]
 ) -> dict[str, Any]:
     """A non-streaming leg: the engine's completion object."""
     try:
-        resp = await client.post(url + COMPLETIONS, json=body)
-    except httpx.HTTPError as exc:
+        async with client.post(url + COMPLETIONS, body) as resp:
+            status, content = resp.status, await resp.read()
+    except (aiohttp.ClientError, TimeoutError) as exc:
         raise _translate(role, url, exc) from exc
-    if resp.status_code != 200:
-        raise _error_of_response(role, url, resp.status_code, resp.content)
+    if status != 200:
+        raise _error_of_response(role, url, status, content)
     try:
-        obj = resp.json()
+        obj = json.loads(content)
     except ValueError as exc:
         raise LegError(role, url, ErrorType.ENGINE_ERROR, "answer is not JSON") from exc
     if not isinstance(obj, dict):
@@ -157,41 +161,42 @@ async def post_completion(
 class DecodeStream:
     """D's streaming leg: SSE events as dicts; an ``error`` event raises ``LegError``."""
 
-    def __init__(self, client: httpx.AsyncClient, url: str, body: Mapping[str, Any]) -> None:
+    def __init__(self, client: EngineClient, url: str, body: Mapping[str, Any]) -> None:
         self._client = client
         self.url = url
         self._body = body
-        self._resp: httpx.Response | None = None
-        self._lines: AsyncIterator[str] | None = None
+        self._resp: aiohttp.ClientResponse | None = None
 
     async def open(self) -> None:
-        request = self._client.build_request("POST", self.url + COMPLETIONS, json=self._body)
         try:
-            self._resp = await self._client.send(request, stream=True)
-            if self._resp.status_code != 200:
-                content = await self._resp.aread()
-                raise _error_of_response(Role.DECODE, self.url, self._resp.status_code, content)
-        except httpx.HTTPError as exc:
+            self._resp = resp = await self._client.post(self.url + COMPLETIONS, self._body)
+            if resp.status != 200:
+                content = await resp.read()
+                raise _error_of_response(Role.DECODE, self.url, resp.status, content)
+        except (aiohttp.ClientError, TimeoutError) as exc:
             raise _translate(Role.DECODE, self.url, exc) from exc
-        self._lines = self._resp.aiter_lines()
 
     async def next_event(self) -> dict[str, Any] | None:
         """The next event, or None at ``[DONE]`` or the end of the stream."""
-        if self._lines is None:
+        if self._resp is None:
             raise RuntimeError("DecodeStream.next_event before open")
         try:
-            async for line in self._lines:
-                if not line.startswith("data:"):
+            while line := await self._resp.content.readline():
+                if not line.startswith(b"data:"):
                     continue  # blank separators, comments, other SSE fields
                 data = line[5:].strip()
-                if data == "[DONE]":
+                if data == b"[DONE]":
+                    # The engine ends its body right after [DONE]: reading to the end lets the connection
+                    # go back to the pool for the next request (a new connection costs a TCP handshake).
+                    await self._resp.content.read()
                     return None
                 return self._event(data)
-        except httpx.HTTPError as exc:
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            # ValueError: a line over aiohttp's line limit (no event of an engine is that long).
             raise _translate(Role.DECODE, self.url, exc) from exc
         return None
 
-    def _event(self, data: str) -> dict[str, Any]:
+    def _event(self, data: bytes) -> dict[str, Any]:
         try:
             event = json.loads(data)
         except ValueError as exc:
@@ -206,4 +211,10 @@ class DecodeStream:
 
     async def aclose(self) -> None:
         if self._resp is not None:
-            await self._resp.aclose()
+            # release() returns a fully read connection to the pool; close() drops one mid-stream (the
+            # engine sees the disconnect and aborts its request).
+            if self._resp.content.at_eof():
+                self._resp.release()
+            else:
+                self._resp.close()
+            self._resp = None
