@@ -15,7 +15,7 @@ from typing import Any
 from kvwire.options import LogFormat
 
 # Loggers that print a line per connection or per request at debug/info: an operator asks for them.
-_HTTP_LOGGERS = ("httpx", "httpcore", "uvicorn.access", "uvicorn.error", "hpack")
+_HTTP_LOGGERS = ("httpx", "httpcore", "aiohttp", "uvicorn.access", "uvicorn.error", "hpack")
 _TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 

@@ -246,7 +246,7 @@ def logging_options(commands: frozenset[Command]) -> list[Option]:
             "log_http",
             bool,
             False,
-            "also log the HTTP libraries (httpx, httpcore, uvicorn's access log) at --log-level; "
+            "also log the HTTP libraries (aiohttp, httpx, httpcore, uvicorn's access log) at --log-level; "
             "otherwise they log warnings only",
             commands,
         ),

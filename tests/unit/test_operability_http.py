@@ -224,6 +224,7 @@ def test_json_logs_carry_the_transfer_id_and_http_libraries_stay_quiet(
     configure("debug", LogFormat.JSON)
     logging.getLogger("kvwire.test").debug("request done", extra=transfer_extra("t-42"))
     logging.getLogger("httpcore").debug("send_request_headers.started")  # one per request otherwise
+    logging.getLogger("aiohttp.client").debug("the router's client to its engines")
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
     assert lines == [
         {
