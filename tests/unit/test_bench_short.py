@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 
-from kvwire.bench.short import _COLOC_STEPS, _disagg_marks, _steps, cpu_seconds
+import pytest
+
+from kvwire.bench.short import _COLOC_STEPS, _disagg_marks, _steps, cpu_per_request, cpu_seconds
 from kvwire.connector.timeline import Stage, Timeline, merged
 
 
@@ -45,3 +47,9 @@ def test_timeline_keeps_the_first_mark_and_drops_the_oldest_request() -> None:
     other = Timeline()
     other.mark("b", Stage.PUSH_REG_SENT, 3.5)
     assert merged("b", tl, other) == {"id": "b", "arrived": 3.0, "push_reg_sent": 3.5}
+
+
+def test_cpu_per_request_divides_each_process_delta_by_the_requests() -> None:
+    per = cpu_per_request({"router": 1.0, "prefill": 2.0}, {"router": 1.3, "prefill": 2.9}, 100)
+    assert per == pytest.approx({"router": 3.0, "prefill": 9.0})
+    assert cpu_per_request({"d": 0.0}, {"d": 0.5}, 0) == {"d": 500.0}  # no division by zero

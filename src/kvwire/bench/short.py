@@ -11,6 +11,9 @@ Two more figures:
 
 * ``disaggregated_after_idle``: the same request after ``--pause-s`` of silence (engines backed off to
   their idle polling): what idling costs the next request, beside ``disaggregated``.
+* ``cpu_ms_per_request``: CPU of each server process (``/proc``) over the alternating phase, divided by
+  the requests of its path (router, P and D: the disaggregated ones; the colocated engine: its own): on a
+  small host this CPU is latency, since every process of a request shares the cores.
 * ``idle``: CPU of each engine process (``/proc/PID/stat`` utime + stime) over ``--idle-s`` with no
   request, from ``--settle-s`` after the last one (a connector polls at its ready rate for
   ``ACTIVE_GRACE_S`` after traffic), in % of one core; ``--compare PATH`` prints a previous run's figures
@@ -127,6 +130,15 @@ class Short:
         self.client, self.cluster, self.model, self.timeout_s = client, cluster, model, timeout_s
         self.p, self.d, self.router = cluster.disagg[TransferMode.PUSH]
 
+    def pids(self) -> dict[str, int]:
+        servers = {
+            "router": self.router,
+            "prefill": self.p,
+            "decode": self.d,
+            "colocated": self.cluster.colocated,
+        }
+        return {name: s.proc.pid for name, s in servers.items() if s.proc is not None}
+
     def send(self, url: str) -> tuple[float, float, int]:
         return one_request(self.client, url, self.model, self.timeout_s)
 
@@ -187,10 +199,20 @@ def _case(path: str, sends: Sequence[tuple[float, float, int]]) -> dict[str, Any
     return {"path": path, "requests": len(sends), "p50_ms": ttft["p50"], "p99_ms": ttft["p99"]}
 
 
+def cpu_per_request(
+    before: Mapping[str, float], after: Mapping[str, float], requests: int
+) -> dict[str, float]:
+    """Milliseconds of CPU per request of each process, from two ``cpu_seconds`` snapshots."""
+    return {name: (after[name] - before[name]) / max(requests, 1) * 1e3 for name in before}
+
+
 def _measure_requests(short: Short, args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(_WARMUP):  # lazy imports, first allocations, the handshakes: not counted
         short.alternate(1)
+    pids = short.pids()
+    cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     coloc, disagg = short.alternate(args.requests)
+    cpu_after = {name: cpu_seconds(pid) for name, pid in pids.items()}
     coloc_rec, disagg_rec = short.coloc_records(coloc), short.disagg_records(disagg)
     idle = short.after_idle(args.after_idle_requests, args.pause_s)
     cases = [
@@ -206,6 +228,8 @@ def _measure_requests(short: Short, args: argparse.Namespace) -> dict[str, Any]:
             "colocated": _steps(coloc_rec, _COLOC_STEPS),
         },
         "mismatched": mismatched,
+        # Each process serves one path (the other path's requests cost it only its idle polling).
+        "cpu_ms_per_request": cpu_per_request(cpu_before, cpu_after, args.requests),
     }
 
 
@@ -268,6 +292,9 @@ def print_results(doc: Mapping[str, Any], before: Mapping[str, Any] | None = Non
         old = (before or {}).get("breakdown", {}).get(path, {})
         step_rows = [(name, _fmt(ms), _fmt(old.get(name))) for name, ms in steps.items()]
         print_table(f"{path}: median ms per step", ("step", "ms", "before"), step_rows)
+    old_cpu = (before or {}).get("cpu_ms_per_request", {})
+    cpu_rows = [(name, ms, _fmt(old_cpu.get(name))) for name, ms in doc.get("cpu_ms_per_request", {}).items()]
+    print_table("CPU per request (ms, each process on its own path)", ("process", "ms", "before"), cpu_rows)
     old_idle = (before or {}).get("idle_cpu_pct", {})
     idle_rows = [(name, pct, _fmt(old_idle.get(name))) for name, pct in doc["idle_cpu_pct"].items()]
     print_table("idle CPU (% of one core)", ("engine", "now", "before"), idle_rows)
