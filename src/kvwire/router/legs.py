@@ -20,6 +20,7 @@ from kvwire.router.openai_api import ApiError, ErrorType, engine_error_kind
 from kvwire.router.policy import Role
 
 COMPLETIONS = "/v1/completions"
+_DRAIN_LIMIT = 64 * 1024  # bytes read after a stream's [DONE] to keep its connection (see _drain)
 
 
 class LegError(ApiError):
@@ -166,6 +167,7 @@ class DecodeStream:
         self.url = url
         self._body = body
         self._resp: aiohttp.ClientResponse | None = None
+        self._ended = False  # the engine sent [DONE]
 
     async def open(self) -> None:
         try:
@@ -186,15 +188,23 @@ class DecodeStream:
                     continue  # blank separators, comments, other SSE fields
                 data = line[5:].strip()
                 if data == b"[DONE]":
-                    # The engine ends its body right after [DONE]: reading to the end lets the connection
-                    # go back to the pool for the next request (a new connection costs a TCP handshake).
-                    await self._resp.content.read()
+                    self._ended = True
+                    await self._drain()
                     return None
                 return self._event(data)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             # ValueError: a line over aiohttp's line limit (no event of an engine is that long).
             raise _translate(Role.DECODE, self.url, exc) from exc
         return None
+
+    async def _drain(self) -> None:
+        """Read what follows ``[DONE]`` (an engine ends its body right there), up to ``_DRAIN_LIMIT``: a
+        response whose body has ended lets its connection go back to the pool for the next request (a new
+        one costs a TCP handshake); one that keeps sending is closed by ``aclose`` instead."""
+        assert self._resp is not None
+        drained = 0
+        while drained < _DRAIN_LIMIT and (chunk := await self._resp.content.readany()):
+            drained += len(chunk)
 
     def _event(self, data: bytes) -> dict[str, Any]:
         try:
@@ -211,9 +221,9 @@ class DecodeStream:
 
     async def aclose(self) -> None:
         if self._resp is not None:
-            # release() returns a fully read connection to the pool; close() drops one mid-stream (the
-            # engine sees the disconnect and aborts its request).
-            if self._resp.content.at_eof():
+            # After [DONE], release(): aiohttp pools the connection if the body has ended, closes it
+            # otherwise. Before it, close(): the engine sees the disconnect and aborts its request.
+            if self._ended:
                 self._resp.release()
             else:
                 self._resp.close()

@@ -1,0 +1,110 @@
+"""D's streaming leg over a real socket: events parsed, the connection kept for the next request when the
+stream ends at [DONE], dropped when the engine keeps sending after it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+
+from kvwire.demo.procs import free_port
+from kvwire.router.http import EngineClient
+from kvwire.router.legs import _DRAIN_LIMIT, DecodeStream, LegError
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class Engine:
+    """An SSE engine on 127.0.0.1 that counts the connections it accepted."""
+
+    def __init__(self) -> None:
+        self.peers: set[tuple[str, int]] = set()
+        self.trailing = b""  # sent after [DONE]
+        self.hold_s = 0.0  # then this long before the body ends
+        self.events = [b'data: {"choices": [{"text": "a"}]}\n\n']
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        if peer is not None:
+            self.peers.add((str(peer[0]), int(peer[1])))
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for event in self.events:
+            await resp.write(event)
+        await resp.write(b"data: [DONE]\n\n" + self.trailing)
+        await asyncio.sleep(self.hold_s)
+        await resp.write_eof()
+        return resp
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[tuple[Engine, str]]:
+    fake = Engine()
+    app = web.Application()
+    app.router.add_post("/v1/completions", fake.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield fake, f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def _stream_all(client: EngineClient, url: str) -> list[dict[str, object]]:
+    stream = DecodeStream(client, url, {"prompt": "x"})
+    events = []
+    try:
+        await stream.open()
+        while (event := await stream.next_event()) is not None:
+            events.append(event)
+    finally:
+        await stream.aclose()
+    return events
+
+
+async def test_a_stream_read_to_done_leaves_its_connection_for_the_next(engine: tuple[Engine, str]) -> None:
+    fake, url = engine
+    fake.hold_s = 0.05  # the body's end comes after [DONE]: the leg waits for it rather than drop it
+    client = EngineClient(2.0, 5.0)
+    try:
+        for _ in range(3):
+            assert await _stream_all(client, url) == [{"choices": [{"text": "a"}]}]
+        assert len(fake.peers) == 1  # one connection served all three
+    finally:
+        await client.close()
+
+
+async def test_an_engine_sending_after_done_loses_its_connection(
+    engine: tuple[Engine, str],
+) -> None:
+    fake, url = engine
+    fake.trailing, fake.hold_s = b": " + b"x" * (4 * _DRAIN_LIMIT) + b"\n", 1.0
+    client = EngineClient(2.0, 5.0)
+    try:
+        for _ in range(2):
+            assert await _stream_all(client, url) == [{"choices": [{"text": "a"}]}]
+        assert len(fake.peers) == 2  # not drained past the limit: closed, a new one for the next
+    finally:
+        await client.close()
+
+
+async def test_an_error_event_is_a_leg_error_naming_the_engine_message(engine: tuple[Engine, str]) -> None:
+    fake, url = engine
+    fake.events = [b'data: {"error": {"message": "kv lost", "type": "engine_error", "code": 503}}\n\n']
+    client = EngineClient(2.0, 5.0)
+    try:
+        with pytest.raises(LegError, match="kv lost") as exc:
+            await _stream_all(client, url)
+        assert exc.value.status == 503
+    finally:
+        await client.close()
