@@ -49,6 +49,20 @@ def test_a_call_returns_its_result_or_raises_its_error_from_another_thread() -> 
     run(body)
 
 
+def _free_for_another_thread(w: CallWorker) -> bool:
+    got: list[bool] = []
+
+    def take() -> None:
+        got.append(w.lock.acquire(blocking=False))
+        if got[0]:
+            w.lock.release()
+
+    t = threading.Thread(target=take)
+    t.start()
+    t.join(5.0)
+    return got == [True]
+
+
 def test_a_stuck_call_is_abandoned_counted_refuses_others_and_is_undone_when_it_returns() -> None:
     async def body() -> None:
         w = CallWorker("a", grace_s=0.05)
@@ -64,6 +78,8 @@ def test_a_stuck_call_is_abandoned_counted_refuses_others_and_is_undone_when_it_
         t1 = time.monotonic()
         with pytest.raises(AgentBusy), w.hold("send_notif"):
             pass
+        with pytest.raises(AgentBusy, match="progress refused"):  # the tick's call, refused the same way
+            w.held_call("progress", lambda: "notifs")
         assert time.monotonic() - t1 < 0.05  # the grace is counted from the stuck call's start
         order: list[str] = []
         assert w.run_or_defer(lambda: order.append("deferred"), "remove") is False
@@ -73,6 +89,8 @@ def test_a_stuck_call_is_abandoned_counted_refuses_others_and_is_undone_when_it_
         assert await w.call(lambda: "again", 1.0, "add_remote_agent") == "again"
         with w.hold("send_notif"):
             pass
+        assert w.held_call("progress", lambda x: x + 1, 41) == 42
+        assert _free_for_another_thread(w)  # released after the call
         w.close()
 
     run(body)

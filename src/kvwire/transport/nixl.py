@@ -439,8 +439,7 @@ class NixlAgent(PeerTableAgent[PeerEntry]):
         if handle.state is not XferStatus.IN_PROGRESS:
             return handle.state
         try:
-            with self._calls.hold("check_xfer_state"):
-                state = self._agent.check_xfer_state(handle.raw)
+            state = self._calls.held_call("check_xfer_state", self._agent.check_xfer_state, handle.raw)
         except AgentBusy:
             return handle.state  # not polled: the transfer's own deadline still applies
         except Exception as exc:  # NIXL raises on a dead peer instead of answering "ERR"
@@ -491,12 +490,15 @@ class NixlAgent(PeerTableAgent[PeerEntry]):
             if handle.state is XferStatus.IN_PROGRESS:
                 self.status(handle)
         try:
-            with self._boundary("progress"):
-                new: dict[str, list[bytes]] = self._agent.get_new_notifs()
+            new: dict[str, list[bytes]] = self._calls.held_call("progress", self._agent.get_new_notifs)
         except AgentBusy:
             # Nothing is lost: UCX keeps what arrives until the agent is progressed again.
             self.skipped_progress += 1
             return
+        except TransportError:
+            raise
+        except Exception as exc:
+            raise _translate(exc, "progress", self._b) from exc
         for sender, msgs in new.items():
             self._inbox.setdefault(str(sender), []).extend(bytes(m) for m in msgs)
 

@@ -17,7 +17,8 @@ So an agent owns a ``CallWorker``:
   so no caller ever uses a stuck call's result;
 * while a call is stuck, new ``call``s are refused (``AgentBusy``) instead of queueing behind a call that
   may not return for minutes;
-* ``hold`` is how every other call takes the lock: it waits at most ``grace_s`` counted from the start of
+* ``hold`` (or ``held_call``, its generator-free form for the tick's frequent calls) is how every other
+  call takes the lock: it waits at most ``grace_s`` counted from the start of
   the worker's current call, so a normal load (milliseconds) is waited for as before, and a stuck one makes
   callers fail fast with ``AgentBusy`` (or be skipped or deferred, as the agent decides: ``run_or_defer``).
 
@@ -191,15 +192,30 @@ class CallWorker:
     @contextmanager
     def hold(self, what: str) -> Iterator[None]:
         """Hold the agent's lock for one call; ``AgentBusy`` when a long worker call holds it."""
-        if not self.lock.acquire(timeout=self._wait_s()):
-            self.refused += 1
-            job = self._current
-            held = self._describe(job) if job is not None else "is held by another thread"
-            raise AgentBusy(f"{what} refused: agent {self.name} {held}")
+        self._acquire(what)
         try:
             yield
         finally:
             self.lock.release()
+
+    def held_call(self, what: str, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` under the lock, as ``hold`` would run it, without a generator per call: the
+        connector's tick makes these calls (progress, transfer polls) hundreds of times a second, and the
+        two context managers cost more than NIXL's own call."""
+        self._acquire(what)
+        try:
+            return fn(*args)
+        finally:
+            self.lock.release()
+
+    def _acquire(self, what: str) -> None:
+        # Uncontended (the usual case): no timeout to compute.
+        if self.lock.acquire(blocking=False) or self.lock.acquire(timeout=self._wait_s()):
+            return
+        self.refused += 1
+        job = self._current
+        held = self._describe(job) if job is not None else "is held by another thread"
+        raise AgentBusy(f"{what} refused: agent {self.name} {held}")
 
     def run_or_defer(self, fn: Callable[[], object], what: str) -> bool:
         """Run ``fn`` under the lock now, or (agent held) queue it to run in the worker after the call
