@@ -1,5 +1,5 @@
-"""D's streaming leg over a real socket: events parsed, the connection kept for the next request when the
-stream ends at [DONE], dropped when the engine keeps sending after it."""
+"""The legs over a real socket: D's events parsed, the connection kept for the next request when the
+stream ends at [DONE], dropped when the engine keeps sending after it; answers over their limit refused."""
 
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ import pytest
 from aiohttp import web
 
 from kvwire.demo.procs import free_port
+from kvwire.router import http, legs
 from kvwire.router.http import EngineClient
-from kvwire.router.legs import _DRAIN_LIMIT, DecodeStream, LegError
+from kvwire.router.legs import _DRAIN_LIMIT, DecodeStream, LegError, post_completion
+from kvwire.router.openai_api import ErrorType
+from kvwire.router.policy import Role
 
 pytestmark = pytest.mark.anyio
 
@@ -28,7 +31,13 @@ class Engine:
         self.peers: set[tuple[str, int]] = set()
         self.trailing = b""  # sent after [DONE]
         self.hold_s = 0.0  # then this long before the body ends
+        self.size = 100  # bytes of a unary answer
         self.events = [b'data: {"choices": [{"text": "a"}]}\n\n']
+
+    async def unary(self, request: web.Request) -> web.Response:
+        """A JSON answer of ``self.size`` bytes."""
+        pad = "x" * max(0, self.size - 20)
+        return web.json_response({"choices": [], "pad": pad})
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         peer = request.transport.get_extra_info("peername") if request.transport else None
@@ -50,6 +59,8 @@ async def engine() -> AsyncIterator[tuple[Engine, str]]:
     fake = Engine()
     app = web.Application()
     app.router.add_post("/v1/completions", fake.handle)
+    app.router.add_post("/unary/v1/completions", fake.unary)
+    app.router.add_get("/health", fake.unary)
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()
@@ -106,5 +117,24 @@ async def test_an_error_event_is_a_leg_error_naming_the_engine_message(engine: t
         with pytest.raises(LegError, match="kv lost") as exc:
             await _stream_all(client, url)
         assert exc.value.status == 503
+    finally:
+        await client.close()
+
+
+async def test_an_answer_over_the_limit_is_refused_not_buffered(
+    engine: tuple[Engine, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake, url = engine
+    monkeypatch.setattr(legs, "COMPLETION_BODY_LIMIT", 1000)
+    monkeypatch.setattr(http, "SMALL_BODY_LIMIT", 1000)
+    client = EngineClient(2.0, 5.0)
+    try:
+        assert (await post_completion(client, Role.PREFILL, url + "/unary", {}))["choices"] == []
+        fake.size = 5000
+        with pytest.raises(LegError, match="answer over 1000 bytes") as exc:
+            await post_completion(client, Role.PREFILL, url + "/unary", {})
+        assert exc.value.kind is ErrorType.ENGINE_ERROR
+        with pytest.raises(http.BodyTooLarge):
+            await client.get(url + "/health", 2.0)
     finally:
         await client.close()

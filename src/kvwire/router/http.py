@@ -20,6 +20,26 @@ import msgspec
 from kvwire.apikey import bearer
 
 _JSON = {"Content-Type": "application/json"}
+# The most an engine's answer may hold: a health or model list, or a whole unary completion (tokens,
+# logprobs). An engine sending more is broken or hostile; its answer is refused, not buffered.
+SMALL_BODY_LIMIT = 1 << 20
+COMPLETION_BODY_LIMIT = 64 << 20
+_READ_CHUNK = 1 << 16
+
+
+class BodyTooLarge(ValueError):
+    """An engine's answer over the limit for its kind."""
+
+
+async def read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body of ``resp``, or ``BodyTooLarge`` as soon as it passes ``limit`` bytes."""
+    chunks, size = [], 0
+    while chunk := await resp.content.read(_READ_CHUNK):
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"answer over {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class EngineClient:
@@ -54,7 +74,7 @@ class EngineClient:
         """A small GET (health, model list): its status and body, within ``timeout_s`` in all."""
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         async with self.session().get(url, timeout=timeout) as resp:
-            return resp.status, await resp.read()
+            return resp.status, await read_bounded(resp, SMALL_BODY_LIMIT)
 
     async def close(self) -> None:
         if self._session is not None and not self._session.closed:

@@ -15,7 +15,13 @@ import aiohttp
 from kvwire.errors import InvalidRequest
 from kvwire.kv_params import FIELD, KvTransferParams, parse_kv_params
 from kvwire.router.engines import HealthInfo
-from kvwire.router.http import EngineClient
+from kvwire.router.http import (
+    COMPLETION_BODY_LIMIT,
+    SMALL_BODY_LIMIT,
+    BodyTooLarge,
+    EngineClient,
+    read_bounded,
+)
 from kvwire.router.openai_api import ApiError, ErrorType, engine_error_kind
 from kvwire.router.policy import Role
 
@@ -145,8 +151,8 @@ async def post_completion(
     """A non-streaming leg: the engine's completion object."""
     try:
         async with client.post(url + COMPLETIONS, body) as resp:
-            status, content = resp.status, await resp.read()
-    except (aiohttp.ClientError, TimeoutError) as exc:
+            status, content = resp.status, await read_bounded(resp, COMPLETION_BODY_LIMIT)
+    except (aiohttp.ClientError, TimeoutError, BodyTooLarge) as exc:
         raise _translate(role, url, exc) from exc
     if status != 200:
         raise _error_of_response(role, url, status, content)
@@ -173,9 +179,9 @@ class DecodeStream:
         try:
             self._resp = resp = await self._client.post(self.url + COMPLETIONS, self._body)
             if resp.status != 200:
-                content = await resp.read()
+                content = await read_bounded(resp, SMALL_BODY_LIMIT)
                 raise _error_of_response(Role.DECODE, self.url, resp.status, content)
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (aiohttp.ClientError, TimeoutError, BodyTooLarge) as exc:
             raise _translate(Role.DECODE, self.url, exc) from exc
 
     async def next_event(self) -> dict[str, Any] | None:
