@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from connector_env import Pair
 
-from kvwire.connector._base import DEEP_IDLE_S, ConnectorBase
+from kvwire.connector._base import DEEP_IDLE_S, FIRST_BUSY_POLL_S, ConnectorBase
+from kvwire.connector.timeline import Stage
 from kvwire.kv.spec import KVSpec
 from kvwire.testing.engines import wait_for
 
@@ -85,3 +86,29 @@ def test_an_engine_call_wakes_a_deep_idle_ticker_at_once(pair: Pair) -> None:
             return
         # The timer fired before the call reached the loop (a starved test machine): try again.
     raise AssertionError("the deep idle timer was never cancelled by an engine call")
+
+
+def test_a_push_reg_for_a_request_still_prefilling_does_not_start_fast_polls(pair: Pair) -> None:
+    """P can do nothing with D's registration until its engine finishes the request (that call wakes the
+    loop): ticking at 50-400 us meanwhile only took the GIL from the prefill."""
+    conn = pair.producer
+    # A first registration makes P load D (its handshake's answer wakes the loop, rightly): not measured.
+    pair.consumer.request_allocated("t-warm", [2, 3], 32, 0, pair.remote())
+    wait_for(lambda: Stage.PUSH_REG_RECEIVED in conn.timeline.get("t-warm"), "the first push_reg")
+    wait_for(lambda: pair.on_loop(lambda: not conn._tasks), "P's handshake with D")
+    picked: list[tuple[bool, float]] = []  # (push_reg already received, interval picked)
+    pick = conn._interval
+
+    def recording(now: float) -> float:
+        arrived = Stage.PUSH_REG_RECEIVED in conn.timeline.get("t-prefilling")
+        picked.append((arrived, pick(now)))
+        return picked[-1][1]
+
+    conn._interval = recording  # type: ignore[method-assign]
+    pair.consumer.request_allocated("t-prefilling", [0, 1], 32, 0, pair.remote())
+    wait_for(lambda: sum(arrived for arrived, _ in picked) >= 6, "six ticks after the push_reg")
+    after = [interval for arrived, interval in picked if arrived]
+    # A ramp another event started may still be ending; the arrival must not start one (at 50 us).
+    assert FIRST_BUSY_POLL_S not in after, after
+    pair.consumer.abort("t-prefilling")
+    pair.consumer.abort("t-warm")

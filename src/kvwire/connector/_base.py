@@ -515,11 +515,12 @@ class ConnectorBase(Generic[E]):
         return not self.core.live
 
     def _interval(self, now: float) -> float:
-        """After any activity (an engine call, a notification in or out, a post, a transfer's end) from
-        ``FIRST_BUSY_POLL_S`` doubling to ``poll_interval_s``, which holds while transfers are live and for
-        ``_HOT_TICKS`` more ticks, then doubling back to the idle interval, or to ``DEEP_IDLE_S`` when
-        nothing is live. A peer's answer usually follows soon after activity, and NIXL
-        has no descriptor to wait on: this catches it without polling fast all the time."""
+        """After any activity (an engine call, a notification out, a post, a transfer's end; a notification
+        in counts only for the idle grace) from ``FIRST_BUSY_POLL_S`` doubling to ``poll_interval_s``, which
+        holds while transfers are live and for ``_HOT_TICKS`` more ticks, then doubling back to the idle
+        interval, or to ``DEEP_IDLE_S`` when nothing is live. A peer's answer usually follows soon after
+        activity, and NIXL has no descriptor to wait on: this catches it without polling fast all the
+        time."""
         cfg = self.config
         if self._quiet == 0:
             self._active_at = now  # something happened since the last tick
@@ -563,7 +564,11 @@ class ConnectorBase(Generic[E]):
                 continue
             for sender, msgs in inbox.items():
                 for sealed in msgs:
-                    self._quiet = 0
+                    # Not activity by itself: a notification that calls for an answer or a write leads to
+                    # a send or a post, and those start the fast polls. Ramping on every arrival made a P
+                    # poll eight times during the prefill of the request D had just registered, taking
+                    # the GIL from that prefill for nothing (P can do nothing until it ends).
+                    self._active_at = now
                     try:  # NIXL lets a sender pick any name: only the seal says who sent it
                         raw = self._gate.incoming(sender, rank.agent.name, sealed)
                     except AuthError as exc:
