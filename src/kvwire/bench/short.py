@@ -131,13 +131,8 @@ class Short:
         self.p, self.d, self.router = cluster.disagg[TransferMode.PUSH]
 
     def pids(self) -> dict[str, int]:
-        servers = {
-            "router": self.router,
-            "prefill": self.p,
-            "decode": self.d,
-            "colocated": self.cluster.colocated,
-        }
-        return {name: s.proc.pid for name, s in servers.items() if s.proc is not None}
+        servers = {"router": self.router, "prefill": self.p, "decode": self.d}
+        return pids_of({**servers, "colocated": self.cluster.colocated})
 
     def send(self, url: str) -> tuple[float, float, int]:
         return one_request(self.client, url, self.model, self.timeout_s)
@@ -178,6 +173,11 @@ class Short:
         return out
 
 
+def pids_of(servers: Mapping[str, Server]) -> dict[str, int]:
+    """Each running server's process id, by name."""
+    return {name: s.proc.pid for name, s in servers.items() if s.proc is not None}
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` and its threads so far (Linux ``/proc``)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -186,7 +186,7 @@ def cpu_seconds(pid: int) -> float:
 
 def idle_cpu(servers: Mapping[str, Server], seconds: float) -> dict[str, float]:
     """% of one core each server process used over ``seconds`` with no request."""
-    pids = {name: s.proc.pid for name, s in servers.items() if s.proc is not None}
+    pids = pids_of(servers)
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     t0 = time.monotonic()
     time.sleep(seconds)

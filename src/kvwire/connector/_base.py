@@ -564,10 +564,8 @@ class ConnectorBase(Generic[E]):
                 continue
             for sender, msgs in inbox.items():
                 for sealed in msgs:
-                    # Not activity by itself: a notification that calls for an answer or a write leads to
-                    # a send or a post, and those start the fast polls. Ramping on every arrival made a P
-                    # poll eight times during the prefill of the request D had just registered, taking
-                    # the GIL from that prefill for nothing (P can do nothing until it ends).
+                    # Not activity: what it calls for (a send, a post) starts the fast polls. A ramp per
+                    # arrival took the GIL from the prefill of the request D had just registered.
                     self._active_at = now
                     try:  # NIXL lets a sender pick any name: only the seal says who sent it
                         raw = self._gate.incoming(sender, rank.agent.name, sealed)

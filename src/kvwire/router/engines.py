@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 import urllib.parse
@@ -22,7 +21,7 @@ import aiohttp
 from kvwire.config import EngineKind
 from kvwire.errors import ConfigError
 from kvwire.protocol.messages import TransferMode
-from kvwire.router.http import EngineClient
+from kvwire.router.http import EngineClient, json_object
 from kvwire.router.policy import EngineView, Load, Role
 
 log = logging.getLogger(__name__)
@@ -123,13 +122,6 @@ def static_info(url: str, role: Role) -> HealthInfo:
     return HealthInfo(role.value, q.get("engine_id", base), "", host, port, tp, pp, "", Load())
 
 
-def _json_object(body: bytes) -> dict[str, Any]:
-    obj = json.loads(body)
-    if not isinstance(obj, dict):
-        raise ValueError("answer is not a JSON object")
-    return obj
-
-
 @dataclass
 class EngineState:
     url: str  # without the fragment: what legs are sent to
@@ -191,12 +183,12 @@ class EngineRegistry:
         if status != 200:
             raise ValueError(f"/health answered {status}")
         if state.static is None:
-            return HealthInfo.parse(_json_object(body))
+            return HealthInfo.parse(json_object(body))
         # vLLM: healthy when /health is 200; its served model names come from /v1/models.
         status, body = await self._client.get(f"{state.url}/v1/models", self._timeout_s)
         if status != 200:
             raise ValueError(f"/v1/models answered {status}")
-        names = [str(m["id"]) for m in _json_object(body).get("data", [])]
+        names = [str(m["id"]) for m in json_object(body).get("data", [])]
         return dataclasses.replace(state.static, model=names[0] if names else "")
 
     def pair_problems(self, mode: TransferMode) -> list[str]:

@@ -12,7 +12,9 @@ it), and closed with the router.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Mapping
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -29,6 +31,17 @@ _READ_CHUNK = 1 << 16
 
 class BodyTooLarge(ValueError):
     """An engine's answer over the limit for its kind."""
+
+
+def json_object(body: bytes) -> dict[str, Any]:
+    """An engine's JSON answer as an object; ``ValueError`` naming what it is instead."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        raise ValueError("answer is not JSON") from None
+    if not isinstance(obj, dict):
+        raise ValueError("answer is not a JSON object")
+    return obj
 
 
 async def read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes:

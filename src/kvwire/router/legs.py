@@ -20,6 +20,7 @@ from kvwire.router.http import (
     SMALL_BODY_LIMIT,
     BodyTooLarge,
     EngineClient,
+    json_object,
     read_bounded,
 )
 from kvwire.router.openai_api import ApiError, ErrorType, engine_error_kind
@@ -157,12 +158,9 @@ async def post_completion(
     if status != 200:
         raise _error_of_response(role, url, status, content)
     try:
-        obj = json.loads(content)
+        return json_object(content)
     except ValueError as exc:
-        raise LegError(role, url, ErrorType.ENGINE_ERROR, "answer is not JSON") from exc
-    if not isinstance(obj, dict):
-        raise LegError(role, url, ErrorType.ENGINE_ERROR, "answer is not a JSON object")
-    return obj
+        raise LegError(role, url, ErrorType.ENGINE_ERROR, str(exc)) from exc
 
 
 class DecodeStream:
