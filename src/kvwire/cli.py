@@ -30,6 +30,11 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("bench short", "kvwire.bench.short", "a short request disaggregated vs colocated; idle engines' CPU"),
     ("bench flood", "kvwire.bench.flood", "a rogue peer floods P with notifications while real requests run"),
     ("bench vllm", "kvwire.bench.vllm", "kvwire vs vLLM's NIXL push connector in real vLLM engines"),
+    (
+        "bench gpu-check",
+        "kvwire.bench.gpu_check",
+        "push and pull between two processes on a GPU (or CPU), bytes compared",
+    ),
     ("sim", "kvwire.testing.sim.cli", "deterministic simulation of the cores under faults, in virtual time"),
     ("chaos", "kvwire.chaos", "kill and restart peers under load; count leaks and corruption"),
     ("transport-demo", "kvwire.demo.transport", "two processes, one NIXL WRITE with a notification"),

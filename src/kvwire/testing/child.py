@@ -39,11 +39,17 @@ def stop_child(proc: BaseProcess, conn: Connection, stop_msg: object, timeout_s:
         conn.close()
 
 
-def serve_commands(conn: Connection, host: Any, close: Callable[[], None]) -> None:
+def serve_commands(
+    conn: Connection, host: Any, close: Callable[[], None], idle: Callable[[], None] | None = None
+) -> None:
     """The child's loop: ``(cmd, kwargs)`` in, ``("ok", host.cmd(**kwargs))`` or ``("err", text)`` out,
-    until ``("exit", ...)``; ``close`` runs whatever happened."""
+    until ``("exit", ...)``; ``close`` runs whatever happened. ``idle``, when given, runs between commands
+    (every 0.5 ms): a NIXL agent without a progress thread must progress for a peer's transfers to finish."""
     try:
         while True:
+            if idle is not None and not conn.poll(0.0005):
+                idle()
+                continue
             cmd, kwargs = conn.recv()
             if cmd == "exit":
                 break
