@@ -12,6 +12,7 @@ Four worker processes (two for P, two for D) serve every case; each case builds 
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ N = 5 * MODEL.block_size - 3  # the last block is partial
 P_BLOCKS = [4, 5, 6, 20, 9]
 D_BLOCKS = [33, 2, 3, 10, 11]
 _case = itertools.count()
+# `cuda` on a GPU machine (scripts/gpu-check.sh runs this file so): the same checks with the KV in VRAM.
+DEVICE = os.environ.get("KVWIRE_TEST_DEVICE", "cpu")
 
 
 @dataclass
@@ -86,9 +89,10 @@ def _check_vllm_layout(engine: VllmEngine, dtype: str) -> None:
 def test_d_ranks_hold_p_logical_kv(pool: Pool, p_tp: int, d_tp: int, mode: str, dtype: str) -> None:
     n = next(_case)
     seed = 100 + n
-    p = VllmEngine(KvRole.PRODUCER, pool.p[:p_tp], engine_id=f"P{n}", model=MODEL, mode=mode, dtype=dtype)
+    kw = {"model": MODEL, "mode": mode, "dtype": dtype, "device": DEVICE}
+    p = VllmEngine(KvRole.PRODUCER, pool.p[:p_tp], engine_id=f"P{n}", **kw)
     try:
-        d = VllmEngine(KvRole.CONSUMER, pool.d[:d_tp], engine_id=f"D{n}", model=MODEL, mode=mode, dtype=dtype)
+        d = VllmEngine(KvRole.CONSUMER, pool.d[:d_tp], engine_id=f"D{n}", **kw)
     except BaseException:
         p.close()
         raise

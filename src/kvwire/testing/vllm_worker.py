@@ -60,15 +60,16 @@ def _torch() -> Any:
     return importlib.import_module("torch")
 
 
-def allocate_kv_caches(model: Model, heads: int, dtype: str) -> dict[str, Any]:
+def allocate_kv_caches(model: Model, heads: int, dtype: str, device: str = "cpu") -> dict[str, Any]:
     """vLLM 0.34's ``allocate_kv_cache`` + ``create_kv_cache_views`` for the LBHNC layout: one zeroed
-    int8 buffer, a 5-D byte view ``[L, B, H, N, C * itemsize]`` with layer-outermost strides, and per
-    layer that view's slice cast to ``dtype`` (``float16`` or ``bfloat16``)."""
+    int8 buffer on ``device`` (``cpu``, or ``cuda`` on a GPU machine: VRAM), a 5-D byte view
+    ``[L, B, H, N, C * itemsize]`` with layer-outermost strides, and per layer that view's slice cast to
+    ``dtype`` (``float16`` or ``bfloat16``)."""
     torch = _torch()
     tdtype = getattr(torch, dtype)
     item = torch.empty((), dtype=tdtype).element_size()
     L, B, H, N, C = model.num_layers, model.num_blocks, heads, model.block_size, 2 * model.head_dim
-    raw = torch.zeros(L * B * H * N * C * item, dtype=torch.int8)
+    raw = torch.zeros(L * B * H * N * C * item, dtype=torch.int8, device=device)
     shape = (L, B, H, N, C * item)
     strides = (B * H * N * C * item, H * N * C * item, N * C * item, C * item, 1)
     view_5d = torch.as_strided(raw, size=shape, stride=strides, storage_offset=raw.storage_offset())
@@ -83,20 +84,31 @@ def logical_kv(model: Model, num_tokens: int, seed: int) -> np.ndarray:
 
 
 def _words(tensor: Any) -> np.ndarray:
-    """A layer tensor's memory as uint16 words ``[B, H, N, C]`` (shares memory, no copy)."""
+    """A layer tensor's memory as uint16 words ``[B, H, N, C]``: shares memory on the CPU, a copy of a
+    GPU tensor (so write through ``_store``)."""
     torch = _torch()
-    out: np.ndarray = tensor.view(torch.int16).numpy().view(np.uint16)
+    out: np.ndarray = tensor.view(torch.int16).cpu().numpy().view(np.uint16)
     return out
+
+
+def _store(tensor: Any, key: Any, words: np.ndarray) -> None:
+    """``_words(tensor)[key] = words``, on whichever device the tensor lives."""
+    torch = _torch()
+    if tensor.device.type == "cpu":
+        _words(tensor)[key] = words
+        return
+    host = torch.from_numpy(np.ascontiguousarray(words, dtype=np.uint16).view(np.int16))
+    tensor.view(torch.int16)[key] = host.to(tensor.device)
 
 
 def write_tokens(caches: dict[str, Any], block_ids: Sequence[int], kv: np.ndarray, block_size: int) -> None:
     """Write ``kv`` (``[layers, this rank's heads, tokens, C]``) token by token into ``block_ids``."""
     for i in range(kv.shape[0]):
-        words = _words(caches[layer_name(i)])
+        tensor = caches[layer_name(i)]
         for j, b in enumerate(block_ids):
             lo, hi = j * block_size, min(kv.shape[2], (j + 1) * block_size)
             if lo < hi:
-                words[b, :, : hi - lo, :] = kv[i, :, lo:hi, :]
+                _store(tensor, (b, slice(None), slice(0, hi - lo), slice(None)), kv[i, :, lo:hi, :])
 
 
 def read_tokens(
@@ -124,13 +136,19 @@ class _Rank:
         self.heads = range(0)
 
     def engine(
-        self, role: str, place: dict[str, Any], extra: dict[str, Any], num_blocks: int, dtype: str
+        self,
+        role: str,
+        place: dict[str, Any],
+        extra: dict[str, Any],
+        num_blocks: int,
+        dtype: str,
+        device: str = "cpu",
     ) -> dict[str, Any]:
         self.close_engine()
         rp = RankPlace(**place)
         self.model = Model(rp.num_layers, rp.kv_heads, rp.head_dim, rp.block_size, num_blocks)
         self.heads = self.model.heads(rp.tp_size, rp.tp_rank)
-        self.caches = allocate_kv_caches(self.model, len(self.heads), dtype)
+        self.caches = allocate_kv_caches(self.model, len(self.heads), dtype, device)
         side = WorkerSide(KvRole(role), settings_from_extra(extra), rp)
         side.register(self.caches)
         self.side = side
@@ -154,8 +172,8 @@ class _Rank:
         if noise_seed is not None:
             rng = np.random.default_rng(noise_seed)
             for t in self.caches.values():
-                words = _words(t)
-                words[...] = rng.integers(1, 1 << 16, size=words.shape, dtype=np.uint16)
+                shape = _words(t).shape
+                _store(t, ..., rng.integers(1, 1 << 16, size=shape, dtype=np.uint16))
         kv = logical_kv(self.model, num_tokens, seed)[:, self.heads.start : self.heads.stop]
         write_tokens(self.caches, block_ids, kv, self.model.block_size)
 
@@ -269,6 +287,7 @@ class VllmEngine:
         dtype: str,
         incarnation: str | None = None,
         extra: dict[str, Any] | None = None,
+        device: str = "cpu",
     ) -> None:
         self.role = role
         self.workers = list(workers)
@@ -297,6 +316,7 @@ class VllmEngine:
                 extra=self.extra,
                 num_blocks=model.num_blocks,
                 dtype=dtype,
+                device=device,
             )
         self.infos: list[dict[str, Any]] = [w.recv("engine") for w in self.workers]
 
