@@ -10,6 +10,8 @@ that (``CoreHarness.ticks`` refuses a shorter step).
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -501,3 +503,28 @@ def test_p_answers_a_failed_from_d_in_push_as_a_cancel() -> None:
     out = t.from_d(0.25, failed)
     assert sent(out, CancelAck) == [t.cancel_ack(wrote=False).msg]
     assert t.core.stats.cancels == 1
+
+
+def _documented_num_blocks_rule() -> str:
+    """The formula docs/protocol.md's notification table gives for a push ``done``'s ``num_blocks``."""
+    doc = (Path(__file__).parents[2] / "docs" / "protocol.md").read_text()
+    row = next(line for line in doc.splitlines() if line.startswith("| `done` |"))
+    found = re.search(r"`num_blocks`[^`]*push[^`]*`([^`]+)`", row)
+    assert found is not None, f"the done row states no num_blocks rule: {row}"
+    return found.group(1)
+
+
+def test_the_documented_num_blocks_rule_is_the_one_p_writes() -> None:
+    """The table said ``num_blocks`` (blocks written) while the text, and D's check, say D's blocks past
+    its prefix hit; the two differ whenever P's block size or TP size differs from D's."""
+    t = P()
+    reg = msgspec.structs.replace(t.push_reg(), num_cached_tokens=4)
+    hs = one(t.from_d(0.0, reg), StartHandshake)
+    t.h.done(0.0, hs.token, t.d.peer_rank(mode=PeerMode.FULL))
+    w = one(t.h.at(0.0, Finished(TID, BLOCKS, TOKENS)), PostWrite)
+    done = decode_notif(w.notif)
+    assert isinstance(done, Done)
+    names = {"len": len, "block_ids": reg.block_ids, "num_cached_tokens": reg.num_cached_tokens}
+    names["block_size"] = t.d.info.spec.block_size
+    rule = _documented_num_blocks_rule()
+    assert done.num_blocks == eval(rule, {"__builtins__": {}}, names) == 1, rule
