@@ -12,7 +12,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvwire.errors import ConfigError
-from kvwire.testing.protocol_conformance import Result, Role, Status, Target, run_checks
+from kvwire.testing.protocol_conformance import ALL_CHECKS, Result, Role, Status, Target, run_checks
+from kvwire.testing.protocol_conformance.side_checks import SIDE_CHECKS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--slow", action="store_true", help="also the checks that wait out the 10 s idle timer"
+    )
+    parser.add_argument(
+        "--side-channel-only",
+        action="store_true",
+        help="no NIXL checks (the handshake's load, notifications)",
     )
 
 
@@ -78,7 +84,10 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"[bold red]{exc}[/]")
         return 2
     role = Role(args.role)
-    results = asyncio.run(run_checks(target, role, slow=args.slow, listen_host=args.listen_host))
+    checks = SIDE_CHECKS if args.side_channel_only else ALL_CHECKS
+    results = asyncio.run(
+        run_checks(target, role, slow=args.slow, listen_host=args.listen_host, checks=checks)
+    )
     report = summary(results, target, role)
     console.print(table(results, f"kvwire wire contract v1: {role.value} at {target.address}"))
     console.print(f"{report['passed']} passed, {report['failed']} failed, {report['skipped']} skipped")

@@ -39,6 +39,7 @@ from kvwire.testing.protocol_conformance.model import Check, Context, Role, Skip
 from kvwire.testing.protocol_conformance.wire import CheckFailed, fetch_metadata, new_nonce
 
 KIT_ENGINE = "kvwire-conformance"
+MD_HEADER = b"KVWN\x01"  # then b"F" (full) or b"C" (connection only), then NIXL's bytes (§2)
 KIT_BLOCKS = 8
 _POLL_S = 0.002
 _HEARTBEAT_S = 0.5  # well inside any liveness timeout: P must not call the kit dead mid-check
@@ -278,6 +279,10 @@ async def full_load(ctx: Context) -> str:
     from kvwire.transport.nixl import NixlAgent
 
     md = await ctx.metadata()
+    conn = await fetch_metadata(ctx.target, notif_only=True)
+    for what, data, tag in (("full", md.agent_metadata, b"F"), ("notif_only", conn.agent_metadata, b"C")):
+        if data[:6] != MD_HEADER + tag:
+            raise CheckFailed(f"{what} agent_metadata starts {data[:6]!r}, §2 says {MD_HEADER + tag!r}")
     try:
         agent = NixlAgent(f"{KIT_ENGINE}/{new_nonce().hex()}/pp0/tp0")
     except KvwireError as exc:
@@ -290,7 +295,7 @@ async def full_load(ctx: Context) -> str:
         agent.close()
     if loaded != md.agent_name:
         raise CheckFailed(f"the full agent_metadata loads as {loaded!r}, the reply names {md.agent_name!r}")
-    return f"loaded as {loaded}"
+    return f"headers F and C; the full metadata loads as {loaded}"
 
 
 _P = frozenset({Role.PREFILL})
