@@ -18,10 +18,10 @@ from kvwire.handshake.loop import BackgroundLoop
 from kvwire.handshake.server import SideChannelServer
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.auth import SignedRequest
-from kvwire.protocol.messages import Ack, ErrorCode, ErrorReply, Metadata, ReportFailed
+from kvwire.protocol.messages import Ack, ErrorCode, ErrorReply, GetMetadata, Metadata, ReportFailed
 from kvwire.testing.handshake_env import build_registered_engine
 from kvwire.testing.protocol_conformance import Result, Role, Status, Target, run_checks
-from kvwire.testing.protocol_conformance.side_checks import SIDE_CHECKS
+from kvwire.testing.protocol_conformance.side_checks import SIDE_CHECKS, documented_compat_hash
 from kvwire.transport.inproc import InprocFabric
 
 SPEC = KVSpec(num_layers=2, kv_heads=2, head_dim=8, block_size=4)
@@ -160,3 +160,14 @@ def test_the_command_prints_the_table_writes_json_and_exits_non_zero_on_failure(
     printed = capsys.readouterr().out
     assert "error.no_such_rank" in printed and "fail" in printed
     assert main(["conformance", "--role", "decode", "--target", "nowhere"]) == 2
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_documented_compat_hash_is_kvwires_fused_or_not(fused: bool) -> None:
+    """docs/protocol.md §5 as the kit computes it (one more array element, ``"kv_fused"``, when fused)
+    gives the hash kvwire sends."""
+    spec = KVSpec(num_layers=2, kv_heads=2, head_dim=8, block_size=4, kv_fused=fused)
+    info, ranks = build_registered_engine("p", spec, 4, InprocFabric().create_agent, model_id="m;rev=1")
+    md = SideChannelServer(info, ranks).answer(GetMetadata(pp_rank=0, tp_rank=0))
+    assert isinstance(md, Metadata) and md.compat is not None and md.compat.kv_fused is fused
+    assert documented_compat_hash(md) == md.compat_hash
