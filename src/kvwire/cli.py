@@ -37,6 +37,11 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ),
     ("sim", "kvwire.testing.sim.cli", "deterministic simulation of the cores under faults, in virtual time"),
     ("chaos", "kvwire.chaos", "kill and restart peers under load; count leaks and corruption"),
+    (
+        "conformance",
+        "kvwire.testing.protocol_conformance.cli",
+        "check an engine's side channel and notifications against the wire contract (docs/protocol.md)",
+    ),
     ("transport-demo", "kvwire.demo.transport", "two processes, one NIXL WRITE with a notification"),
 )
 

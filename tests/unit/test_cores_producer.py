@@ -10,6 +10,8 @@ that (``CoreHarness.ticks`` refuses a shorter step).
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -284,14 +286,17 @@ def test_a_push_reg_queued_during_a_freeze_is_answered_failed() -> None:
     assert sent(answered_stale(t, 4.5), Failed) == [t.failed(FailReason.FENCE_EXPIRED).msg]
 
 
-def test_cancel_during_writing_waits_for_the_write_to_end_before_cancel_ack() -> None:
+def test_cancel_during_a_write_that_completes_ends_with_its_done_alone() -> None:
+    """The done went with the write (attached to it): one ending message per registration, so no
+    cancel_ack follows (P used to send both, and D dropped the second as a duplicate)."""
     t = P()
     w = t.writing(0.0)
     assert t.from_d(0.25, t.cancel()) == []  # CANCEL_PENDING: the write cannot be recalled
     assert t.from_d(0.375, t.cancel()) == []  # a repeat changes nothing
     out = t.h.ended(0.5, w.token, ok=True)
-    assert out == [Release(w.token), t.cancel_ack(wrote=True), out[-1]]
-    assert events(out) == [freed(ProducerOutcome.ABORTED)]
+    assert out == [Release(w.token), out[-1]] and sent(out, CancelAck) == []
+    assert events(out) == [freed(ProducerOutcome.SENT)]
+    assert t.core.stats.transfers_done == 1
 
 
 def test_cancel_during_writing_then_failed_write_acks_wrote_true() -> None:
@@ -498,3 +503,28 @@ def test_p_answers_a_failed_from_d_in_push_as_a_cancel() -> None:
     out = t.from_d(0.25, failed)
     assert sent(out, CancelAck) == [t.cancel_ack(wrote=False).msg]
     assert t.core.stats.cancels == 1
+
+
+def _documented_num_blocks_rule() -> str:
+    """The formula docs/protocol.md's notification table gives for a push ``done``'s ``num_blocks``."""
+    doc = (Path(__file__).parents[2] / "docs" / "protocol.md").read_text()
+    row = next(line for line in doc.splitlines() if line.startswith("| `done` |"))
+    found = re.search(r"`num_blocks`[^`]*push[^`]*`([^`]+)`", row)
+    assert found is not None, f"the done row states no num_blocks rule: {row}"
+    return found.group(1)
+
+
+def test_the_documented_num_blocks_rule_is_the_one_p_writes() -> None:
+    """The table said ``num_blocks`` (blocks written) while the text, and D's check, say D's blocks past
+    its prefix hit; the two differ whenever P's block size or TP size differs from D's."""
+    t = P()
+    reg = msgspec.structs.replace(t.push_reg(), num_cached_tokens=4)
+    hs = one(t.from_d(0.0, reg), StartHandshake)
+    t.h.done(0.0, hs.token, t.d.peer_rank(mode=PeerMode.FULL))
+    w = one(t.h.at(0.0, Finished(TID, BLOCKS, TOKENS)), PostWrite)
+    done = decode_notif(w.notif)
+    assert isinstance(done, Done)
+    names = {"len": len, "block_ids": reg.block_ids, "num_cached_tokens": reg.num_cached_tokens}
+    names["block_size"] = t.d.info.spec.block_size
+    rule = _documented_num_blocks_rule()
+    assert done.num_blocks == eval(rule, {"__builtins__": {}}, names) == 1, rule

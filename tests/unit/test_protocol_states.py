@@ -149,7 +149,7 @@ def test_handshake_paths(events: list[HandshakeEvent], end: HandshakeState, noti
         ([PE.PUSH_REG, PE.PREFILL_DONE, PE.FENCE_EXPIRED], PS.FAILED),
         ([PE.PREFILL_DONE, PE.LEASE_EXPIRED, PE.RELEASE], PS.FREED),
         ([PE.PUSH_REG, PE.PREFILL_DONE, PE.WRITES_POSTED, PE.WRITE_FAILED], PS.FAILED),
-        ([PE.PUSH_REG, PE.PREFILL_DONE, PE.WRITES_POSTED, PE.CANCEL, PE.WRITES_COMPLETE], PS.CANCELLED),
+        ([PE.PUSH_REG, PE.PREFILL_DONE, PE.WRITES_POSTED, PE.CANCEL, PE.WRITES_COMPLETE], PS.DONE_SENT),
         (
             [PE.PUSH_REG, PE.PREFILL_DONE, PE.WRITES_POSTED, PE.CANCEL, PE.CANCEL, PE.WRITE_FAILED],
             PS.CANCELLED,
@@ -173,8 +173,11 @@ def test_producer_cancel_waits_for_writes_in_flight() -> None:
     assert p.writes_in_flight and not p.registration_ended  # no cancel_ack yet
     for ev in (PE.LEASE_EXPIRED, PE.ABORT, PE.PEER_DEAD, PE.FENCE_EXPIRED):
         assert not p.accepts(ev)
-    assert p.handle(PE.WRITES_COMPLETE) is PS.CANCELLED
+    # The write completed: the done attached to it is the registration's one ending message.
+    assert p.handle(PE.WRITES_COMPLETE) is PS.DONE_SENT
     assert p.registration_ended and not p.writes_in_flight
+    failed = ProducerRegistration(PS.CANCEL_PENDING)
+    assert failed.handle(PE.WRITE_FAILED) is PS.CANCELLED  # no done went: cancel_ack
 
 
 def test_every_way_into_producer_failed_has_a_reason() -> None:

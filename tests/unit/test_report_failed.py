@@ -18,14 +18,26 @@ from kvwire.errors import HandshakeError, NoSuchRank, Unauthorized
 from kvwire.handshake.client import send_report
 from kvwire.handshake.types import PeerAddress
 from kvwire.kv.spec import KVSpec
+from kvwire.protocol.auth import sign
 from kvwire.protocol.codec import (
     FRAME_HEADER_BYTES,
     decode_side,
+    encode_body,
     encode_frame,
     encode_notif,
     parse_frame_header,
 )
-from kvwire.protocol.messages import Ack, ErrorCode, ErrorReply, Failed, FailReason, PushReg, ReportFailed
+from kvwire.protocol.messages import (
+    Ack,
+    ErrorCode,
+    ErrorReply,
+    Failed,
+    FailReason,
+    PushReg,
+    ReportFailed,
+    Sealed,
+)
+from kvwire.protocol.seal import ReplySeal
 from kvwire.testing.engines import same_bytes, untouched_blocks_zero
 from kvwire.transport.base import make_agent_name
 
@@ -66,7 +78,7 @@ def _report(pair: Pair, tid: str, **kw: object) -> ReportFailed:
         "incarnation": p.incarnation,
         "from_pp_rank": 0,
         "from_tp_rank": 0,
-        "reason": FailReason.INCOMPATIBLE,
+        "reason": FailReason.INCOMPATIBLE.value,
     }
     fields.update(kw)
     return ReportFailed(**fields)  # type: ignore[arg-type]
@@ -251,3 +263,98 @@ def test_a_push_reg_p_has_no_room_for_fails_at_d_at_once_as_overloaded() -> None
         assert same_bytes(pair.d_tokens([2, 3], range(8)), kv)
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["plain", "secret"])
+def test_a_report_with_a_reason_d_does_not_know_fails_d_at_once_as_the_notification_would(
+    secret: bytes | None,
+) -> None:
+    """A newer P's reason: D takes the report (acked) and fails the request ``unknown`` at once, counted,
+    as it does for the same reason in a ``failed`` notification; it used to refuse the report as
+    malformed and wait for its liveness verdict on P (20 s here)."""
+    pair = Pair(SPEC, config=CFG, secret=secret)
+    try:
+        pair.consumer.request_allocated("r3", [2, 3], 8, 0, pair.remote())
+        # D has loaded P and registered (a report before that is dropped as from an unknown sender).
+        wait_for(lambda: pair.on_loop(lambda: pair.producer.core.early_registrations) == 1, "registered")
+        start = time.monotonic()
+        _send(pair, _report(pair, "r3", reason="reason_of_a_newer_version"), secret)
+        events = pair.d_event("r3")
+        assert events[0].kind is ConsumerEventKind.FAILED and events[0].reason is FailReason.UNKNOWN
+        assert time.monotonic() - start < 3.0
+        assert pair.consumer.stats.failures[FailReason.UNKNOWN] == 1
+    finally:
+        pair.close()
+
+
+def _raw_reply(port: int, req: ReportFailed) -> object:
+    """D's reply frame to ``req``, as it went on the wire (not opened)."""
+
+    async def ask() -> object:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(encode_frame(req))
+        await writer.drain()
+        header = await reader.readexactly(FRAME_HEADER_BYTES)
+        reply = decode_side(await reader.readexactly(parse_frame_header(header)))
+        writer.close()
+        return reply
+
+    return asyncio.run(ask())
+
+
+def test_d_seals_its_refusals_of_a_verified_report_and_sends_its_ack_plain() -> None:
+    """docs/protocol.md §4: with a secret, only ``unauthorized`` and the refusals of undecodable frames go
+    plain; D sent a verified report's ``no_such_rank`` and ``bad_request`` (another life) plain."""
+    pair = Pair(SPEC, config=CFG, secret=SECRET)
+    try:
+        port = pair.consumer.port
+        target = f"127.0.0.1:{port}"
+        for bad in (_report(pair, "x", tp_rank=3), _report(pair, "x", to_incarnation="earlier")):
+            assert isinstance(_raw_reply(port, sign(bad, SECRET, target=target)), Sealed)
+        unsigned = _raw_reply(port, _report(pair, "x"))
+        assert isinstance(unsigned, ErrorReply) and unsigned.code is ErrorCode.UNAUTHORIZED
+        assert isinstance(_raw_reply(port, sign(_report(pair, "x"), SECRET, target=target)), Ack)
+    finally:
+        pair.close()
+
+
+def test_p_opens_a_sealed_refusal_and_rejects_a_plain_one_under_a_secret() -> None:
+    """P used to take any plain refusal and reject every sealed one ("Sealed is no ack"): the rule is the
+    metadata request's, a refusal other than ``unauthorized``/``bad_request``/``incompatible`` must come
+    sealed for this very request."""
+    seal = ReplySeal(SECRET)
+
+    async def body() -> None:
+        how: list[str] = []
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            header = await reader.readexactly(FRAME_HEADER_BYTES)
+            req = decode_side(await reader.readexactly(parse_frame_header(header)))
+            assert isinstance(req, ReportFailed)
+            refusal = ErrorReply(code=ErrorCode.NO_SUCH_RANK, message="no rank")
+            kind = how.pop(0)
+            if req.nonce is None:  # an unsigned request: sealed all the same, as a peer with a secret would
+                req = sign(req, SECRET, target="127.0.0.1:1")
+            reply = seal.seal(encode_body(refusal), req) if kind == "sealed" else refusal
+            writer.write(encode_frame(reply))
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        addr = PeerAddress("127.0.0.1", int(server.sockets[0].getsockname()[1]), 0, 0)
+        report = ReportFailed(
+            pp_rank=0, tp_rank=0, to_incarnation="d", transfer_id="t", engine_id="p", incarnation="i",
+            from_pp_rank=0, from_tp_rank=0, reason=FailReason.HANDSHAKE_FAILED.value,
+        )  # fmt: skip
+        how.append("sealed")
+        with pytest.raises(NoSuchRank, match="no rank"):
+            await send_report(addr, report, timeout_s=2.0, secret=SECRET)
+        how.append("plain")
+        with pytest.raises(Unauthorized, match="unsealed no_such_rank"):
+            await send_report(addr, report, timeout_s=2.0, secret=SECRET)
+        how.append("sealed")  # a secret on one side only
+        with pytest.raises(Unauthorized, match="seals its replies"):
+            await send_report(addr, report, timeout_s=2.0, secret=None)
+        server.close()
+
+    asyncio.run(body())

@@ -43,7 +43,7 @@ def report_of(action: ReportFailure) -> ReportFailed:
         incarnation=f.incarnation,
         from_pp_rank=f.pp_rank,
         from_tp_rank=f.tp_rank,
-        reason=f.reason,
+        reason=f.reason.value,
     )
 
 
@@ -80,7 +80,7 @@ def as_notification(report: ReportFailed) -> NotifIn:
         incarnation=report.incarnation,
         tp_rank=report.from_tp_rank,
         pp_rank=report.from_pp_rank,
-        reason=report.reason,
+        reason=report.fail_reason,
     )
     sender = make_agent_name(report.engine_id, report.incarnation, report.from_pp_rank, report.from_tp_rank)
     return NotifIn((report.pp_rank, report.tp_rank), sender, encode_notif(failed))

@@ -370,10 +370,9 @@ class PushProducerCore(ProducerCore):
             self.stats.transfers_done += 1
             self.stats.bytes_moved += nbytes
             self.stats.record_duration(now - reg.posted_at)
-            cancelled = reg.state is ProducerState.CANCEL_PENDING
+            # Even after a cancel (CANCEL_PENDING): the done attached to the write went with it, and it is
+            # this registration's one ending message, so no cancel_ack follows.
             reg.machine.handle(PT.WRITES_COMPLETE)
-            if cancelled:
-                self._cancel_ack(req, reg, wrote=True)
         else:
             self._write_failed(req, reg, FailReason.WRITE_FAILED)
             if inp.detail:

@@ -165,7 +165,7 @@ async def send_report(
     if secret:
         report = sign(report, secret, target=f"{addr.host}:{addr.port}")
     async with _connection(addr, timeout_s) as (reader, writer):
-        reply = await _roundtrip(reader, writer, addr, report)
+        reply = opened_reply(await _roundtrip(reader, writer, addr, report), report, secret, addr)
     if isinstance(reply, ErrorReply):
         raise _REFUSALS[reply.code](f"{addr} refused: {reply.code.value}: {reply.message}")
     if not isinstance(reply, Ack):
@@ -182,7 +182,7 @@ def _reply_seal(secret: bytes) -> ReplySeal:
 
 
 def opened_reply(
-    reply: SideMessage, req: GetMetadata, secret: bytes | None, addr: PeerAddress
+    reply: SideMessage, req: GetMetadata | ReportFailed, secret: bytes | None, addr: PeerAddress
 ) -> SideMessage:
     """The reply a holder of the secret can trust: with a secret, metadata only from a ``Sealed`` reply
     made for ``req`` (a relay or an impostor answering on the peer's address cannot make one). A plain
@@ -192,8 +192,10 @@ def opened_reply(
         if isinstance(reply, Sealed):
             raise Unauthorized(f"{addr}: the peer seals its replies (it has a KVWIRE_SECRET, this side none)")
         return reply
-    if isinstance(reply, ErrorReply):
-        if reply.code not in _PLAIN_REFUSALS:  # the server seals these: a plain one is not its own
+    if isinstance(reply, ErrorReply | Ack):  # an ack grants nothing: it goes plain
+        if (
+            isinstance(reply, ErrorReply) and reply.code not in _PLAIN_REFUSALS
+        ):  # the server seals these: a plain one is not its own
             detail = f"unsealed {reply.code.value} refusal: not from a holder of the secret"
             raise Unauthorized(f"{addr}: {detail}")
         return reply

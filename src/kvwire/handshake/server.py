@@ -266,7 +266,7 @@ class SideChannelServer:
                 await self._send(writer, self._error_for(exc))
                 return
             if isinstance(msg, ReportFailed):
-                await self._send(writer, self.report(msg))
+                await self._send(writer, self.sealed(msg, self.report(msg)))
                 continue
             if not isinstance(msg, GetMetadata):
                 await self._send(
@@ -310,11 +310,17 @@ class SideChannelServer:
         # Bound to every interface: the requester may have dialled any of our addresses.
         return self._host in ("0.0.0.0", "::", "") or host.strip("[]") == self._host
 
-    def sealed(self, req: GetMetadata, reply: Metadata | ErrorReply) -> Metadata | ErrorReply | Sealed:
+    def sealed(
+        self, req: SignedRequest, reply: Metadata | ErrorReply | Ack
+    ) -> Metadata | ErrorReply | Ack | Sealed:
         """With a secret, the reply to a verified request goes sealed (``protocol/seal.py``): readable only
-        by a holder of the secret, and only as the answer to that request. A refusal of the request's
-        credentials stays plain: it cannot be bound to a request that was not verified, and grants nothing."""
-        if self._seal is None or (isinstance(reply, ErrorReply) and reply.code is ErrorCode.UNAUTHORIZED):
+        by a holder of the secret, and only as the answer to that request; a ``report_failed``'s refusals
+        too (docs/protocol.md §4: only ``unauthorized`` and the refusals of undecodable frames go plain).
+        A refusal of the request's credentials stays plain: it cannot be bound to a request that was not
+        verified, and grants nothing; so does a report's ``ack``."""
+        if self._seal is None or isinstance(reply, Ack):
+            return reply
+        if isinstance(reply, ErrorReply) and reply.code is ErrorCode.UNAUTHORIZED:
             return reply
         return self._seal.seal(encode_body(reply), req)
 

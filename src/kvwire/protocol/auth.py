@@ -55,7 +55,7 @@ def signed_bytes(req: SignedRequest) -> bytes:
                 req.incarnation,
                 req.from_pp_rank,
                 req.from_tp_rank,
-                req.reason.value,
+                req.reason,
                 req.nonce,
                 req.target,
                 req.ts_ms,

@@ -27,6 +27,8 @@ NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Version = Annotated[int, msgspec.Meta(ge=1)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+# A ``FailReason`` value as a peer sent it: a newer peer's may be one this version does not know.
+ReasonText = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 
 
 class TransferMode(enum.Enum):
@@ -174,11 +176,22 @@ class ReportFailed(msgspec.Struct, tag="report_failed", tag_field="type", kw_onl
     incarnation: str
     from_pp_rank: NonNeg
     from_tp_rank: NonNeg
-    reason: FailReason
+    # The reason as sent (``auth`` covers these exact characters), not a ``FailReason``: a reason this
+    # version does not know still ends D's registration at once (``fail_reason``), as the same reason in
+    # a ``failed`` notification does, instead of the report being refused as malformed.
+    reason: ReasonText
     nonce: bytes | None = None
     auth: bytes | None = None
     target: str | None = None
     ts_ms: int | None = None
+
+    @property
+    def fail_reason(self) -> FailReason:
+        """``reason`` as a ``FailReason``; ``UNKNOWN`` for one this version does not know."""
+        return _REASONS.get(self.reason, FailReason.UNKNOWN)
+
+
+_REASONS = {r.value: r for r in FailReason}
 
 
 class Ack(msgspec.Struct, tag="ack", tag_field="type", kw_only=True):

@@ -24,7 +24,8 @@ tables, so they are explicit too.
 * ``ProducerRegistration`` (role ``producer``), one per (request, D rank) on P. Prefill end and ``push_reg``
   arrive in either order; both are needed before CONNECTING (full handshake with D, mapping, posting).
   A posted write cannot be recalled, so a cancel during WRITING waits in CANCEL_PENDING until every handle
-  is finished before ``cancel_ack`` is sent. DONE_SENT, CANCELLED and FAILED have each sent their one
+  is finished: a write that completes delivered the ``done`` attached to it (DONE_SENT, no ``cancel_ack``),
+  one that fails is answered ``cancel_ack``. DONE_SENT, CANCELLED and FAILED have each sent their one
   ending message to D; RELEASE (P's blocks freed) leads to FREED.
 """
 
@@ -470,10 +471,12 @@ PRODUCER_TABLE: TransitionTable[ProducerState, ProducerTrigger] = TransitionTabl
                     (_PE.CANCEL, _PS.CANCEL_PENDING),
                 ],
             ),
+            # The done went with the last write: a write that completes after a cancel delivered it, so
+            # the registration ended DONE_SENT (D counts that done; a cancel_ack too would be a second end).
             (
                 _PS.CANCEL_PENDING,
                 [
-                    (_PE.WRITES_COMPLETE, _PS.CANCELLED),
+                    (_PE.WRITES_COMPLETE, _PS.DONE_SENT),
                     (_PE.WRITE_FAILED, _PS.CANCELLED),
                     (_PE.CANCEL, _PS.CANCEL_PENDING),
                 ],

@@ -30,12 +30,13 @@ from kvwire.core.io import (
     Tick,
     XferEnded,
 )
+from kvwire.core.producer import ProducerCore
 from kvwire.handshake.types import EngineInfo, PeerRank
 from kvwire.kv.cache import KVCache
 from kvwire.kv.mapping import RankLayout, layer_window
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.codec import encode_notif
-from kvwire.protocol.messages import TransferMode
+from kvwire.protocol.messages import CancelAck, Done, Failed, TransferMode
 from kvwire.protocol.ranks import RankKey
 from kvwire.testing.sim.net import Region, World
 from kvwire.transport.base import PeerMode, make_agent_name
@@ -113,6 +114,8 @@ class SimEngine:
         }
         self.core = self._make_core(self.info, self.layouts, self.num_blocks, self.config, "sim")
         self.core.port = self.port
+        # P in push mode: it ends each registration with one notification (the one-ending check).
+        self.is_producer = self.mode is TransferMode.PUSH and isinstance(self.core, ProducerCore)
         w.addresses[("sim", self.port)] = self
         self.free: list[int] = list(range(self.num_blocks))
         self.owner: dict[int, str] = {}  # block -> transfer id that holds it
@@ -218,7 +221,10 @@ class SimEngine:
         dst = self._peer_engine(action.key, action.peer)
         if dst is None:
             return False
-        self.world.deliver(self, action.peer, encode_notif(action.msg), self.agent_names[action.key])
+        sender = self.agent_names[action.key]
+        if self.is_producer and isinstance(action.msg, Done | Failed | CancelAck):
+            self.world.ending_sent(sender, action.peer, action.msg.transfer_id, type(action.msg).__name__)
+        self.world.deliver(self, action.peer, encode_notif(action.msg), sender)
         return True
 
     def _post(self, action: PostWrite | PostRead) -> None:
@@ -266,6 +272,8 @@ class SimEngine:
         w.copy(x.src, x.dst)
         x.ended = True
         if x.notif is not None:
+            if self.is_producer:  # a WRITE's notification is its done
+                w.ending_sent(x.sender_agent, x.peer_agent, x.transfer_id, "done (with the write)")
             w.deliver(self, x.peer_agent, x.notif, x.sender_agent)
         self.feed(XferEnded(x.token, True))
 

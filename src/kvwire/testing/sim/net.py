@@ -119,6 +119,8 @@ class World:
         self.partitions: dict[frozenset[str], float] = {}  # engine ids -> healed at
         self.violations: list[str] = []
         self.fault_counts: Counter[str] = Counter()
+        # (P agent, D agent, transfer id) of every registration P ended by notification (push mode).
+        self.ended: set[tuple[str, str, str]] = set()
 
     # -- time --------------------------------------------------------------------------------------------
     def at(self, when: float, fn: Callable[[], None]) -> None:
@@ -145,6 +147,15 @@ class World:
 
     def violation(self, what: str) -> None:
         self.violations.append(f"t={self.now:.6f} {what}")
+
+    def ending_sent(self, sender: str, receiver: str, transfer_id: str, what: str) -> None:
+        """One registration, one ending message (``done``, ``cancel_ack`` or ``failed``): a second one
+        from the same P agent to the same D agent for one transfer is a protocol violation, counted before
+        the network duplicates anything."""
+        key = (sender, receiver, transfer_id)
+        if key in self.ended:
+            self.violation(f"one ending message: {what} for {transfer_id} from {sender} after another")
+        self.ended.add(key)
 
     # -- network -----------------------------------------------------------------------------------------
     def partitioned(self, a: str, b: str) -> bool:

@@ -13,7 +13,7 @@ import msgspec
 
 from kvwire.core.consumer import PushConsumerCore
 from kvwire.core.consumer_records import PeerLife
-from kvwire.core.io import Action, HandshakeDone, Input, StartHandshake
+from kvwire.core.io import Action, HandshakeDone, Input, StartHandshake, XferEnded
 from kvwire.core.producer_push import PushProducerCore
 from kvwire.core.producer_records import Reg, Request
 from kvwire.protocol.messages import Cancel, Failed, Notification
@@ -35,6 +35,18 @@ class AckBeforeWritesEnd(PushProducerCore):
             self._cancel_ack(req, reg, wrote=False)
             return
         super()._on_cancel(now, key, sender, msg)
+
+
+class AckAfterDone(PushProducerCore):
+    """P answers a cancel that came during its write with ``cancel_ack`` once the write completes, although
+    the write delivered its ``done`` (what kvwire did before issue 20: two ending messages)."""
+
+    def _on_xfer_ended(self, now: float, inp: XferEnded) -> None:
+        reg = self._inflight.get(inp.token)
+        pending = reg is not None and reg.state is ProducerState.CANCEL_PENDING
+        super()._on_xfer_ended(now, inp)
+        if reg is not None and pending and inp.ok:
+            self._cancel_ack(self._requests[reg.msg.transfer_id], reg, wrote=True)
 
 
 class AcceptStaleIncarnation(PushProducerCore):
@@ -82,6 +94,11 @@ PLANTS: dict[str, Planted] = {
         Plant(producer=AckBeforeWritesEnd),
         Faults(abort=0.3, slow_write=0.5, slow_write_max_s=0.05),
         "C1",
+    ),
+    "ack-after-done": Planted(
+        Plant(producer=AckAfterDone),
+        Faults(abort=0.3, slow_write=0.5, slow_write_max_s=0.05),
+        "one ending message",
     ),
     "accept-stale-incarnation": Planted(
         Plant(producer=AcceptStaleIncarnation),

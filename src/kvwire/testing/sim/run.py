@@ -9,6 +9,8 @@ on every step and at the end:
 * every block is freed exactly once, and none is leaked at quiescence (cores empty, blocks all free);
 * no event twice (D: READY | FAILED, RELEASED | RELEASED; P: one freeable event per ``Finished``);
 * a READY request's bytes are P's bytes (compared byte for byte);
+* one ending message per registration: P sends a D agent at most one ``done`` (a write's included),
+  ``cancel_ack`` or ``failed`` per transfer (``World.ending_sent``);
 * no core raises.
 
 A failing seed replays byte for byte: everything random comes from one ``random.Random(seed)``.

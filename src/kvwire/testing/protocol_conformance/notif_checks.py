@@ -1,0 +1,311 @@
+"""Checks over notifications (docs/protocol.md §3, §4), against a prefill engine in push mode.
+
+The kit plays a decode engine of its own: one NIXL agent (progress thread off, named as §2 says), a small
+registered cache whose geometry and compat values it copies from the target's metadata, and its own side
+channel, which P dials for its full handshake (signed for the kit's address under a secret). From there it
+sends ``push_reg``/``cancel`` for transfers P never prefills and checks P's answers and their timing:
+exactly one ending message per registration, the fence, and a ``report_failed`` on the kit's side channel
+when P finds the kit incompatible. Notifications are sealed and checked as §4 says under a secret.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvwire.errors import AuthError, KvwireError, ProtocolError
+from kvwire.handshake.server import SideChannelServer
+from kvwire.handshake.types import LocalRank
+from kvwire.kv.spec import KVSpec, Layout
+from kvwire.protocol.codec import decode_notif, encode_notif
+from kvwire.protocol.messages import (
+    Cancel,
+    CancelAck,
+    Done,
+    Failed,
+    FailReason,
+    Heartbeat,
+    Metadata,
+    Notification,
+    PushReg,
+    ReportFailed,
+    TransferMode,
+)
+from kvwire.protocol.seal import NotifGate
+from kvwire.testing.handshake_env import build_registered_engine
+from kvwire.testing.protocol_conformance.model import Check, Context, Role, Skipped
+from kvwire.testing.protocol_conformance.wire import CheckFailed, fetch_metadata, new_nonce
+
+KIT_ENGINE = "kvwire-conformance"
+MD_HEADER = b"KVWN\x01"  # then b"F" (full) or b"C" (connection only), then NIXL's bytes (§2)
+KIT_BLOCKS = 8
+_POLL_S = 0.002
+_HEARTBEAT_S = 0.5  # well inside any liveness timeout: P must not call the kit dead mid-check
+QUIET_S = 1.0  # how long the kit listens for a second ending message, or for a dropped message's answer
+Ending = Done | Failed | CancelAck
+
+
+@dataclass
+class Arrival:
+    at: float
+    msg: Notification
+
+
+@dataclass
+class KitDecode:
+    """The kit's own D: an agent, a cache, a side channel; what P sends it, verified and decoded."""
+
+    rank: LocalRank
+    server: SideChannelServer
+    host: str  # the address the kit listens on: what the push_reg names, what P must dial
+    gate: NotifGate
+    p: Metadata
+    inbox: list[Arrival] = field(default_factory=list)
+    reports: list[ReportFailed] = field(default_factory=list)
+    live: set[str] = field(default_factory=set)  # transfers P may hold for the kit (heartbeats name them)
+    bad: list[str] = field(default_factory=list)  # what P sent that does not verify or decode
+    _beat_at: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.rank.agent.name
+
+    def push_reg(self, tid: str, *, fence_ms: int = 30_000) -> None:
+        kv, info = self.p.kv, self.server.engine
+        reg = PushReg(
+            transfer_id=tid,
+            engine_id=info.engine_id,
+            incarnation=info.incarnation,
+            tp_rank=0,
+            tp_size=1,
+            host=self.host,
+            port=self.server.port,
+            block_ids=[0, 1],
+            num_tokens=2 * kv.block_size,
+            fence_ms=fence_ms,
+        )
+        self.live.add(tid)
+        self.send(reg)
+
+    def send(self, msg: Notification) -> None:
+        self.send_bytes(self.gate.outgoing(self.name, self.p.agent_name, encode_notif(msg)))
+
+    def send_bytes(self, data: bytes) -> None:
+        self.rank.agent.send_notif(self.p.agent_name, data)
+
+    def cancel(self, tid: str) -> Cancel:
+        info = self.server.engine
+        return Cancel(transfer_id=tid, engine_id=info.engine_id, incarnation=info.incarnation)
+
+    def _poll(self) -> None:
+        for sender, msgs in self.rank.agent.drain_notifs().items():
+            for data in msgs:
+                try:
+                    msg = decode_notif(self.gate.incoming(sender, self.name, data))
+                except (AuthError, ProtocolError) as exc:
+                    self.bad.append(f"from {sender}: {exc}")
+                    continue
+                self.inbox.append(Arrival(time.monotonic(), msg))
+        now = time.monotonic()
+        if self.live and now - self._beat_at >= _HEARTBEAT_S:
+            self._beat_at = now
+            info = self.server.engine
+            beat = Heartbeat(
+                transfer_id="",
+                engine_id=info.engine_id,
+                incarnation=info.incarnation,
+                transfer_ids=[*self.live],
+            )
+            self.send(beat)
+
+    async def wait(self, until: float, done: Callable[[], bool] | None = None) -> None:
+        """Poll (and heartbeat) until the monotonic time ``until``, or until ``done()`` is true."""
+        while time.monotonic() < until:
+            self._poll()
+            if done is not None and done():
+                return
+            await asyncio.sleep(_POLL_S)
+
+    def endings(self, tid: str) -> list[Arrival]:
+        return [a for a in self.inbox if isinstance(a.msg, Ending) and a.msg.transfer_id == tid]
+
+    async def close(self) -> None:
+        await self.server.close()
+        self.rank.agent.close()
+
+
+def _spec(md: Metadata) -> KVSpec:
+    c = md.compat
+    if c is None:
+        raise Skipped("the target sends no compat map: the kit cannot build a compatible D")
+    layout = Layout(c.layout)
+    return KVSpec(c.num_layers, c.kv_heads, c.head_dim, c.dtype, md.kv.block_size, layout, c.mla, c.kv_fused)
+
+
+async def start_kit(ctx: Context, *, model_suffix: str = "") -> KitDecode:
+    """A kit D compatible with the target (or, with ``model_suffix``, not), loaded into the target's
+    agent's peers by the kit's own agent (so P's notifications can reach it)."""
+    from kvwire.transport.nixl import NixlAgent
+
+    md = await ctx.metadata()
+    if md.compat is not None and md.compat.transfer_mode is not TransferMode.PUSH:
+        raise Skipped("the target runs in pull mode: P takes no push_reg")
+    spec = _spec(md)
+    model_id = (md.compat.model_id if md.compat else "") + model_suffix
+    try:
+        info, ranks = build_registered_engine(KIT_ENGINE, spec, KIT_BLOCKS, NixlAgent, model_id=model_id)
+    except KvwireError as exc:
+        raise Skipped(f"no NIXL agent here: {exc}") from None
+    server = SideChannelServer(info, ranks, host=ctx.listen_host, secret=ctx.target.secret)
+    kit = KitDecode(ranks[0], server, ctx.listen_host, NotifGate(ctx.target.secret), md)
+    server.on_report = kit.reports.append
+    ctx.closers.append(kit.close)
+    await server.start()
+    conn = await fetch_metadata(ctx.target, notif_only=True)
+    loaded = kit.rank.agent.add_peer(conn.agent_metadata)
+    if loaded != md.agent_name:
+        raise CheckFailed(f"the agent metadata loads as {loaded!r}, the reply names {md.agent_name!r}")
+    return kit
+
+
+async def _kit(ctx: Context) -> KitDecode:
+    kit = ctx.shared.get("kit")
+    if kit is None:
+        kit = ctx.shared["kit"] = await start_kit(ctx)
+    assert isinstance(kit, KitDecode)
+    return kit
+
+
+def _tid() -> str:
+    return f"kvwire-conformance-{new_nonce().hex()}"
+
+
+def _check_from_p(kit: KitDecode, msg: Notification) -> None:
+    p = kit.p
+    if (msg.engine_id, msg.incarnation) != (p.engine_id, p.incarnation):
+        raise CheckFailed(f"{type(msg).__name__} names {msg.engine_id}/{msg.incarnation}, not the target")
+    if isinstance(msg, Ending) and (msg.pp_rank, msg.tp_rank) != (p.pp_rank, p.tp_rank):
+        raise CheckFailed(f"{type(msg).__name__} from rank {(msg.pp_rank, msg.tp_rank)}, not the target's")
+
+
+async def push_reg_handshake(ctx: Context) -> str:
+    kit = await _kit(ctx)
+    tid = ctx.shared["held"] = _tid()
+    start = time.monotonic()
+    kit.push_reg(tid)
+    await kit.wait(start + ctx.target.timeout_s, lambda: kit.server.stats.replies["metadata"] >= 1)
+    if kit.server.stats.replies["metadata"] < 1:
+        raise CheckFailed(f"no full get_metadata at the push_reg's address within {ctx.target.timeout_s} s")
+    signed = " (signed for the kit's address)" if ctx.target.secret else ""
+    return (
+        f"P fetched the kit's full metadata{signed} {1e3 * (time.monotonic() - start):.0f} ms after push_reg"
+    )
+
+
+async def unauthenticated_dropped(ctx: Context) -> str:
+    kit = await _kit(ctx)
+    tid = str(ctx.shared.get("held", ""))
+    plain = encode_notif(kit.cancel(tid))
+    kit.send_bytes(plain)  # not sealed
+    kit.send_bytes(NotifGate(b"kvwire-conformance-wrong-secret").outgoing(kit.name, kit.p.agent_name, plain))
+    await kit.wait(time.monotonic() + QUIET_S)
+    if kit.endings(tid):
+        raise CheckFailed(f"P answered an unauthenticated cancel: {kit.endings(tid)[0].msg}")
+    return f"an unsealed and a wrongly tagged cancel: no answer in {QUIET_S:.0f} s"
+
+
+async def cancel_acked_once(ctx: Context) -> str:
+    kit = await _kit(ctx)
+    tid = str(ctx.shared.get("held", ""))
+    start = time.monotonic()
+    kit.send(kit.cancel(tid))
+    await kit.wait(start + ctx.target.timeout_s, lambda: bool(kit.endings(tid)))
+    kit.live.discard(tid)
+    await kit.wait(time.monotonic() + QUIET_S)
+    ends = kit.endings(tid)
+    if not ends:
+        raise CheckFailed(f"no cancel_ack within {ctx.target.timeout_s} s")
+    first = ends[0].msg
+    _check_from_p(kit, first)
+    if not isinstance(first, CancelAck) or first.wrote:
+        raise CheckFailed(f"a cancel of a registration P never wrote: {first}, want cancel_ack wrote=false")
+    if len(ends) > 1:
+        raise CheckFailed(f"{len(ends)} ending messages for one registration: {[a.msg for a in ends]}")
+    return f"one cancel_ack(wrote=false) {1e3 * (ends[0].at - start):.0f} ms after cancel, nothing after"
+
+
+async def fence_expired(ctx: Context) -> str:
+    kit = await _kit(ctx)
+    tid, fence_s = _tid(), 1.0
+    start = time.monotonic()
+    kit.push_reg(tid, fence_ms=int(fence_s * 1000))
+    await kit.wait(start + fence_s + ctx.target.timeout_s, lambda: bool(kit.endings(tid)))
+    kit.live.discard(tid)
+    ends = kit.endings(tid)
+    if not ends:
+        raise CheckFailed(
+            f"no failed within {fence_s + ctx.target.timeout_s:.0f} s of a {fence_s:.0f} s fence"
+        )
+    took, first = ends[0].at - start, ends[0].msg
+    _check_from_p(kit, first)
+    if not isinstance(first, Failed) or first.reason is not FailReason.FENCE_EXPIRED:
+        raise CheckFailed(f"want failed/fence_expired, got {first}")
+    if took < fence_s - 0.05:
+        raise CheckFailed(f"fence_expired {took:.2f} s after the push_reg, before its {fence_s:.0f} s fence")
+    return f"failed/fence_expired {took:.2f} s after a push_reg with a {fence_s:.0f} s fence"
+
+
+async def report_when_incompatible(ctx: Context) -> str:
+    kit = await start_kit(ctx, model_suffix="/kvwire-conformance-mismatch")
+    tid = _tid()
+    start = time.monotonic()
+    kit.push_reg(tid)
+    await kit.wait(start + 2 * ctx.target.timeout_s, lambda: any(r.transfer_id == tid for r in kit.reports))
+    mine = [r for r in kit.reports if r.transfer_id == tid]
+    if not mine:
+        raise CheckFailed("P found the kit incompatible and sent no report_failed to the push_reg's address")
+    r, p = mine[0], kit.p
+    want = (kit.server.engine.incarnation, p.engine_id, p.incarnation, FailReason.INCOMPATIBLE)
+    got = (r.to_incarnation, r.engine_id, r.incarnation, r.fail_reason)
+    if got != want:
+        raise CheckFailed(f"report_failed {got}, want {want}")
+    return f"report_failed/incompatible {1e3 * (time.monotonic() - start):.0f} ms after push_reg"
+
+
+async def full_load(ctx: Context) -> str:
+    """The full handshake's last step: the full metadata loads into a NIXL agent as the agent it names."""
+    from kvwire.transport.nixl import NixlAgent
+
+    md = await ctx.metadata()
+    conn = await fetch_metadata(ctx.target, notif_only=True)
+    for what, data, tag in (("full", md.agent_metadata, b"F"), ("notif_only", conn.agent_metadata, b"C")):
+        if data[:6] != MD_HEADER + tag:
+            raise CheckFailed(f"{what} agent_metadata starts {data[:6]!r}, §2 says {MD_HEADER + tag!r}")
+    try:
+        agent = NixlAgent(f"{KIT_ENGINE}/{new_nonce().hex()}/pp0/tp0")
+    except KvwireError as exc:
+        raise Skipped(f"no NIXL agent here: {exc}") from None
+    try:
+        loaded = agent.add_peer(md.agent_metadata)
+    except KvwireError as exc:
+        raise CheckFailed(f"the full agent_metadata does not load: {exc}") from None
+    finally:
+        agent.close()
+    if loaded != md.agent_name:
+        raise CheckFailed(f"the full agent_metadata loads as {loaded!r}, the reply names {md.agent_name!r}")
+    return f"headers F and C; the full metadata loads as {loaded}"
+
+
+_P = frozenset({Role.PREFILL})
+NOTIF_CHECKS: tuple[Check, ...] = (
+    Check("handshake.full_load", "§2 metadata agent_metadata", full_load),
+    Check("notif.push_reg_handshake", "§3 push_reg, §4", push_reg_handshake, roles=_P),
+    Check(
+        "notif.unauthenticated_dropped", "§4 notifications", unauthenticated_dropped, roles=_P, secret=True
+    ),
+    Check("notif.cancel_acked_once", "§3 rules: one ending message", cancel_acked_once, roles=_P),
+    Check("notif.fence_expired", "§3 rules: fence_ms", fence_expired, roles=_P),
+    Check("notif.report_when_incompatible", "§2 report_failed", report_when_incompatible, roles=_P),
+)

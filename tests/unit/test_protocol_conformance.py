@@ -1,0 +1,173 @@
+"""The conformance kit's side-channel checks pass against kvwire's own listener, with and without a secret,
+and each deliberately broken listener fails exactly the checks of the rule it breaks (no NIXL needed:
+in-process agents; the notification checks run against real engines in
+tests/integration/test_protocol_conformance.py)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from kvwire.cli import main
+from kvwire.errors import ProtocolError
+from kvwire.handshake.loop import BackgroundLoop
+from kvwire.handshake.server import SideChannelServer
+from kvwire.kv.spec import KVSpec
+from kvwire.protocol.auth import SignedRequest
+from kvwire.protocol.messages import Ack, ErrorCode, ErrorReply, GetMetadata, Metadata, ReportFailed
+from kvwire.testing.handshake_env import build_registered_engine
+from kvwire.testing.protocol_conformance import Result, Role, Status, Target, run_checks
+from kvwire.testing.protocol_conformance.side_checks import SIDE_CHECKS, documented_compat_hash
+from kvwire.transport.inproc import InprocFabric
+
+SPEC = KVSpec(num_layers=2, kv_heads=2, head_dim=8, block_size=4)
+SECRET = b"conformance-secret-0123456789abcdef"
+
+
+class WrongAgentName(SideChannelServer):
+    """Names its agent otherwise than §2 says (a peer checking senders would drop every notification)."""
+
+    def _metadata(self, rank: object, *, notif_only: bool) -> Metadata:
+        md = super()._metadata(rank, notif_only=notif_only)  # type: ignore[arg-type]
+        return msgspec.structs.replace(md, agent_name="decode-engine-0")
+
+
+class NoVersionCheck(SideChannelServer):
+    """Blames the fields of a newer version's request instead of its version."""
+
+    def _error_for(self, exc: ProtocolError) -> ErrorReply:
+        return self._refuse(ErrorCode.BAD_REQUEST, str(exc))
+
+
+class PlainRefusals(SideChannelServer):
+    """Sends every refusal plain under a secret (anyone could forge one on the path)."""
+
+    def sealed(self, req: SignedRequest, reply: Metadata | ErrorReply | Ack) -> object:  # type: ignore[override]
+        return reply if isinstance(reply, ErrorReply) else super().sealed(req, reply)
+
+
+class RefusesNewReasons(SideChannelServer):
+    """Refuses a report whose reason it does not know, as kvwire did before (D then waits for liveness)."""
+
+    def report(self, req: ReportFailed) -> Ack | ErrorReply:
+        if req.reason == "kvwire_conformance_future_reason":
+            return self._refuse(ErrorCode.BAD_REQUEST, f"unknown reason {req.reason}")
+        return super().report(req)
+
+
+def _listener(
+    cls: type[SideChannelServer], *, secret: bytes | None, role: Role, **kw: object
+) -> SideChannelServer:
+    fabric = InprocFabric()
+    info, ranks = build_registered_engine("decode", SPEC, 16, fabric.create_agent)
+    on_report = (lambda _r: None) if role is Role.DECODE else None
+    return cls(info, ranks, secret=secret, on_report=on_report, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def loop() -> Iterator[BackgroundLoop]:
+    with BackgroundLoop(name="conformance-test") as bg:
+        yield bg
+
+
+def _run(
+    loop: BackgroundLoop, server: SideChannelServer, role: Role, secret: bytes | None
+) -> dict[str, Result]:
+    port = loop.run(server.start(), 5.0)
+    try:
+        target = Target("127.0.0.1", port, secret, timeout_s=2.0)
+        results = loop.run(run_checks(target, role, checks=SIDE_CHECKS), 60.0)
+    finally:
+        loop.run(server.close(), 5.0)
+    return {r.name: r for r in results}
+
+
+def _failed(results: dict[str, Result]) -> set[str]:
+    return {name for name, r in results.items() if r.status is not Status.PASS}
+
+
+@pytest.mark.parametrize("role", list(Role))
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["plain", "secret"])
+def test_kvwire_listener_passes_every_side_channel_check(
+    loop: BackgroundLoop, role: Role, secret: bytes | None
+) -> None:
+    results = _run(loop, _listener(SideChannelServer, secret=secret, role=role), role, secret)
+    assert _failed(results) == set(), {n: results[n].detail for n in _failed(results)}
+    # What ran is what applies: refusals of reports only on D, authentication only with a secret.
+    assert ("report.unknown_reason" in results) == (role is Role.DECODE)
+    assert ("report.refused_by_prefill" in results) == (role is Role.PREFILL)
+    assert ("auth.replay" in results) == (secret is not None)
+    assert ("metadata.plain_without_secret" in results) == (secret is None)
+    assert len(results) >= 16
+
+
+@pytest.mark.parametrize(
+    ("cls", "kw", "secret", "broken", "why"),
+    [
+        (WrongAgentName, {}, None, {"metadata.full"}, "agent_name 'decode-engine-0'"),
+        (NoVersionCheck, {}, None, {"bad.newer_version"}, "want error incompatible"),
+        (SideChannelServer, {"max_requests_per_conn": 1000}, None, {"side.requests_per_connection"}, "65"),
+        (
+            PlainRefusals,
+            {},
+            SECRET,
+            {"error.no_such_rank", "report.no_such_rank"},  # a plain bad_request may refuse a bad frame
+            "plain",
+        ),
+        (RefusesNewReasons, {}, SECRET, {"report.unknown_reason"}, "want ack, got error bad_request"),
+    ],
+    ids=["agent-name", "version", "requests-per-connection", "plain-refusals", "unknown-reason"],
+)
+def test_a_broken_listener_fails_the_checks_of_the_rule_it_breaks(
+    loop: BackgroundLoop,
+    cls: type[SideChannelServer],
+    kw: dict[str, object],
+    secret: bytes | None,
+    broken: set[str],
+    why: str,
+) -> None:
+    results = _run(loop, _listener(cls, secret=secret, role=Role.DECODE, **kw), Role.DECODE, secret)
+    assert _failed(results) == broken, {n: results[n].detail for n in _failed(results)}
+    assert all(results[n].status is Status.FAIL for n in broken)
+    assert any(why in results[n].detail for n in broken), [results[n].detail for n in broken]
+
+
+def test_the_command_prints_the_table_writes_json_and_exits_non_zero_on_failure(
+    loop: BackgroundLoop, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("CONFORMANCE_SECRET", SECRET.decode())
+    for cls, want in ((PlainRefusals, 1), (SideChannelServer, 0)):
+        server = _listener(cls, secret=SECRET, role=Role.DECODE)
+        port = loop.run(server.start(), 5.0)
+        out = tmp_path / f"{cls.__name__}.json"
+        try:
+            argv = ["conformance", "--role", "decode", "--target", f"127.0.0.1:{port}"]
+            argv += ["--secret-env", "CONFORMANCE_SECRET", "--json", str(out), "--side-channel-only"]
+            assert main(argv) == want
+        finally:
+            loop.run(server.close(), 5.0)
+        report = json.loads(out.read_text())
+        statuses = {c["name"]: c["status"] for c in report["checks"]}
+        assert report["secret"] is True and report["role"] == "decode"
+        assert (statuses["error.no_such_rank"] == "fail") == (want == 1)
+        assert report["failed"] == sum(s == "fail" for s in statuses.values())
+        assert set(statuses) >= {"metadata.full", "auth.replay", "report.unknown_reason"}
+        assert "handshake.full_load" not in statuses  # an in-process agent: no NIXL metadata to load
+    printed = capsys.readouterr().out
+    assert "error.no_such_rank" in printed and "fail" in printed
+    assert main(["conformance", "--role", "decode", "--target", "nowhere"]) == 2
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_documented_compat_hash_is_kvwires_fused_or_not(fused: bool) -> None:
+    """docs/protocol.md §5 as the kit computes it (one more array element, ``"kv_fused"``, when fused)
+    gives the hash kvwire sends."""
+    spec = KVSpec(num_layers=2, kv_heads=2, head_dim=8, block_size=4, kv_fused=fused)
+    info, ranks = build_registered_engine("p", spec, 4, InprocFabric().create_agent, model_id="m;rev=1")
+    md = SideChannelServer(info, ranks).answer(GetMetadata(pp_rank=0, tp_rank=0))
+    assert isinstance(md, Metadata) and md.compat is not None and md.compat.kv_fused is fused
+    assert documented_compat_hash(md) == md.compat_hash
