@@ -21,9 +21,13 @@ from __future__ import annotations
 
 import math
 
+import msgspec
+
 from kvwire.core.base import DropReason, log
 from kvwire.core.events import ProducerOutcome
 from kvwire.core.io import (
+    Digest,
+    Digested,
     ForgetPeer,
     HandshakeDone,
     Input,
@@ -54,7 +58,8 @@ from kvwire.core.producer_records import (
     silent_d_lives,
 )
 from kvwire.errors import BlockRangeError, IllegalTransition, LayoutError
-from kvwire.kv.descriptors import plan_transfer
+from kvwire.kv.descriptors import TransferPlan, plan_transfer
+from kvwire.kv.digest import DigestScope, common_layers, pair_heads, payload_bytes
 from kvwire.protocol.codec import encode_notif
 from kvwire.protocol.messages import Cancel, Done, Failed, FailReason, Heartbeat, Notification, PushReg
 from kvwire.protocol.ranks import RankKey
@@ -70,6 +75,7 @@ class PushProducerCore(ProducerCore):
         self._handshakes: dict[int, tuple[Request, Reg]] = {}
         self._awaiting: dict[int, tuple[Request, Reg, bool]] = {}  # token -> (req, reg, is the write)
         self._sizes: dict[int, int] = {}  # write token -> bytes
+        self._digesting: dict[int, tuple[Request, Reg, TransferPlan, Done]] = {}  # Digest token
         # When each D life (engine_id, incarnation) last said anything.
         self._d_seen: dict[DLife, float] = {}
         self._last_input = math.inf  # no freeze before the first input
@@ -226,6 +232,9 @@ class PushProducerCore(ProducerCore):
             self._on_outcome(now, inp)
         elif isinstance(inp, XferEnded):
             self._on_xfer_ended(now, inp)
+        elif isinstance(inp, Digested):
+            req, reg, plan, done = self._digesting.pop(inp.token)
+            self._post_write(req, reg, plan, msgspec.structs.replace(done, digest=inp.digest))
         else:
             raise IllegalTransition(self.role, "push", type(inp).__name__)
 
@@ -299,6 +308,15 @@ class PushProducerCore(ProducerCore):
         if peer.layout is None or msg.num_tokens > req.num_tokens or msg.num_tokens <= 0:
             self._fail(req, reg, PT.WRITE_FAILED, FailReason.BAD_REGISTRATION)
             return
+        if msg.num_tokens < req.num_tokens or len(msg.block_ids) * peer.layout.block_size < msg.num_tokens:
+            # Fewer tokens than P prefilled, or blocks that cannot hold them: serving it would hand D a
+            # prefix as if it were the prompt (D would decode from a truncated context, answer 200).
+            self._log_info(
+                "registration %s from %s covers %d of %d tokens (%d blocks): refused",
+                *(req.transfer_id, reg.sender, msg.num_tokens, req.num_tokens, len(msg.block_ids)),
+            )
+            self._fail(req, reg, PT.WRITE_FAILED, FailReason.SHORT_REGISTRATION)
+            return
         try:
             plan = plan_transfer(
                 self.engine.spec,
@@ -313,6 +331,9 @@ class PushProducerCore(ProducerCore):
             self._log_info("registration %s from %s refused: %s", req.transfer_id, reg.sender, exc)
             self._fail(req, reg, PT.WRITE_FAILED, FailReason.BAD_REGISTRATION)
             return
+        spec = self.engine.spec
+        layers = common_layers(self.layouts[reg.key].layers, peer.layout.layers)
+        slices = pair_heads(spec, self.engine.tp_size, msg.tp_size, reg.key[1], msg.tp_rank)
         done = Done(
             transfer_id=req.transfer_id,
             engine_id=self.engine.engine_id,
@@ -320,8 +341,22 @@ class PushProducerCore(ProducerCore):
             tp_rank=reg.key[1],
             pp_rank=reg.key[0],
             num_blocks=len(msg.block_ids) - msg.num_cached_tokens // peer.layout.block_size,
+            reg_nonce=msg.reg_nonce,
+            nbytes=payload_bytes(self.engine.spec, layers, slices, msg.num_cached_tokens, msg.num_tokens),
         )
         reg.posting, reg.posted_at = True, now
+        if msg.want_digest:
+            # D checks the bytes that land against this digest of the source (kv/digest.py).
+            token = self._new_token()
+            self._digesting[token] = (req, reg, plan, done)
+            heads = tuple((s.src_head, s.num_heads) for s in slices)
+            scope = DigestScope(layers, heads, tuple(req.block_ids), msg.num_cached_tokens, msg.num_tokens)
+            self._do(Digest(token, reg.key, scope))
+            return
+        self._post_write(req, reg, plan, done)
+
+    def _post_write(self, req: Request, reg: Reg, plan: TransferPlan, done: Done) -> None:
+        """Post the write with ``done`` attached (or send ``done`` alone when nothing moves)."""
         if plan.empty:  # D's prefix hit covers all, or this rank holds nothing D needs: just say so
             token = self._send(reg.key, reg.sender, done, answer=True)
             self._awaiting[token] = (req, reg, False)
