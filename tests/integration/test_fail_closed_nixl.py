@@ -79,4 +79,7 @@ def test_digests_agree_over_nixl_and_a_reused_transfer_id_is_refused(
     assert again.status_code == 400, again.text
     err = again.json()["error"]
     assert err["param"] == "kv_transfer_params" and "fc-1" in err["message"]
-    assert "digest_mismatch" not in httpx.get(d_url + "/metrics").text
+    metrics = httpx.get(d_url + "/metrics").text
+    # D compared the landed bytes of each of P's two ranks with their digests; none differed.
+    assert 'kvwire_kv_digests_total{model_name="kvwire-tiny",role="decode"} 2.0' in metrics, metrics
+    assert 'reason="digest_mismatch"' not in metrics

@@ -353,6 +353,7 @@ class PushConsumerCore(ConsumerCore):
     def _on_input(self, now: float, inp: Input) -> None:
         if isinstance(inp, Digested):
             req, part, src, done = self._digesting.pop(inp.token)
+            self.stats.digests += 1
             ok = inp.digest is not None and inp.digest == done.digest
             if not ok:
                 self._log_warning(

@@ -234,6 +234,7 @@ class PushProducerCore(ProducerCore):
             self._on_xfer_ended(now, inp)
         elif isinstance(inp, Digested):
             req, reg, plan, done = self._digesting.pop(inp.token)
+            self.stats.digests += 1
             self._post_write(req, reg, plan, msgspec.structs.replace(done, digest=inp.digest))
         else:
             raise IllegalTransition(self.role, "push", type(inp).__name__)
