@@ -175,6 +175,11 @@ def _case(
         "descriptors": plan.num_descs,
         "reps": reps,
     }
+    return _figures(out, med, nbytes)
+
+
+def _figures(out: dict[str, Any], med: dict[str, float], nbytes: int) -> dict[str, Any]:
+    """A case's columns (ms, GB/s) and ratios, all from the same rounds."""
     for col, seconds in med.items():
         out[f"{col}_ms"] = seconds * 1e3
         out[f"{col}_gbps"] = gbps(nbytes, seconds)

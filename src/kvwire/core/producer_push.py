@@ -303,20 +303,28 @@ class PushProducerCore(ProducerCore):
         else:
             self._write(now, req, reg)
 
-    def _write(self, now: float, req: Request, reg: Reg) -> None:
+    def _uncovered(self, req: Request, reg: Reg) -> FailReason | None:
+        """Why the registration cannot take the prompt P prefilled (None: it can). Fewer tokens, or blocks
+        that cannot hold them, would hand D a prefix as if it were the prompt (D would decode from a
+        truncated context and answer 200): ``short_registration``; more tokens: ``bad_registration``."""
         msg, peer = reg.msg, reg.peer
-        assert peer is not None
-        if peer.layout is None or msg.num_tokens > req.num_tokens or msg.num_tokens <= 0:
-            self._fail(req, reg, PT.WRITE_FAILED, FailReason.BAD_REGISTRATION)
-            return
-        if msg.num_tokens < req.num_tokens or len(msg.block_ids) * peer.layout.block_size < msg.num_tokens:
-            # Fewer tokens than P prefilled, or blocks that cannot hold them: serving it would hand D a
-            # prefix as if it were the prompt (D would decode from a truncated context, answer 200).
+        if msg.num_tokens > req.num_tokens or msg.num_tokens <= 0:
+            return FailReason.BAD_REGISTRATION
+        d_block = peer.layout.block_size if peer is not None and peer.layout is not None else 1
+        if msg.num_tokens < req.num_tokens or len(msg.block_ids) * d_block < msg.num_tokens:
             self._log_info(
                 "registration %s from %s covers %d of %d tokens (%d blocks): refused",
                 *(req.transfer_id, reg.sender, msg.num_tokens, req.num_tokens, len(msg.block_ids)),
             )
-            self._fail(req, reg, PT.WRITE_FAILED, FailReason.SHORT_REGISTRATION)
+            return FailReason.SHORT_REGISTRATION
+        return None
+
+    def _write(self, now: float, req: Request, reg: Reg) -> None:
+        msg, peer = reg.msg, reg.peer
+        assert peer is not None
+        bad = self._uncovered(req, reg)
+        if bad is not None or peer.layout is None:
+            self._fail(req, reg, PT.WRITE_FAILED, bad or FailReason.BAD_REGISTRATION)
             return
         try:
             plan = plan_transfer(
