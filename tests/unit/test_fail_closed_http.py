@@ -179,8 +179,8 @@ async def test_a_push_reg_short_of_the_prompt_is_an_error_not_200(
     servers: Servers, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def short(**fields: Any) -> PushReg:
-        return PushReg(**{**fields, "num_tokens": fields["num_tokens"] - 1})
+        return PushReg(**{**fields, "num_tokens": 16})  # its first block of 115 tokens
 
-    monkeypatch.setattr(consumer_core, "PushReg", short)  # a D that registers one token fewer
+    monkeypatch.setattr(consumer_core, "PushReg", short)  # a D that registers a prefix
     assert_kv_error(await servers.request("short-1"), "short_registration")
     assert await servers.metric(Role.PREFILL, "kvwire_failures", "short_registration") == 1
