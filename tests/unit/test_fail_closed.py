@@ -272,3 +272,10 @@ def test_p_and_d_digests_agree_after_a_real_copy_and_catch_one_changed_byte(
             if (tokens % d_bs) and layout is Layout.HND:
                 region[last_block][head, d_bs - 1] ^= 1
                 assert kv_digest(dc, _scope(slices, False, d_blocks, cached, tokens)) == mine
+
+
+def test_an_oversized_digest_is_refused_as_malformed() -> None:
+    t, _ = digest_d()
+    with pytest.raises(Refused) as err:
+        t.from_p(0.25, msgspec.structs.replace(t.done(), digest=b"x" * 65))
+    assert err.value.reason is DropReason.MALFORMED and t.core.live_requests == 1

@@ -27,6 +27,8 @@ NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Version = Annotated[int, msgspec.Meta(ge=1)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+# A content digest (CRC-32 today: 4 bytes); longer is refused as malformed before it is kept anywhere.
+DigestBytes = Annotated[bytes, msgspec.Meta(max_length=64)]
 
 
 class TransferMode(enum.Enum):
@@ -231,7 +233,7 @@ class Done(_Notif, tag="done", tag_field="type", kw_only=True):
     # when D asked, their digest (CRC-32, 4 bytes big-endian). D refuses a ``done`` without them.
     reg_nonce: NonNeg = 0
     nbytes: NonNeg | None = None
-    digest: bytes | None = None
+    digest: DigestBytes | None = None
 
 
 class Failed(_Notif, tag="failed", tag_field="type", kw_only=True):
