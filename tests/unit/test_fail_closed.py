@@ -279,3 +279,16 @@ def test_an_oversized_digest_is_refused_as_malformed() -> None:
     with pytest.raises(Refused) as err:
         t.from_p(0.25, msgspec.structs.replace(t.done(), digest=b"x" * 65))
     assert err.value.reason is DropReason.MALFORMED and t.core.live_requests == 1
+
+
+def test_the_knobs_reach_the_connector_from_vllm_extra_config_and_are_checked() -> None:
+    from kvwire.core.config import ConnectorConfig
+    from kvwire.errors import ConfigError
+    from kvwire.integrations.vllm.params import settings_from_extra
+
+    cfg = settings_from_extra({"kv_digest_sample": 0.01, "max_served_ids": 1000}).connector_config()
+    assert (cfg.kv_digest_sample, cfg.max_served_ids) == (0.01, 1000)
+    assert ConnectorConfig().kv_digest_sample == 0.0  # production: off unless asked
+    for bad in ({"kv_digest_sample": 1.5}, {"kv_digest_sample": -0.1}, {"max_served_ids": 0}):
+        with pytest.raises(ConfigError):
+            ConnectorConfig(**bad)  # type: ignore[arg-type]
