@@ -19,7 +19,7 @@ from cores_env import BLOCKS, CFG, D_BLOCKS, FAILED, READY, RELEASED, TID, TOKEN
 
 from kvwire.core.base import DropReason, Refused
 from kvwire.core.consumer_records import UsedIds, sampled
-from kvwire.core.io import Digest, Finished, PostWrite, StartHandshake
+from kvwire.core.io import Allocated, Digest, Finished, PostWrite, RemoteEngine, StartHandshake
 from kvwire.errors import TransferIdReused
 from kvwire.kv.cache import KVCache
 from kvwire.kv.descriptors import plan_transfer
@@ -28,7 +28,7 @@ from kvwire.kv.mapping import HeadSlice, RankLayout
 from kvwire.kv.spec import KVSpec, Layout
 from kvwire.protocol.codec import decode_notif
 from kvwire.protocol.messages import Done, Failed, FailReason, PushReg
-from kvwire.testing.core_harness import events, one, sent
+from kvwire.testing.core_harness import TestEngine, events, one, only, sent
 from kvwire.transport.base import PeerMode
 
 DIGEST_CFG = dataclasses.replace(CFG, kv_digest_sample=1.0)
@@ -103,6 +103,21 @@ def test_a_done_that_does_not_state_this_registration_fails_the_request(
     bad = msgspec.structs.replace(t.done(), **change)
     out = t.from_p(0.25, bad)
     assert events(out) == [ev(FAILED, FailReason.BAD_DONE), ev(RELEASED, FailReason.BAD_DONE)], why
+    assert t.core.stats.failures[FailReason.BAD_DONE] == 1
+
+
+def test_a_repeated_bad_done_is_refused_late_and_counted_once() -> None:
+    p2 = TestEngine.build("P", tp=2, port=5000)
+    t = D()
+    remote = RemoteEngine("P", "127.0.0.1", 5000, tp_size=2)
+    for hs in only(t.h.at(0.0, Allocated(TID, tuple(D_BLOCKS), TOKENS, 0, remote)), StartHandshake):
+        t.h.done(0.0, hs.token, p2.peer_rank(hs.remote, PeerMode.NOTIF_ONLY))
+    old_peer = Done(transfer_id=TID, engine_id="P", incarnation="P-life1", tp_rank=0, pp_rank=0, num_blocks=2)
+    out = t.h.at(0.25, p2.notif(old_peer))
+    assert events(out) == [ev(FAILED, FailReason.BAD_DONE)]  # rank 1 still registered: cancelled, drains
+    with pytest.raises(Refused) as err:
+        t.h.at(0.5, p2.notif(old_peer))
+    assert err.value.reason is DropReason.LATE
     assert t.core.stats.failures[FailReason.BAD_DONE] == 1
 
 

@@ -439,6 +439,8 @@ class PushConsumerCore(ConsumerCore):
         """Take a ``done`` only when it states what D registered and what this P rank had to write (a done
         with no write before it, or of another registration, fails the request: never READY on it)."""
         src = link.src
+        if src not in part.machine.ranks.pending:  # a duplicate: refused before it is judged (or logged)
+            raise self._refuse(DropReason.LATE, f"done {req.transfer_id} from {src}: the rank has ended")
         scope = self._payload(req, part, src)
         slices = self._slices(req, part, src)
         want = payload_bytes(self.engine.spec, scope.layers, slices, req.num_cached_tokens, req.num_tokens)
