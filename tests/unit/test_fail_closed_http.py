@@ -123,10 +123,19 @@ def _no_write(stated: bool) -> Any:
     return post
 
 
-def assert_kv_error(r: httpx.Response, reason: str) -> None:
-    assert r.status_code == 503, r.text
+def assert_kv_error(r: httpx.Response, reason: str, *, permanent: bool = False) -> None:
+    """An OpenAI-shaped error naming ``reason``: 503 (a retry may succeed), or 500 with
+    ``x-should-retry: false`` when no retry of the same request can."""
     err = r.json()["error"]
-    assert err["type"] == "kv_load_failed" and reason in err["message"], err
+    assert reason in err["message"], err
+    if permanent:
+        assert (r.status_code, err["type"], r.headers["x-should-retry"]) == (
+            500,
+            "configuration_error",
+            "false",
+        )
+    else:
+        assert (r.status_code, err["type"]) == (503, "kv_load_failed"), r.text
 
 
 async def test_a_correct_request_still_matches_the_colocated_answer(servers: Servers) -> None:
@@ -182,5 +191,5 @@ async def test_a_push_reg_short_of_the_prompt_is_an_error_not_200(
         return PushReg(**{**fields, "num_tokens": 16})  # its first block of 115 tokens
 
     monkeypatch.setattr(consumer_core, "PushReg", short)  # a D that registers a prefix
-    assert_kv_error(await servers.request("short-1"), "short_registration")
+    assert_kv_error(await servers.request("short-1"), "short_registration", permanent=True)
     assert await servers.metric(Role.PREFILL, "kvwire_failures", "short_registration") == 1
