@@ -193,5 +193,19 @@ class InvalidRequest(RequestError):
         self.param = param
 
 
+class TransferIdReused(InvalidRequest):
+    """D was asked to load KV under a ``transfer_id`` it has served (or is serving) in this life: a
+    request's identity is single-use, so a ``done`` meant for the other request cannot complete this one
+    (HTTP 400)."""
+
+    def __init__(self, transfer_id: str) -> None:
+        super().__init__(
+            f"transfer_id {transfer_id!r} was already used on this decode engine: each request needs a "
+            "new one",
+            "kv_transfer_params",
+        )
+        self.transfer_id = transfer_id
+
+
 class EngineOverloaded(RequestError):
     """An engine refused a request because its queue is full or it is shutting down (HTTP 503)."""

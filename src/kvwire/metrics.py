@@ -206,8 +206,16 @@ class KvMetrics:
         self.handshake_seconds: Histogram | None = None
         self.failures: Counter | None = None
         self.dropped: Counter | None = None
+        self.digests: Counter | None = None
         if not on:
             return
+        self.digests = Counter(
+            "kvwire_kv_digests",
+            "KV digests computed: P over its source for a D that asked, D over the bytes that landed "
+            "(each compared; a mismatch is a digest_mismatch failure)",
+            base,
+            registry=r,
+        )
         self.handshakes = Counter(
             "kvwire_handshakes", "Handshakes completed, by mode", [*base, "mode"], registry=r
         )
@@ -284,6 +292,10 @@ class KvMetrics:
         """A failure that is not tied to one posted transfer (handshake failed, fence expired, ...)."""
         if self.failures is not None:
             self.failures.labels(**self._base, reason=reason.value).inc()
+
+    def record_digests(self, count: int) -> None:
+        if self.digests is not None:
+            self.digests.labels(**self._base).inc(count)
 
     def record_dropped(self, reason: str, count: int = 1) -> None:
         if self.dropped is not None:

@@ -228,3 +228,31 @@ def test_refused_operations_hand_the_blocks_back_at_once(pd: tuple[Side, Side]) 
     d.sched.allocated("req-d", [NUM_BLOCKS + 1], 8, 8)
     d.step()
     assert d.reported.recving == {"req-d"} and d.reported.failed_recving == {"req-d"} and not d.worker._loads
+
+
+def test_a_second_load_under_a_live_transfer_id_is_refused_and_the_first_completes() -> None:
+    """Two vLLM requests on D naming one transfer id (issue 20): the second is refused in its step
+    (failed_recving: vLLM recomputes or errors it), and the first still gets P's bytes: the refusal does
+    not take the first request's place in the worker's table."""
+    p = Side(KvRole.PRODUCER, "flash-hnd", "push", seed=7)
+    d = Side(KvRole.CONSUMER, "flash-hnd", "push", seed=None)
+    try:
+        n, p_blocks, d_blocks = 2 * BS, [4, 5], [10, 11]
+        _, params = p.sched.finished(
+            "req-p", {"do_remote_decode": True, "transfer_id": "t-dup"}, p_blocks, n, False
+        )
+        assert params is not None
+        for rid, blocks in (("req-d1", d_blocks), ("req-d2", [20, 21])):
+            assert d.sched.matched_tokens(rid, params, n, 0) == (n, True)
+            d.sched.allocated(rid, blocks, n, n)
+        d.step()
+        assert d.reported.failed_recving == {"req-d2"}
+        run_until(p, d, lambda: "req-d1" in d.reported.recving)
+        assert d.reported.failed_recving == {"req-d2"}
+        name = "model.layers.0.self_attn.attn"
+        src, dst = blockwise(p.tensors[name]), blockwise(d.tensors[name])
+        assert np.array_equal(src[:, p_blocks], dst[:, d_blocks])
+        assert not dst[:, [20, 21]].any()
+    finally:
+        p.worker.close()
+        d.worker.close()

@@ -57,7 +57,8 @@ class Pair:
         self.fabric = InprocFabric()
         # One loop for both sides: the in-process agents are then only touched from one thread.
         self.loop = BackgroundLoop(name="kvwire-test")
-        cfg = self.p_config = config or ConnectorConfig(mode=mode)
+        # Tests check every request's bytes against P's digest (production samples, or not at all).
+        cfg = self.p_config = config or ConnectorConfig(mode=mode, kv_digest_sample=1.0)
         self.d_config = d_config or cfg
         self.p: EngineSetup = build_engine(
             f"p{n}", spec, tp=p_tp, pp=p_pp, num_blocks=num_blocks, mode=mode, fabric=self.fabric

@@ -161,6 +161,11 @@ class D:
         assert (hs.key, hs.port, hs.remote, hs.mode, hs.engine_id) == ((0, 0), 5000, (0, 0), mode, "P")
         return self.h.done(now, hs.token, self.p.peer_rank(mode=mode))
 
+    def nonce(self, tid: str = TID) -> int:
+        """The reg_nonce of the last push_reg D sent for ``tid`` (0: none sent)."""
+        regs = [a.msg for a in self.h.log if isinstance(a, Send) and isinstance(a.msg, PushReg)]
+        return next((r.reg_nonce for r in reversed(regs) if r.transfer_id == tid), 0)
+
     def from_p(self, now: float, msg: Done | Failed | CancelAck | Heartbeat | Cancel) -> list[Action]:
         return self.h.at(now, self.p.notif(msg))
 
@@ -168,7 +173,9 @@ class D:
         return {"transfer_id": tid, "engine_id": "P", "incarnation": "P-life1", "tp_rank": 0, "pp_rank": 0}
 
     def done(self, tid: str = TID) -> Done:
-        return Done(num_blocks=2, **self._common(tid))  # type: ignore[arg-type]
+        """P's done for D's push_reg of ``tid``: what a TP1/PP1 P states for the whole prompt."""
+        nbytes = TOKENS * self.d.info.spec.bytes_per_token()
+        return Done(num_blocks=2, reg_nonce=self.nonce(tid), nbytes=nbytes, **self._common(tid))  # type: ignore[arg-type]
 
     def failed(self, reason: FailReason, tid: str = TID) -> Failed:
         return Failed(reason=reason, **self._common(tid))  # type: ignore[arg-type]

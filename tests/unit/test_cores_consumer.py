@@ -255,7 +255,7 @@ def test_d_refuses_stray_messages_and_changes_nothing() -> None:
     assert events(t.from_p(0.75, t.done())) == [ev(READY)]
     with pytest.raises(Refused) as late:
         t.from_p(0.75, t.done())
-    assert late.value.reason is DropReason.UNKNOWN_TRANSFER
+    assert late.value.reason is DropReason.ENDED_TRANSFER  # told from a transfer D never registered
 
 
 def test_d_with_two_p_ranks_waits_for_both_and_refuses_a_repeated_done() -> None:
@@ -264,14 +264,20 @@ def test_d_with_two_p_ranks_waits_for_both_and_refuses_a_repeated_done() -> None
     remote = RemoteEngine("P", "127.0.0.1", 5000, tp_size=2)
     hss = only(t.h.at(0.0, Allocated(TID, tuple(D_BLOCKS), TOKENS, 0, remote)), StartHandshake)
     assert [h.remote for h in hss] == [(0, 0), (0, 1)]
+    nonces = {}
     for h in hss:
         reg = one(t.h.done(0.0, h.token, p2.peer_rank(h.remote, PeerMode.NOTIF_ONLY)), Send)
-        assert reg.peer == p2.agent(h.remote)
+        assert reg.peer == p2.agent(h.remote) and isinstance(reg.msg, PushReg)
+        nonces[h.remote[1]] = reg.msg.reg_nonce
+    assert len(set(nonces.values())) == 2 and 0 not in nonces.values()  # one per registration
+    spec = t.d.info.spec
+    half = TOKENS * spec.num_layers * len(spec.kinds) * spec.head_bytes  # each P rank holds one of 2 heads
 
     def done(rank: int) -> NotifIn:
         msg = Done(
-            transfer_id=TID, engine_id="P", incarnation="P-life1", tp_rank=rank, pp_rank=0, num_blocks=2
-        )
+            transfer_id=TID, engine_id="P", incarnation="P-life1", tp_rank=rank, pp_rank=0, num_blocks=2,
+            reg_nonce=nonces[rank], nbytes=half,
+        )  # fmt: skip
         return p2.notif(msg, rank=(0, rank))
 
     assert t.h.at(0.25, done(0)) == []  # one of two

@@ -58,8 +58,10 @@ def test_push_happy_path_posts_one_write_with_done_attached_and_frees_once() -> 
 
     assert sorted(map(tuple, w.src.tolist())) == rows(t.p, BLOCKS[0])
     assert sorted(map(tuple, w.dst.tolist())) == rows(t.d, D_BLOCKS[0])
-    # D's done rides the write's last byte
-    done = Done(transfer_id=TID, engine_id="P", incarnation="P-life1", tp_rank=0, pp_rank=0, num_blocks=2)
+    # D's done rides the write's last byte, stating what it wrote: 8 tokens x 32 bytes of KV each
+    done = Done(
+        transfer_id=TID, engine_id="P", incarnation="P-life1", tp_rank=0, pp_rank=0, num_blocks=2, nbytes=256
+    )
     assert decode_notif(w.notif) == done
     out = t.h.ended(0.25, w.token)
     assert out == [Release(w.token), Emit(freed(ProducerOutcome.SENT))]

@@ -114,7 +114,9 @@ def test_notif_round_trip(msg: Notification) -> None:
 
 def test_notif_bytes_are_magic_then_tagged_msgpack_map() -> None:
     data = encode_notif(NOTIFS[1])
-    assert msgspec.msgpack.decode(data[4:]) == _notif_dict(pp_rank=1, num_blocks=3)
+    # The fields added with defaults travel too (an older peer ignores them).
+    added = {"reg_nonce": 0, "nbytes": None, "digest": None}
+    assert msgspec.msgpack.decode(data[4:]) == _notif_dict(pp_rank=1, num_blocks=3, **added)
 
 
 def test_notif_unknown_fields_are_ignored() -> None:

@@ -224,3 +224,14 @@ def print_kv_table(results: Sequence[dict[str, Any]], reps: int) -> None:
         f"median of {reps}"
     )
     print_table(title, columns, rows)
+    print_digest_table(results, reps)
+
+
+def print_digest_table(results: Sequence[dict[str, Any]], reps: int) -> None:
+    keys = ("case", "bytes", "digest_gbps", "connector_ms", "connector_digest_ms",
+            "digest_ratio_vs_connector", "digest_added_ms_per_gib")  # fmt: skip
+    columns = ("case", "bytes", "digest GB/s (one side)", "P->C ms", "P->C ms, digest checked",
+               "x no digest", "added ms/GiB")  # fmt: skip
+    rows = [tuple(r.get(k, "-") for k in keys) for r in results if "connector_digest_ms" in r]
+    if rows:
+        print_table(f"transfer: the digest check (kv_digest_sample=1), median of {reps}", columns, rows)

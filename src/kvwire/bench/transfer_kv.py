@@ -17,6 +17,11 @@ the shared machine's noise hits them alike), after one warm-up each:
   loop thread taking the ``push_reg`` to D's loop thread emitting READY (issue 7, item 1). The ratios
   ``ratio_vs_nixl`` and ``ratio_vs_memcpy`` are this column's (``ratios_of``); the data path's ratio to
   raw NIXL is ``datapath_ratio_vs_nixl``.
+* ``connector_digest``: the same with a second Consumer that checks every request's bytes against P's
+  digest (``kv_digest_sample=1``: P digests its source before posting, D the landed bytes before READY);
+  ``digest_ratio_vs_connector`` is ``connector_ms / connector_digest_ms`` and
+  ``digest_added_ms_per_gib`` what the check adds per GiB of KV, both from the same rounds;
+* ``digest``: one side's ``kv_digest`` of the request (P's source), in this process.
 
 ``PUSHES`` maps a column name to a callable doing one request with the bench's agent (more data-path
 variants can be added there).
@@ -56,6 +61,7 @@ from kvwire.connector import (
 )
 from kvwire.core.io import Action, Emit, Input, NotifIn
 from kvwire.errors import TransferFailed
+from kvwire.kv.digest import DigestScope, kv_digest
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.codec import decode_notif
 from kvwire.protocol.messages import PushReg
@@ -134,7 +140,7 @@ def _case(
     ep: Endpoints,
     peer: BufferPeer,
     reps: int,
-    conn: ConnectorPush | None,
+    conns: dict[str, ConnectorPush],
 ) -> dict[str, Any]:
     blocks = block_assignment(assignment, ep.req.blocks)
     plan = ep.plan(*blocks)
@@ -142,20 +148,26 @@ def _case(
     src = ep.cache.slab.reshape(-1).view(np.uint8)[:nbytes]
     dst = np.zeros(nbytes, dtype=np.uint8)  # pages touched by the warm-up run, not in the timed ones
     peer.call(("zero",))
-    if conn is not None:
+    for conn in conns.values():
         conn.prepare(blocks)
     raw = _RawRepost(agent, ep, blocks, peer.name)
+    spec, tokens = ep.req.spec, ep.req.num_tokens
+    whole = DigestScope(range(spec.num_layers), ((0, spec.kv_heads),), tuple(blocks[0]), 0, tokens)
     try:
-        fns: dict[str, Callable[[], float | None]] = {"nixl": raw, "memcpy": lambda: np.copyto(dst, src)}
+        fns: dict[str, Callable[[], float | None]] = {
+            "nixl": raw,
+            "memcpy": lambda: np.copyto(dst, src),
+            "digest": lambda: _none(kv_digest(ep.cache, whole)),  # one side's digest of the request
+        }
         for col, push in PUSHES.items():
             fns[col] = functools.partial(push, agent, ep, blocks, peer.name)
-        if conn is not None:
-            fns["connector"] = functools.partial(conn.push, blocks)
+        for col, conn in conns.items():
+            fns[col] = functools.partial(conn.push, blocks)
         med = _round_robin(fns, reps)
     finally:
         raw.close()
     ep.verify(peer, *blocks)
-    if conn is not None:
+    for conn in conns.values():
         conn.check(blocks)
     out: dict[str, Any] = {
         "case": f"llama3-8b-1k-{name}" if ep.req.num_tokens == 1024 else f"kv-{ep.req.num_tokens}t-{name}",
@@ -163,6 +175,11 @@ def _case(
         "descriptors": plan.num_descs,
         "reps": reps,
     }
+    return _figures(out, med, nbytes)
+
+
+def _figures(out: dict[str, Any], med: dict[str, float], nbytes: int) -> dict[str, Any]:
+    """A case's columns (ms, GB/s) and ratios, all from the same rounds."""
     for col, seconds in med.items():
         out[f"{col}_ms"] = seconds * 1e3
         out[f"{col}_gbps"] = gbps(nbytes, seconds)
@@ -174,7 +191,16 @@ def _case(
     out["ratios_of"] = col
     out["datapath_ratio_vs_nixl"] = med["nixl"] / med["kvwire"]
     out["lanes2_vs_1"] = med["kvwire"] / med["kvwire_lanes2"]
+    if "connector_digest" in med:
+        # What D's kv_digest_sample=1 costs a request: P digests its source before posting, D the bytes
+        # that landed before READY (both on the request's path).
+        out["digest_ratio_vs_connector"] = med["connector"] / med["connector_digest"]
+        out["digest_added_ms_per_gib"] = (med["connector_digest"] - med["connector"]) * 1e3 / (nbytes / 2**30)
     return out
+
+
+def _none(_: object) -> None:
+    return None
 
 
 def run_kv_cases(req: Request, reps: int, connector: bool = True) -> list[dict[str, Any]]:
@@ -182,14 +208,17 @@ def run_kv_cases(req: Request, reps: int, connector: bool = True) -> list[dict[s
     with BufferPeer(make_agent_name("bench-kv-d", new_incarnation(), 0, 0), req.cache_bytes) as peer:
         ep = endpoints(req, peer)
         agent = NixlAgent(make_agent_name("bench-kv-p", new_incarnation(), 0, 0))
-        conn = ConnectorPush(req) if connector else None
+        conns: dict[str, ConnectorPush] = {}
         try:
+            if connector:
+                conns["connector"] = ConnectorPush(req)
+                conns["connector_digest"] = ConnectorPush(req, digest=True)
             agent.register(ep.cache.slab)
             agent.add_peer(peer.metadata)
             for name, assignment in CASES:
-                results.append(_case(name, assignment, agent, ep, peer, reps, conn))
+                results.append(_case(name, assignment, agent, ep, peer, reps, conns))
         finally:
-            if conn is not None:
+            for conn in conns.values():
                 conn.close()
             agent.close()
     return results
@@ -221,10 +250,12 @@ class _StampedConsumer(Consumer):
         super()._execute(action)
 
 
-def _consumer_child(conn: Connection, spec: KVSpec, num_blocks: int) -> None:
-    """D: a Consumer on real NIXL; commands ``("push", tid, blocks, tokens, remote)``, ``("check", ...)``."""
+def _consumer_child(conn: Connection, spec: KVSpec, num_blocks: int, digest: bool = False) -> None:
+    """D: a Consumer on real NIXL; commands ``("push", tid, blocks, tokens, remote)``, ``("check", ...)``.
+    ``digest``: it checks every request's bytes against P's digest."""
     setup = build_engine("bench-D", spec, num_blocks=num_blocks, backend="nixl")
-    consumer = _StampedConsumer(setup.engine, setup.ranks, ConnectorConfig())
+    config = ConnectorConfig(kv_digest_sample=1.0 if digest else 0.0)
+    consumer = _StampedConsumer(setup.engine, setup.ranks, config)
     consumer.ended_at = {}
     try:
         consumer.start()
@@ -266,14 +297,14 @@ def _await_consumer(consumer: _StampedConsumer, tid: str) -> tuple[str, Any]:
 class ConnectorPush:
     """Producer (this process) pushing into a Consumer (a child process) over NIXL and the side channel."""
 
-    def __init__(self, req: Request) -> None:
+    def __init__(self, req: Request, *, digest: bool = False) -> None:
         self.req = req
         self.setup = build_engine("bench-P", req.spec, num_blocks=req.cache_blocks, backend="nixl")
         self.producer = _StampedProducer(self.setup.engine, self.setup.ranks, ConnectorConfig())
         self.producer.push_reg_at = {}
         port = self.producer.start()
         self.remote = RemoteEngine(self.setup.engine.engine_id, "127.0.0.1", port)
-        self._proc, self._conn = spawn_child(_consumer_child, req.spec, req.cache_blocks)
+        self._proc, self._conn = spawn_child(_consumer_child, req.spec, req.cache_blocks, digest)
         self._ask(None)
         self._ids = itertools.count()
 

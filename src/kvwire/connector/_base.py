@@ -35,6 +35,8 @@ from kvwire.core.events import ConnectorStats
 from kvwire.core.io import (
     Action,
     Allocated,
+    Digest,
+    Digested,
     Emit,
     Finished,
     ForgetPeer,
@@ -68,6 +70,7 @@ from kvwire.handshake.loop import BackgroundLoop
 from kvwire.handshake.manager import HandshakeManager, warm_up
 from kvwire.handshake.server import SideChannelServer
 from kvwire.handshake.types import EngineInfo, LocalRank, PeerRank
+from kvwire.kv.digest import kv_digest
 from kvwire.kv.mapping import RankLayout
 from kvwire.protocol.codec import decode_notif, encode_notif
 from kvwire.protocol.messages import Done, FailReason, PushReg, ReportFailed
@@ -348,6 +351,8 @@ class ConnectorBase(Generic[E]):
                 self._feeder.follow(Outcome(action.token, ok))
         elif isinstance(action, PostWrite | PostRead):
             self._post(action)
+        elif isinstance(action, Digest):
+            self._feeder.follow(Digested(action.token, kv_digest(self.ranks[action.key].cache, action.scope)))
         elif isinstance(action, Release):
             entry = self._handles.pop(action.token, None)
             if entry is not None:

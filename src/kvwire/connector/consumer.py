@@ -18,13 +18,16 @@ only runs them on the connector's loop thread (``ConnectorBase``).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 from kvwire.connector._base import ConnectorBase
 from kvwire.core.consumer import ConsumerCore, PushConsumerCore, check_allocation
 from kvwire.core.consumer_pull import PullConsumerCore
+from kvwire.core.consumer_records import UsedIds
 from kvwire.core.events import ConsumerEvent
 from kvwire.core.io import Abort, Allocated, RemoteEngine
+from kvwire.errors import TransferIdReused
 from kvwire.kv.mapping import RankLayout
 from kvwire.protocol.messages import TransferMode
 from kvwire.protocol.ranks import RankKey
@@ -40,6 +43,7 @@ class Consumer(ConnectorBase[ConsumerEvent]):
     core: ConsumerCore
 
     def _make_core(self, layouts: dict[RankKey, RankLayout], num_blocks: int) -> ConsumerCore:
+        self._make_claims()
         kind = PushConsumerCore if self.config.mode is TransferMode.PUSH else PullConsumerCore
         return kind(self.engine, layouts, num_blocks, self.config, host=self.host)
 
@@ -47,6 +51,12 @@ class Consumer(ConnectorBase[ConsumerEvent]):
         """(engine_id, incarnation) of the P lives whose liveness D tracks now (only those live requests
         wait on: the map is pruned at every heartbeat period)."""
         return self.core.watched_peers()
+
+    def _make_claims(self) -> None:
+        # The engine thread's own record of the ids handed to the core (which runs on the loop thread):
+        # a reused id is refused here, at once, as the engine's error for that request (HTTP 400).
+        self._claims = UsedIds(self.config.max_served_ids)
+        self._claims_lock = threading.Lock()
 
     def request_allocated(
         self,
@@ -60,6 +70,9 @@ class Consumer(ConnectorBase[ConsumerEvent]):
             transfer_id, tuple(int(b) for b in block_ids), int(num_tokens), int(num_cached_tokens), remote
         )
         check_allocation(self.engine, self.core.num_blocks, inp)  # raise to the engine, not in the loop
+        with self._claims_lock:
+            if not self._claims.add(inp.transfer_id):
+                raise TransferIdReused(inp.transfer_id)
         self._call(inp)
 
     def abort(self, transfer_id: str) -> None:

@@ -44,6 +44,8 @@ class DropReason(enum.Enum):
     STALE_INCARNATION = "stale_incarnation"
     UNEXPECTED = "unexpected"
     UNKNOWN_TRANSFER = "unknown_transfer"
+    # D: for a transfer this life registered and ended (late, or replayed): it completes nothing.
+    ENDED_TRANSFER = "ended_transfer"
     DUPLICATE = "duplicate"
     LATE = "late"
     OVERLOAD = "overload"

@@ -53,6 +53,14 @@ class ConnectorConfig:
     max_early_registrations: int = 4096
     # ...and from one D engine life at most: one peer cannot fill the table for every other D.
     max_early_registrations_per_peer: int = 1024
+    # D: transfer ids this life has served, remembered (oldest forgotten first) so that a new request
+    # reusing one is refused. Past the bound an id can be registered again; its registration gets a new
+    # reg_nonce, so a done of the old one still does not match it (docs/protocol.md).
+    max_served_ids: int = 65_536
+    # D (push): the share of requests whose KV bytes are checked against a digest P computes over its
+    # source (CRC-32 of the written tokens; about 1 s of one core per GB on each side, docs/benchmarks.md):
+    # 1.0 every request (tests, benchmarks), 0.0 none. Chosen per transfer id, deterministically.
+    kv_digest_sample: float = 0.0
 
     def __post_init__(self) -> None:
         positive = {
@@ -71,7 +79,9 @@ class ConnectorConfig:
         for name, value in positive.items():
             if not value > 0:
                 raise ConfigError(f"{name} must be positive, got {value!r}")
-        for name in ("max_early_registrations", "max_early_registrations_per_peer"):
+        if not 0.0 <= self.kv_digest_sample <= 1.0:
+            raise ConfigError(f"kv_digest_sample must be in [0, 1], got {self.kv_digest_sample!r}")
+        for name in ("max_early_registrations", "max_early_registrations_per_peer", "max_served_ids"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.dead_peer_grace_s < 0 or self.handshake_retries < 0:

@@ -17,11 +17,13 @@ from __future__ import annotations
 from collections import defaultdict
 
 from kvwire.core.base import CoreBase, DropReason
-from kvwire.core.consumer_records import Link, LocalPart, PeerLife, Request
+from kvwire.core.consumer_records import Link, LocalPart, PeerLife, Request, UsedIds, sampled
 from kvwire.core.events import ConsumerEvent, ConsumerEventKind
 from kvwire.core.io import (
     Abort,
     Allocated,
+    Digest,
+    Digested,
     ForgetPeer,
     HandshakeDone,
     Input,
@@ -30,9 +32,16 @@ from kvwire.core.io import (
     StartHandshake,
     TouchPeer,
 )
-from kvwire.errors import BlockRangeError, IllegalTransition, LayoutError, UnexpectedSender
+from kvwire.errors import (
+    BlockRangeError,
+    IllegalTransition,
+    LayoutError,
+    TransferIdReused,
+    UnexpectedSender,
+)
 from kvwire.handshake.types import EngineInfo, PeerRank
-from kvwire.kv.mapping import source_ranks
+from kvwire.kv.digest import DigestScope, common_layers, p_layers, pair_heads, payload_bytes
+from kvwire.kv.mapping import HeadSlice, source_ranks
 from kvwire.protocol.messages import (
     Cancel,
     CancelAck,
@@ -75,6 +84,9 @@ class ConsumerCore(CoreBase):
         self._life: dict[tuple[str, str], PeerLife] = {}  # (engine_id, incarnation) of P engines
         self._handshakes: dict[int, tuple[Request, LocalPart, Link]] = {}
         self._probes: dict[int, tuple[str, str]] = {}  # who is at a dead P life's address now
+        # Every transfer id this life registered: single use (a done of the other request must not
+        # complete a new one), and a done naming one after it ended is told from a never-seen id.
+        self._used = UsedIds(self.config.max_served_ids)
 
     def watched_peers(self) -> list[tuple[str, str]]:
         """P lives whose liveness D tracks now (only those live requests wait on)."""
@@ -111,8 +123,8 @@ class ConsumerCore(CoreBase):
 
     def _allocated(self, now: float, inp: Allocated) -> None:
         check_allocation(self.engine, self.num_blocks, inp)
-        if inp.transfer_id in self._requests:
-            raise IllegalTransition(self.role, "ALLOCATED", "ALLOCATED")
+        if inp.transfer_id in self._requests or not self._used.add(inp.transfer_id):
+            raise TransferIdReused(inp.transfer_id)
         remote = inp.remote
         req = Request(inp.transfer_id, list(inp.block_ids), inp.num_tokens, inp.num_cached_tokens, remote)
         try:
@@ -305,6 +317,8 @@ class PushConsumerCore(ConsumerCore):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
         self._sending: dict[int, tuple[Request, LocalPart, Link]] = {}  # push_reg token
+        self._digesting: dict[int, tuple[Request, LocalPart, RankKey, Done]] = {}  # Digest token
+        self._reg_seq = 0  # the last reg_nonce given (unique in this life; never 0, an old peer's echo)
 
     @property
     def busy(self) -> bool:
@@ -315,6 +329,9 @@ class PushConsumerCore(ConsumerCore):
         return any(p.machine.state is ConsumerState.WAITING for p in parts)
 
     def _start(self, now: float, req: Request, part: LocalPart, link: Link, peer: PeerRank) -> None:
+        self._reg_seq += 1
+        link.reg_nonce = self._reg_seq
+        link.want_digest = sampled(req.transfer_id, self.config.kv_digest_sample)
         reg = PushReg(
             transfer_id=req.transfer_id,
             engine_id=self.engine.engine_id,
@@ -327,9 +344,25 @@ class PushConsumerCore(ConsumerCore):
             num_tokens=req.num_tokens,
             num_cached_tokens=req.num_cached_tokens,
             fence_ms=self.config.fence_ms,
+            reg_nonce=link.reg_nonce,
+            want_digest=link.want_digest,
         )
         link.sending = True
         self._sending[self._send(part.key, peer.agent_name, reg, answer=True)] = (req, part, link)
+
+    def _on_input(self, now: float, inp: Input) -> None:
+        if isinstance(inp, Digested):
+            req, part, src, done = self._digesting.pop(inp.token)
+            self.stats.digests += 1
+            ok = inp.digest is not None and inp.digest == done.digest
+            if not ok:
+                self._log_warning(
+                    "%s: the KV from %s does not match its digest (%s here, %s stated)", req.transfer_id,
+                    src, inp.digest.hex() if inp.digest else None, done.digest.hex() if done.digest else None,
+                )  # fmt: skip
+            self._rank_done(now, req, part, src, None if ok else FailReason.DIGEST_MISMATCH)
+        else:
+            super()._on_input(now, inp)
 
     def _on_outcome(self, now: float, inp: Outcome) -> None:
         req, part, link = self._sending.pop(inp.token)
@@ -367,31 +400,82 @@ class PushConsumerCore(ConsumerCore):
         req = self._requests.get(msg.transfer_id)
         part = None if req is None else req.parts.get(key)
         if req is None or part is None:
-            raise self._refuse(
-                DropReason.UNKNOWN_TRANSFER, f"{type(msg).__name__} {msg.transfer_id} from {sender}"
-            )
+            # A transfer this life served (a late or replayed message) is told from one it never saw.
+            ended = req is None and msg.transfer_id in self._used
+            why = DropReason.ENDED_TRANSFER if ended else DropReason.UNKNOWN_TRANSFER
+            raise self._refuse(why, f"{type(msg).__name__} {msg.transfer_id} from {sender}")
         src = (msg.pp_rank, msg.tp_rank)
         link = part.links.get(src)
         if link is None or link.peer is None or link.peer.agent_name != sender:
             stale = link is not None and link.peer is not None and link.peer.engine_id == msg.engine_id
             why = DropReason.STALE_INCARNATION if stale else DropReason.WRONG_SENDER
             raise self._refuse(why, f"{type(msg).__name__} {msg.transfer_id} from {sender} as {src}")
-        how = RankEnd.DONE if isinstance(msg, Done) else RankEnd.CANCEL_ACKED
-        reason = msg.reason if isinstance(msg, Failed) else None
-        if isinstance(msg, Failed):
-            how = RankEnd.FAILED
-        elif isinstance(msg, Done) and msg.num_blocks != self._expected_blocks(req):
-            # Not what D registered: the KV cannot be trusted. The rank ended all the same (P says its
-            # writes are over), so it counts as failed, not pending.
-            how, reason = RankEnd.FAILED, FailReason.BAD_DONE
+        if isinstance(msg, Done):
+            self._on_done(now, req, part, link, msg)
+            return
+        how = RankEnd.FAILED if isinstance(msg, Failed) else RankEnd.CANCEL_ACKED
+        self._rank_ended(now, req, part, src, how, msg.reason if isinstance(msg, Failed) else None)
+
+    def _rank_ended(
+        self, now: float, req: Request, part: LocalPart, src: RankKey, how: RankEnd, reason: FailReason | None
+    ) -> None:
         try:
             part.machine.rank_ended(src, how)
         except (IllegalTransition, UnexpectedSender) as exc:
-            raise self._refuse(DropReason.LATE, f"{type(msg).__name__} {msg.transfer_id}: {exc}") from None
+            raise self._refuse(DropReason.LATE, f"{req.transfer_id} from {src}: {exc}") from None
         if reason is not None:
             req.reason = req.reason or reason
             self.stats.failures[reason] += 1
         self._settle(now, req)
+
+    def _rank_done(
+        self, now: float, req: Request, part: LocalPart, src: RankKey, bad: FailReason | None
+    ) -> None:
+        """A P rank's writes are over: DONE, or FAILED when ``bad`` says its done cannot be trusted (the
+        rank ended all the same: P says nothing more of it will land, so it is failed, not pending)."""
+        self._rank_ended(now, req, part, src, RankEnd.DONE if bad is None else RankEnd.FAILED, bad)
+
+    def _on_done(self, now: float, req: Request, part: LocalPart, link: Link, msg: Done) -> None:
+        """Take a ``done`` only when it states what D registered and what this P rank had to write (a done
+        with no write before it, or of another registration, fails the request: never READY on it)."""
+        src = link.src
+        if src not in part.machine.ranks.pending:  # a duplicate: refused before it is judged (or logged)
+            raise self._refuse(DropReason.LATE, f"done {req.transfer_id} from {src}: the rank has ended")
+        scope = self._payload(req, part, src)
+        slices = self._slices(req, part, src)
+        want = payload_bytes(self.engine.spec, scope.layers, slices, req.num_cached_tokens, req.num_tokens)
+        problem = None
+        if msg.num_blocks != self._expected_blocks(req):
+            problem = f"num_blocks {msg.num_blocks}, registered {self._expected_blocks(req)}"
+        elif msg.reg_nonce != link.reg_nonce:
+            problem = f"reg_nonce {msg.reg_nonce}, registered {link.reg_nonce} (a replay, or a peer too old)"
+        elif msg.nbytes != want:
+            problem = f"nbytes {msg.nbytes}, this rank pair moves {want}"
+        if problem is not None:
+            self._log_warning("%s: done from %s refused: %s", req.transfer_id, link.src, problem)
+            self._rank_done(now, req, part, src, FailReason.BAD_DONE)
+            return
+        verify = (
+            link.want_digest
+            and part.machine.state is ConsumerState.WAITING
+            and src in part.machine.ranks.pending
+        )
+        if not verify:
+            self._rank_done(now, req, part, src, None)
+            return
+        token = self._new_token()
+        self._digesting[token] = (req, part, src, msg)
+        self._do(Digest(token, part.key, scope))
+
+    def _slices(self, req: Request, part: LocalPart, src: RankKey) -> tuple[HeadSlice, ...]:
+        return pair_heads(self.engine.spec, req.remote.tp_size, self.engine.tp_size, src[1], part.key[1])
+
+    def _payload(self, req: Request, part: LocalPart, src: RankKey) -> DigestScope:
+        """What P rank ``src`` writes into local rank ``part`` for ``req``, in D's blocks."""
+        spec = self.engine.spec
+        layers = common_layers(p_layers(spec, req.remote.pp_size, src[0]), self.layouts[part.key].layers)
+        heads = tuple((s.dst_head, s.num_heads) for s in self._slices(req, part, src))
+        return DigestScope(layers, heads, tuple(req.block_ids), req.num_cached_tokens, req.num_tokens)
 
     def _expected_blocks(self, req: Request) -> int:
         """The ``num_blocks`` a P rank's ``done`` must carry: the blocks past D's prefix hit."""

@@ -4,6 +4,7 @@ P ranks; the liveness of a P life. Plain data; the consumer core drives them."""
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass, field
 
 from kvwire.core.io import RemoteEngine
@@ -28,6 +29,8 @@ class Link:
     posted_at: float = 0.0
     read_done: bool = False
     rehandshaked: bool = False  # a push_reg could not be sent: the handshake was redone once
+    reg_nonce: int = 0  # push: the push_reg's, which P's done must echo
+    want_digest: bool = False  # push: D asked P for a digest of what it writes
 
 
 @dataclass(eq=False)
@@ -58,3 +61,34 @@ class PeerLife:
     # writes (a thawed P recalls before it sends anything), so that link's blocks leave quarantine.
     last_msg: float = -math.inf
     gone: bool = False  # a newer life of the engine answered: this process is over
+
+
+class UsedIds:
+    """Transfer ids this D life has registered, the oldest forgotten past ``bound`` (a bounded table: a
+    peer or client cannot grow it). Insertion-ordered dict as a FIFO set."""
+
+    def __init__(self, bound: int) -> None:
+        self._bound = bound
+        self._ids: dict[str, None] = {}
+
+    def __contains__(self, transfer_id: object) -> bool:
+        return transfer_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def add(self, transfer_id: str) -> bool:
+        """Remember ``transfer_id``; False (nothing changed) when it is remembered already."""
+        if transfer_id in self._ids:
+            return False
+        self._ids[transfer_id] = None
+        if len(self._ids) > self._bound:
+            del self._ids[next(iter(self._ids))]
+        return True
+
+
+def sampled(transfer_id: str, share: float) -> bool:
+    """Whether ``transfer_id`` falls in the sampled ``share`` of requests (the same answer every time)."""
+    if share >= 1.0:
+        return True
+    return share > 0.0 and zlib.crc32(transfer_id.encode()) < share * 2**32

@@ -5,8 +5,9 @@ simulator) executes the actions in order. The contract a driver keeps:
 
 * ``now`` never goes backwards, and is the same clock for every input of one core.
 * An action with a non-zero ``token`` (``Send`` that needs an answer, ``PostWrite``/``PostRead``) gets its
-  ``Outcome`` fed back before any other input: the driver queues the outcomes of a batch and handles them
-  right after it. Cores rely on this: between the action and its outcome nothing else happens.
+  ``Outcome`` (a ``Digest``: its ``Digested``) fed back before any other input: the driver queues the
+  outcomes of a batch and handles them right after it. Cores rely on this: between the action and its
+  outcome nothing else happens.
 * Every ``PostWrite``/``PostRead`` that was posted ends with exactly one ``XferEnded`` (the driver polls
   the transfer) unless the core released it first (``Release``); after ``Release`` none comes.
 * ``StartHandshake`` ends with exactly one ``HandshakeDone`` (success or error), never re-entrantly.
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvwire.handshake.types import PeerRank
+from kvwire.kv.digest import DigestScope
 from kvwire.protocol.messages import Failed, FailReason, Notification
 from kvwire.protocol.ranks import RankKey
 from kvwire.transport.base import PeerMode
@@ -120,7 +122,15 @@ class Allocated:
     remote: RemoteEngine
 
 
-Input = Tick | NotifIn | XferEnded | HandshakeDone | Outcome | Finished | Abort | Allocated
+@dataclass(frozen=True, slots=True)
+class Digested:
+    """The answer to a ``Digest``: the digest, or None when the memory cannot be read (device memory)."""
+
+    token: int
+    digest: bytes | None
+
+
+Input = Tick | NotifIn | XferEnded | HandshakeDone | Outcome | Finished | Abort | Allocated | Digested
 
 # --- actions ------------------------------------------------------------------------------------------
 
@@ -161,6 +171,16 @@ class PostRead:
     dst: np.ndarray
     nbytes: int
     transfer_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Digest:
+    """Compute ``kv.digest.kv_digest`` of local rank ``key``'s cache over ``scope``; feed back ``Digested``
+    (like an ``Outcome``: before any other input)."""
+
+    token: int
+    key: RankKey
+    scope: DigestScope
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +252,7 @@ Action = (
     Send
     | PostWrite
     | PostRead
+    | Digest
     | Release
     | StartHandshake
     | ReportFailure

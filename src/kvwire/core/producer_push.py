@@ -21,9 +21,13 @@ from __future__ import annotations
 
 import math
 
+import msgspec
+
 from kvwire.core.base import DropReason, log
 from kvwire.core.events import ProducerOutcome
 from kvwire.core.io import (
+    Digest,
+    Digested,
     ForgetPeer,
     HandshakeDone,
     Input,
@@ -54,7 +58,8 @@ from kvwire.core.producer_records import (
     silent_d_lives,
 )
 from kvwire.errors import BlockRangeError, IllegalTransition, LayoutError
-from kvwire.kv.descriptors import plan_transfer
+from kvwire.kv.descriptors import TransferPlan, plan_transfer
+from kvwire.kv.digest import DigestScope, common_layers, pair_heads, payload_bytes
 from kvwire.protocol.codec import encode_notif
 from kvwire.protocol.messages import Cancel, Done, Failed, FailReason, Heartbeat, Notification, PushReg
 from kvwire.protocol.ranks import RankKey
@@ -70,6 +75,7 @@ class PushProducerCore(ProducerCore):
         self._handshakes: dict[int, tuple[Request, Reg]] = {}
         self._awaiting: dict[int, tuple[Request, Reg, bool]] = {}  # token -> (req, reg, is the write)
         self._sizes: dict[int, int] = {}  # write token -> bytes
+        self._digesting: dict[int, tuple[Request, Reg, TransferPlan, Done]] = {}  # Digest token
         # When each D life (engine_id, incarnation) last said anything.
         self._d_seen: dict[DLife, float] = {}
         self._last_input = math.inf  # no freeze before the first input
@@ -226,6 +232,10 @@ class PushProducerCore(ProducerCore):
             self._on_outcome(now, inp)
         elif isinstance(inp, XferEnded):
             self._on_xfer_ended(now, inp)
+        elif isinstance(inp, Digested):
+            req, reg, plan, done = self._digesting.pop(inp.token)
+            self.stats.digests += 1
+            self._post_write(req, reg, plan, msgspec.structs.replace(done, digest=inp.digest))
         else:
             raise IllegalTransition(self.role, "push", type(inp).__name__)
 
@@ -293,11 +303,28 @@ class PushProducerCore(ProducerCore):
         else:
             self._write(now, req, reg)
 
+    def _uncovered(self, req: Request, reg: Reg) -> FailReason | None:
+        """Why the registration cannot take the prompt P prefilled (None: it can). Fewer tokens, or blocks
+        that cannot hold them, would hand D a prefix as if it were the prompt (D would decode from a
+        truncated context and answer 200): ``short_registration``; more tokens: ``bad_registration``."""
+        msg, peer = reg.msg, reg.peer
+        if msg.num_tokens > req.num_tokens or msg.num_tokens <= 0:
+            return FailReason.BAD_REGISTRATION
+        d_block = peer.layout.block_size if peer is not None and peer.layout is not None else 1
+        if msg.num_tokens < req.num_tokens or len(msg.block_ids) * d_block < msg.num_tokens:
+            self._log_info(
+                "registration %s from %s covers %d of %d tokens (%d blocks): refused",
+                *(req.transfer_id, reg.sender, msg.num_tokens, req.num_tokens, len(msg.block_ids)),
+            )
+            return FailReason.SHORT_REGISTRATION
+        return None
+
     def _write(self, now: float, req: Request, reg: Reg) -> None:
         msg, peer = reg.msg, reg.peer
         assert peer is not None
-        if peer.layout is None or msg.num_tokens > req.num_tokens or msg.num_tokens <= 0:
-            self._fail(req, reg, PT.WRITE_FAILED, FailReason.BAD_REGISTRATION)
+        bad = self._uncovered(req, reg)
+        if bad is not None or peer.layout is None:
+            self._fail(req, reg, PT.WRITE_FAILED, bad or FailReason.BAD_REGISTRATION)
             return
         try:
             plan = plan_transfer(
@@ -313,6 +340,9 @@ class PushProducerCore(ProducerCore):
             self._log_info("registration %s from %s refused: %s", req.transfer_id, reg.sender, exc)
             self._fail(req, reg, PT.WRITE_FAILED, FailReason.BAD_REGISTRATION)
             return
+        spec = self.engine.spec
+        layers = common_layers(self.layouts[reg.key].layers, peer.layout.layers)
+        slices = pair_heads(spec, self.engine.tp_size, msg.tp_size, reg.key[1], msg.tp_rank)
         done = Done(
             transfer_id=req.transfer_id,
             engine_id=self.engine.engine_id,
@@ -320,8 +350,22 @@ class PushProducerCore(ProducerCore):
             tp_rank=reg.key[1],
             pp_rank=reg.key[0],
             num_blocks=len(msg.block_ids) - msg.num_cached_tokens // peer.layout.block_size,
+            reg_nonce=msg.reg_nonce,
+            nbytes=payload_bytes(self.engine.spec, layers, slices, msg.num_cached_tokens, msg.num_tokens),
         )
         reg.posting, reg.posted_at = True, now
+        if msg.want_digest:
+            # D checks the bytes that land against this digest of the source (kv/digest.py).
+            token = self._new_token()
+            self._digesting[token] = (req, reg, plan, done)
+            heads = tuple((s.src_head, s.num_heads) for s in slices)
+            scope = DigestScope(layers, heads, tuple(req.block_ids), msg.num_cached_tokens, msg.num_tokens)
+            self._do(Digest(token, reg.key, scope))
+            return
+        self._post_write(req, reg, plan, done)
+
+    def _post_write(self, req: Request, reg: Reg, plan: TransferPlan, done: Done) -> None:
+        """Post the write with ``done`` attached (or send ``done`` alone when nothing moves)."""
         if plan.empty:  # D's prefix hit covers all, or this rank holds nothing D needs: just say so
             token = self._send(reg.key, reg.sender, done, answer=True)
             self._awaiting[token] = (req, reg, False)

@@ -155,6 +155,7 @@ class ConnectorMetrics:
         self._bytes = 0
         self._failures: dict[Any, int] = {}
         self._dropped: dict[str, int] = {}
+        self._digests = 0
         self._handshakes: dict[tuple[Any, PeerMode], int] = {}
 
     def sync(self) -> None:
@@ -169,6 +170,9 @@ class ConnectorMetrics:
                 secs = durations[i] if i < len(durations) else durations[-1]
                 self.metrics.record_transfer(TransferStats(self.connector.config.mode, per, secs))
         self._transfers, self._bytes = st.transfers_done, st.bytes_moved
+        if st.digests > self._digests:
+            self.metrics.record_digests(st.digests - self._digests)
+            self._digests = st.digests
         for why, count in list(st.dropped_notifs.items()):
             if count > self._dropped.get(why, 0):
                 self.metrics.record_dropped(why, count - self._dropped.get(why, 0))

@@ -41,6 +41,10 @@ CONNECTOR_HELP: dict[str, tuple[str, frozenset[Command]]] = {
     "max_early_registrations": ("P: registrations waiting for their prefill at most; more are dropped",
                                 frozenset({P})),
     "max_early_registrations_per_peer": ("P: of those, from one D engine life at most", frozenset({P})),
+    "max_served_ids": ("D: transfer ids remembered as served, so a request reusing one is refused",
+                       frozenset({D})),
+    "kv_digest_sample": ("D: share of requests whose KV bytes are checked against P's digest (0: none, "
+                         "1: all; costs CPU on both sides)", frozenset({D})),
 }  # fmt: skip
 # Set by other options: the mode is --mode (P, D and the router agree on it).
 _NOT_KNOBS = frozenset({"mode"})

@@ -66,6 +66,8 @@ _PERMANENT_KV = {
     "--seed and --mode",
     FailReason.BAD_REGISTRATION: "the prefill engine refused this engine's block registration (its log "
     "says why): check that both run the same kvwire version and --preset",
+    FailReason.SHORT_REGISTRATION: "the prefill engine prefilled more tokens than this engine registered: "
+    "send both legs the same prompt",
 }
 # KV load failures a retry may cure, with what else can cause them: D cannot tell a P that is down from
 # one that refuses it, so the client's message names both (the engines' logs say which it was).
@@ -77,6 +79,12 @@ _TRANSIENT_KV = {
     "(max_early_registrations): retry, or add prefill capacity",
     FailReason.PEER_DEAD: "the prefill engine stopped answering: it crashed or is unreachable, or it could "
     "not handshake back with this engine (e.g. KVWIRE_SECRET set on this side only; its log names it)",
+    FailReason.BAD_DONE: "the prefill engine's done did not state this request's registration, so its KV "
+    "was not used: a prefill engine older than this one (upgrade prefill engines first), or a replayed or "
+    "broken message (this engine's log names the field)",
+    FailReason.DIGEST_MISMATCH: "the KV that arrived does not match the prefill engine's digest of it, so "
+    "it was not used: if it repeats, the transfer corrupts data or the prefill engine sends no digest "
+    "(its KV in device memory: set --kv-digest-sample 0)",
 }
 RETRY_HEADER = "x-should-retry"
 

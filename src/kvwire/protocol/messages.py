@@ -29,6 +29,8 @@ Version = Annotated[int, msgspec.Meta(ge=1)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 # A ``FailReason`` value as a peer sent it: a newer peer's may be one this version does not know.
 ReasonText = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+# A content digest (CRC-32 today: 4 bytes); longer is refused as malformed before it is kept anywhere.
+DigestBytes = Annotated[bytes, msgspec.Meta(max_length=64)]
 
 
 class TransferMode(enum.Enum):
@@ -63,8 +65,14 @@ class FailReason(enum.Enum):
     OVERLOADED = "overloaded"
     # D only, never sent: the peer's side channel refused our credentials (a secret on one side only).
     UNAUTHORIZED = "unauthorized"
-    # D only: a ``done`` that does not match what D registered (num_blocks), so the KV cannot be trusted.
+    # D only: a ``done`` that does not match what D registered (num_blocks, reg_nonce, nbytes), or that
+    # states nothing (a peer older than those fields): the KV cannot be trusted.
     BAD_DONE = "bad_done"
+    # D only: the bytes that landed do not hash to the digest P stated in ``done`` (or P stated none when
+    # D asked for one).
+    DIGEST_MISMATCH = "digest_mismatch"
+    # P: the push_reg names fewer tokens than P prefilled (a prefix would be served as the whole prompt).
+    SHORT_REGISTRATION = "short_registration"
     # A reason this version does not know (a newer peer's): still a failure, never a dropped message.
     UNKNOWN = "unknown"
 
@@ -222,12 +230,23 @@ class PushReg(_Notif, tag="push_reg", tag_field="type", kw_only=True):
     num_tokens: NonNeg
     num_cached_tokens: NonNeg = 0
     fence_ms: Positive = 30_000
+    # Added fields (v1-compatible). A number this D life gives no other registration (never 0): P echoes it
+    # in its ``done``, so a ``done`` of another registration (a replay) does not match this one.
+    reg_nonce: NonNeg = 0
+    # D asks P for a content digest of what it writes (``Done.digest``; docs/protocol.md §3).
+    want_digest: bool = False
 
 
 class Done(_Notif, tag="done", tag_field="type", kw_only=True):
     tp_rank: NonNeg
     pp_rank: NonNeg
     num_blocks: NonNeg
+    # Added fields (v1-compatible): what P wrote for this registration. The push_reg's ``reg_nonce``, the
+    # KV bytes of tokens [num_cached_tokens, num_tokens) it wrote into this D rank (kv/digest.py), and,
+    # when D asked, their digest (CRC-32, 4 bytes big-endian). D refuses a ``done`` without them.
+    reg_nonce: NonNeg = 0
+    nbytes: NonNeg | None = None
+    digest: DigestBytes | None = None
 
 
 class Failed(_Notif, tag="failed", tag_field="type", kw_only=True):

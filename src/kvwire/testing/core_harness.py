@@ -19,6 +19,8 @@ from typing import TypeVar
 from kvwire.core.base import TIMER_PERIOD_S, CoreBase, Feeder
 from kvwire.core.io import (
     Action,
+    Digest,
+    Digested,
     Emit,
     HandshakeDone,
     Input,
@@ -128,6 +130,8 @@ class CoreHarness:
     core: CoreBase
     # Whether the transport accepts a tokened Send/PostWrite/PostRead (its Outcome's ``ok``).
     accept: Callable[[Action], bool] = lambda action: True
+    # The answer to a ``Digest`` (kv.digest.kv_digest over a cache; None: memory that cannot be read).
+    digest: Callable[[Digest], bytes | None] = lambda action: None
     now: float = 0.0
     log: list[Action] = field(default_factory=list)
 
@@ -143,6 +147,8 @@ class CoreHarness:
             out.append(action)
             if isinstance(action, Send | PostWrite | PostRead) and action.token:
                 feeder.follow(Outcome(action.token, self.accept(action)))
+            elif isinstance(action, Digest):
+                feeder.follow(Digested(action.token, self.digest(action)))
 
         def failed(item: Input, exc: Exception) -> None:
             raise exc

@@ -72,6 +72,10 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tombstone_s: float = _DEFAULTS.tombstone_s
     max_early_registrations: int = _DEFAULTS.max_early_registrations
     max_early_registrations_per_peer: int = _DEFAULTS.max_early_registrations_per_peer
+    max_served_ids: int = _DEFAULTS.max_served_ids
+    # The digest reads host memory: with a GPU cache P sends none, and a D asking for one fails the
+    # request (digest_mismatch): leave 0 unless both caches are in host memory.
+    kv_digest_sample: float = _DEFAULTS.kv_digest_sample
     # A step with nothing scheduled while transfers are live (vLLM steps back to back while a request
     # waits for KV or P holds blocks): the worker sleeps up to this long, woken at once by any kvwire
     # event, instead of spinning engine and worker processes through empty steps. 0 turns it off.

@@ -23,7 +23,7 @@ from kvwire.connector import (
     ProducerEvent,
     ProducerOutcome,
 )
-from kvwire.errors import KvwireError, TransportError
+from kvwire.errors import KvwireError, TransferIdReused, TransportError
 from kvwire.handshake.types import EngineInfo, LocalRank
 from kvwire.integrations.vllm.memory import kv_from_vllm
 from kvwire.integrations.vllm.params import KvRole, Op, OpKind, Settings, remote_engine, secret
@@ -138,7 +138,8 @@ class WorkerSide:
                     self._sends.pop(op.transfer_id, None)
                     self._done.sending.add(op.req_id)
                 elif op.kind is OpKind.LOAD:
-                    self._loads.pop(op.transfer_id, None)
+                    if self._loads.get(op.transfer_id) == op.req_id:  # not another request's, same id
+                        del self._loads[op.transfer_id]
                     self._done.recving.add(op.req_id)
                     self._done.failed_recving.add(op.req_id)
 
@@ -150,6 +151,8 @@ class WorkerSide:
             self.producer.request_finished(op.transfer_id, op.block_ids, op.num_tokens)
         elif op.kind is OpKind.LOAD and self.consumer is not None and op.remote is not None:
             remote = remote_engine(op.remote)
+            if op.transfer_id in self._loads:  # a live request's id: the connector would refuse it too
+                raise TransferIdReused(op.transfer_id)
             self._loads[op.transfer_id] = op.req_id
             self.consumer.request_allocated(
                 op.transfer_id, op.block_ids, op.num_tokens, op.num_cached_tokens, remote

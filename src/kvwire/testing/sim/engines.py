@@ -15,6 +15,8 @@ from kvwire.core.base import CoreBase, Feeder, Refused
 from kvwire.core.config import ConnectorConfig
 from kvwire.core.io import (
     Action,
+    Digest,
+    Digested,
     Emit,
     ForgetPeer,
     HandshakeDone,
@@ -33,6 +35,7 @@ from kvwire.core.io import (
 from kvwire.core.producer import ProducerCore
 from kvwire.handshake.types import EngineInfo, PeerRank
 from kvwire.kv.cache import KVCache
+from kvwire.kv.digest import kv_digest
 from kvwire.kv.mapping import RankLayout, layer_window
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.codec import encode_notif
@@ -196,6 +199,8 @@ class SimEngine:
                 self._feeder.follow(Outcome(action.token, ok))
         elif isinstance(action, PostWrite | PostRead):
             self._post(action)
+        elif isinstance(action, Digest):
+            self._feeder.follow(Digested(action.token, kv_digest(self.caches[action.key], action.scope)))
         elif isinstance(action, Release):
             x = self.xfers.pop(action.token, None)
             if x is not None:
