@@ -65,6 +65,7 @@ def test_compare_finds_wrong_and_stray_bytes() -> None:
 
 def test_cuda_asked_without_a_gpu_is_a_clear_error() -> None:
     import torch
+
     if torch.cuda.is_available():
         assert pick_device("cuda") == "cuda"
         return
