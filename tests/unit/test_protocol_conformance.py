@@ -1,7 +1,7 @@
 """The conformance kit's side-channel checks pass against kvwire's own listener, with and without a secret,
 and each deliberately broken listener fails exactly the checks of the rule it breaks (no NIXL needed:
 in-process agents; the notification checks run against real engines in
-tests/integration/test_protocol_conformance.py)."""
+tests/integration/test_conformance_kit_engines.py)."""
 
 from __future__ import annotations
 
