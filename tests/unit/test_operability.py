@@ -23,6 +23,7 @@ from kvwire.errors import ConfigError
 from kvwire.kv.spec import KVSpec
 from kvwire.startup import EXIT_CONFIG, check_exposure
 from kvwire.testing.engines import build_engine
+from kvwire.transport.base import MemKind
 from kvwire.transport.inproc import InprocFabric
 
 SPEC = KVSpec(num_layers=2, kv_heads=2, head_dim=8, block_size=4)
@@ -45,6 +46,20 @@ def test_wildcard_side_channel_needs_an_address_to_advertise() -> None:
             setup.engine, setup.ranks, ConnectorConfig(), host="0.0.0.0", advertise_host="127.0.0.1"
         )
         assert consumer.host == "127.0.0.1"  # what push_regs tell P to dial
+    finally:
+        setup.close()
+
+
+def test_digest_with_kv_in_device_memory_is_refused_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The digest reads host memory: a D whose KV is in VRAM asking for it would fail every sampled
+    request (digest_mismatch), so the connector refuses to start, naming the fix."""
+    setup = build_engine("d-vram", SPEC, fabric=InprocFabric())
+    try:
+        for rank in setup.ranks:
+            monkeypatch.setattr(type(rank.cache), "mem_kind", property(lambda self: MemKind.VRAM))
+        with pytest.raises(ConfigError, match="set kv_digest_sample to 0"):
+            Consumer(setup.engine, setup.ranks, ConnectorConfig(kv_digest_sample=0.5), host="127.0.0.1")
+        Consumer(setup.engine, setup.ranks, ConnectorConfig(kv_digest_sample=0.0), host="127.0.0.1").close()
     finally:
         setup.close()
 

@@ -76,7 +76,7 @@ from kvwire.protocol.codec import decode_notif, encode_notif
 from kvwire.protocol.messages import Done, FailReason, PushReg, ReportFailed
 from kvwire.protocol.ranks import RankKey
 from kvwire.protocol.seal import NotifGate
-from kvwire.transport.base import Registration, XferHandle, XferOp, XferStatus
+from kvwire.transport.base import MemKind, Registration, XferHandle, XferOp, XferStatus
 
 log = logging.getLogger("kvwire.connector")
 
@@ -127,6 +127,14 @@ def _checked_setup(
     by_key = {(r.pp_rank, r.tp_rank): r for r in ranks}
     if not ranks or len(by_key) != len(ranks):
         raise ConfigError("a connector needs at least one local rank, each (pp, tp) once")
+    in_device = [key for key, r in by_key.items() if r.cache.mem_kind is not MemKind.DRAM]
+    if config.kv_digest_sample > 0 and in_device:
+        # The digest reads host memory (kv/digest.py): every sampled request would fail digest_mismatch.
+        raise ConfigError(
+            f"kv_digest_sample={config.kv_digest_sample} but the KV of ranks {in_device} is in device "
+            "memory, which the digest cannot read: set kv_digest_sample to 0 (done's reg_nonce and nbytes "
+            "still check every transfer)"
+        )
     advertised = advertise_host or host
     if advertised in _WILDCARDS:
         raise ConfigError(

@@ -73,8 +73,8 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_early_registrations: int = _DEFAULTS.max_early_registrations
     max_early_registrations_per_peer: int = _DEFAULTS.max_early_registrations_per_peer
     max_served_ids: int = _DEFAULTS.max_served_ids
-    # The digest reads host memory: with a GPU cache P sends none, and a D asking for one fails the
-    # request (digest_mismatch): leave 0 unless both caches are in host memory.
+    # The digest reads host memory: a D with a GPU cache refuses to start with it above 0, and a P with
+    # one sends none (a D asking it fails those requests): leave 0 unless both caches are in host memory.
     kv_digest_sample: float = _DEFAULTS.kv_digest_sample
     # A step with nothing scheduled while transfers are live (vLLM steps back to back while a request
     # waits for KV or P holds blocks): the worker sleeps up to this long, woken at once by any kvwire
