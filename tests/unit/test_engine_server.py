@@ -11,6 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvwire.engine.api import MAX_BODY_BYTES
 from kvwire.engine.config import EngineConfig, Role, preset
 from kvwire.engine.engine import Engine
 from kvwire.engine.loopback import LoopbackHub
@@ -158,6 +159,51 @@ async def test_invalid_json_is_400(client: tuple[httpx.AsyncClient, EngineServer
     c, _ = client
     r = await c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400
+
+
+def _openai_error(r: httpx.Response, status: int, kind: str) -> dict[str, object]:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["type"] == kind and error["code"] == status and error["message"]
+    return dict(error)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": "hi", "max_tokens": ' + b"7" * 5000 + b"}",  # Python's int() refuses 4,300+ digits
+        b'{"prompt": "\\ud800 lone surrogate", "max_tokens": 2}',
+        b'{"prompt": "hi", "stop": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+        b'{"prompt": "hi", "max_tokens": 1e999}',
+        b'{"prompt": "\xff\xfe not utf-8"}',
+    ],
+    ids=["5000-digits", "lone-surrogate", "deep-nesting", "inf", "bad-utf8"],
+)
+async def test_hostile_json_is_an_openai_400(
+    client: tuple[httpx.AsyncClient, EngineServer], raw: bytes
+) -> None:
+    c, _ = client
+    r = await c.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    _openai_error(r, 400, "invalid_request_error")
+    # The engine is unharmed: the next request is served.
+    ok = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 2
+
+
+async def test_an_oversized_body_is_refused_unbuffered(
+    client: tuple[httpx.AsyncClient, EngineServer],
+) -> None:
+    c, _ = client
+    big = b'{"prompt": "' + b"a" * (MAX_BODY_BYTES + 1) + b'"}'
+    r = await c.post("/v1/completions", content=big)
+    assert "limit" in str(_openai_error(r, 400, "invalid_request_error")["message"])
+
+
+async def test_framework_refusals_are_openai_shaped(client: tuple[httpx.AsyncClient, EngineServer]) -> None:
+    c, _ = client
+    _openai_error(await c.get("/v1/nothing-here"), 404, "not_found_error")
+    _openai_error(await c.get("/v1/completions"), 405, "invalid_request_error")
+    _openai_error(await c.get("/v1/kv_stats", params={"timeline": "many"}), 400, "invalid_request_error")
 
 
 async def test_prompt_larger_than_cache_is_400(client: tuple[httpx.AsyncClient, EngineServer]) -> None:

@@ -69,6 +69,7 @@ from kvwire.handshake.manager import HandshakeManager, warm_up
 from kvwire.handshake.server import SideChannelServer
 from kvwire.handshake.types import EngineInfo, LocalRank, PeerRank
 from kvwire.kv.mapping import RankLayout
+from kvwire.logsetup import Throttle
 from kvwire.protocol.codec import decode_notif, encode_notif
 from kvwire.protocol.messages import Done, FailReason, PushReg, ReportFailed
 from kvwire.protocol.ranks import RankKey
@@ -173,6 +174,7 @@ class ConnectorBase(Generic[E]):
         timeout = self.config.handshake_timeout_s
         self.reporter = Reporter(timeout_s=timeout, secret=secret, drops=self.core.stats.dropped_notifs)
         self._warm_up = warm_up
+        self._drop_log = Throttle()  # a peer may send a bad message at any rate: one line per 10 s
         self._own_loop = loop is None
         self._bg = loop
         self._server: SideChannelServer | None = None
@@ -332,7 +334,7 @@ class ConnectorBase(Generic[E]):
     def _failed(self, item: Input, exc: Exception) -> None:
         if isinstance(exc, Refused):
             self.stats.dropped_notifs[exc.reason.value] += 1
-            log.debug("%s: dropped %s", self.role, exc)
+            self._drop_log.log(log, logging.WARNING, "%s: dropped %s", self.role, exc)
         elif isinstance(exc, KvwireError):
             log.warning("%s: %s refused: %s", self.role, type(item).__name__, exc)
         else:
@@ -558,32 +560,33 @@ class ConnectorBase(Generic[E]):
                 # Once per rank: a closed or dead agent would otherwise log at every tick.
                 if key not in self._broken:
                     self._broken.add(key)
-                    log.warning(
-                        "%s: draining notifications of %s failed: %s", self.role, rank.agent.name, exc
-                    )
+                    log.warning("%s: draining notifs of %s failed: %s", self.role, rank.agent.name, exc)
                 continue
             for sender, msgs in inbox.items():
                 for sealed in msgs:
                     # Not activity: what it calls for (a send, a post) starts the fast polls. A ramp per
                     # arrival took the GIL from the prefill of the request D had just registered.
                     self._active_at = now
-                    try:  # NIXL lets a sender pick any name: only the seal says who sent it
-                        raw = self._gate.incoming(sender, rank.agent.name, sealed)
-                    except AuthError as exc:
-                        drop = Refused(self.role, DropReason.UNAUTHENTICATED, str(exc))
-                        self._failed(NotifIn(key, sender, sealed), drop)
-                        continue
-                    self._mark_arrival(raw)
-                    self._apply(now, NotifIn(key, sender, raw))
+                    try:  # one message, whatever it holds, never costs the rest of the batch
+                        self._take_notif(now, key, sender, sealed)
+                    except Exception as exc:
+                        self._failed(NotifIn(key, sender, sealed), exc)
         self._poll_transfers(now)
 
+    def _take_notif(self, now: float, key: RankKey, sender: str, sealed: bytes) -> None:
+        try:  # NIXL lets a sender pick any name: only the seal says who sent it
+            raw = self._gate.incoming(sender, self.ranks[key].agent.name, sealed)
+        except AuthError as exc:
+            raise Refused(self.role, DropReason.UNAUTHENTICATED, str(exc)) from None
+        self._mark_arrival(raw)
+        self._apply(now, NotifIn(key, sender, raw))
+
     def _mark_arrival(self, raw: bytes) -> None:
-        """Timeline marks of the notifications a request waits on (a second decode of a small message,
-        a few microseconds; the core's own decode stays the one that judges it)."""
+        """Timeline marks (a second decode, a few us; the core's decode judges the message and counts)."""
         try:
             msg = decode_notif(raw)
         except ProtocolError:
-            return  # the core counts it as malformed
+            return
         if isinstance(msg, PushReg):
             self.timeline.mark(msg.transfer_id, Stage.PUSH_REG_RECEIVED, time.monotonic())
         elif isinstance(msg, Done):

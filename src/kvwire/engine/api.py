@@ -30,6 +30,9 @@ DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20  # vLLM's default cap; OpenAI's completions allow 5 (the router checks that)
 MAX_STOPS = 16
 
+# A prompt of max_model_len tokens as JSON token ids is well under 1 MiB; text prompts are of the same order.
+MAX_BODY_BYTES = 16 << 20
+
 _Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
 
 
@@ -83,6 +86,18 @@ class CompletionRequest:
 
 _PATH = re.compile(r"at `\$\.(\w+)")
 _UNKNOWN = re.compile(r"unknown field `([^`]*)`")
+
+
+def decode_json(raw: bytes) -> Any:
+    """A request body as JSON, or ``InvalidRequest`` (400). msgspec rather than ``json``: it refuses what
+    would fail later as a 500 (a 5,000-digit integer, a lone surrogate that no encoder takes), and its
+    recursion guard turns deep nesting into an error here instead of deep in a handler."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise InvalidRequest(f"the body is over the {MAX_BODY_BYTES}-byte limit")
+    try:
+        return msgspec.json.decode(raw)
+    except (msgspec.MsgspecError, RecursionError, ValueError) as exc:
+        raise InvalidRequest(f"the body is not valid JSON: {exc}") from None
 
 
 def _decode(body: Any) -> CompletionBody:
