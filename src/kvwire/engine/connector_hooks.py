@@ -123,7 +123,8 @@ def attach_connector(engine: Engine, s: ConnectorSettings) -> ProducerHooks | Co
     ranks: list[LocalRank] = []
     try:
         for (pp, tp), cache in sorted(kv.caches.items()):
-            agents.append(create_agent(s.backend, make_agent_name(s.engine_id, s.incarnation, pp, tp)))
+            name = make_agent_name(s.engine_id, s.incarnation, pp, tp)
+            agents.append(create_agent(s.backend, name, connect_timeout_s=s.config.handshake_timeout_s))
             ranks.append(LocalRank(pp_rank=pp, tp_rank=tp, agent=agents[-1], cache=cache))
         config = dataclasses.replace(s.config, mode=s.mode)
         cls = Producer if role is Role.PREFILL else Consumer
