@@ -156,6 +156,11 @@ class NobodyListens(PeerUnreachable):
     """Connection refused: no process listens at the peer's side-channel address (gone, or not started)."""
 
 
+class CircuitOpen(HandshakeError):
+    """Refused at once: the last handshakes with this address failed on the network, and its backoff
+    window has not passed (``kvwire.handshake.breaker``)."""
+
+
 # --- requests and transfers --------------------------------------------------------------------------
 
 
