@@ -428,3 +428,36 @@ async def test_orphaned_decode_leg_releases_its_blocks_when_the_client_goes_away
         assert d.health()["load"]["free_blocks"] == 64
     finally:
         d.stop()
+
+
+async def test_side_channel_evictions_are_exported_in_metrics() -> None:
+    import socket
+
+    from kvwire.engine.connector_hooks import ConnectorMetrics, ConnectorSettings, attach_connector
+
+    eng = Engine(EngineConfig(TINY, role=Role.PREFILL, num_blocks=16), model=MODEL)
+    hooks = attach_connector(eng, ConnectorSettings("prefill-guard", "inc1", "kvwire-tiny", backend="inproc"))
+    srv = EngineServer(
+        eng, Identity(Role.PREFILL, "prefill-guard", "inc1", "127.0.0.1", hooks.connector.port)
+    )
+    srv.scrape_hooks.append(ConnectorMetrics(hooks.connector, srv.metrics).sync)
+    srv.start()
+    socks = [socket.create_connection(("127.0.0.1", hooks.connector.port)) for _ in range(40)]
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=srv.app), base_url="http://p") as c:
+            for _ in range(100):  # the listener runs on the connector's loop thread: wait for it
+                text = (await c.get("/metrics")).text
+                got = {
+                    s.labels.get("reason"): s.value
+                    for f in text_string_to_metric_families(text)
+                    if f.name == "kvwire_refused_connections"
+                    for s in f.samples
+                }
+                if got.get("evicted_idle", 0) >= 8:
+                    break
+                await asyncio.sleep(0.05)
+            assert got.get("evicted_idle", 0) >= 8, got
+    finally:
+        for s in socks:
+            s.close()
+        srv.stop()

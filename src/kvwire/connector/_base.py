@@ -66,7 +66,7 @@ from kvwire.errors import (
 )
 from kvwire.handshake.loop import BackgroundLoop
 from kvwire.handshake.manager import HandshakeManager, warm_up
-from kvwire.handshake.server import SideChannelServer
+from kvwire.handshake.server import ServerStats, SideChannelServer
 from kvwire.handshake.types import EngineInfo, LocalRank, PeerRank
 from kvwire.kv.mapping import RankLayout
 from kvwire.logsetup import Throttle
@@ -492,6 +492,10 @@ class ConnectorBase(Generic[E]):
             if self._next is not None:
                 self._next.cancel()
                 self._next = None
+
+    @property
+    def side_channel_stats(self) -> ServerStats | None:
+        return self._server.stats if self._server is not None else None
 
     def _on_tick(self, loop: asyncio.AbstractEventLoop) -> None:
         self._next, self._woken = None, False
