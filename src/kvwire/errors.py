@@ -156,6 +156,10 @@ class NobodyListens(PeerUnreachable):
     """Connection refused: no process listens at the peer's side-channel address (gone, or not started)."""
 
 
+class PeerNotAllowed(Unauthorized):
+    """The address is not in ``allowed_peers``: the engine does not dial it."""
+
+
 class CircuitOpen(HandshakeError):
     """Refused at once: the last handshakes with this address failed on the network, and its backoff
     window has not passed (``kvwire.handshake.breaker``)."""
@@ -196,6 +200,10 @@ class InvalidRequest(RequestError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class RouterOnly(InvalidRequest):
+    """A request part that only the router may send (kv_transfer_params, with a router token set)."""
 
 
 class EngineOverloaded(RequestError):

@@ -461,3 +461,23 @@ async def test_side_channel_evictions_are_exported_in_metrics() -> None:
         for s in socks:
             s.close()
         srv.stop()
+
+
+async def test_kv_transfer_params_need_the_router_token_when_one_is_set() -> None:
+    engine = Engine(EngineConfig(TINY, num_blocks=64), model=MODEL)
+    server = EngineServer(engine, Identity(Role.COLOCATED, "c", "inc0"), router_token="t0k3n")
+    server.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=server.app), base_url="http://e") as c:
+            params = {"prompt": "hi", "max_tokens": 2, "kv_transfer_params": {"do_remote_decode": False}}
+            for headers in ({}, {"x-kvwire-router-token": "wrong"}):
+                r = await c.post("/v1/completions", json=params, headers=headers)
+                assert r.status_code == 403, r.text
+                error = r.json()["error"]
+                assert error["type"] == "permission_error" and error["param"] == "kv_transfer_params"
+            ok = await c.post("/v1/completions", json=params, headers={"x-kvwire-router-token": "t0k3n"})
+            assert ok.status_code == 200, ok.text
+            plain = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert plain.status_code == 200  # a request without kv_transfer_params needs no token
+    finally:
+        server.stop()

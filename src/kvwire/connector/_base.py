@@ -70,6 +70,7 @@ from kvwire.handshake.server import ServerStats, SideChannelServer
 from kvwire.handshake.types import EngineInfo, LocalRank, PeerRank
 from kvwire.kv.mapping import RankLayout
 from kvwire.logsetup import Throttle
+from kvwire.protocol.allow import PeerAllowList
 from kvwire.protocol.codec import decode_notif, encode_notif
 from kvwire.protocol.messages import Done, FailReason, PushReg, ReportFailed
 from kvwire.protocol.ranks import RankKey
@@ -238,6 +239,7 @@ class ConnectorBase(Generic[E]):
         self._port = self._bg.run(self._server.start(), _START_TIMEOUT_S)
         self.core.port = self._port
         cfg = self.config
+        allowed = PeerAllowList.parse(cfg.allowed_peers)
         self.managers = {
             key: HandshakeManager(
                 self.engine,
@@ -245,6 +247,7 @@ class ConnectorBase(Generic[E]):
                 timeout_s=cfg.handshake_timeout_s,
                 retries=cfg.handshake_retries,
                 secret=self._secret,
+                allowed=allowed,
             )
             for key, rank in self.ranks.items()
         }

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass
 
 from kvwire.errors import ConfigError
+from kvwire.protocol.allow import PeerAllowList
 from kvwire.protocol.messages import TransferMode
 
 
@@ -53,6 +54,9 @@ class ConnectorConfig:
     max_early_registrations: int = 4096
     # ...and from one D engine life at most: one peer cannot fill the table for every other D.
     max_early_registrations_per_peer: int = 1024
+    # The peers this engine may dial (CIDRs, addresses, host names; comma-separated; empty: any). Without
+    # a secret this is what stops a request or a notification from naming any address (handshake/allow.py).
+    allowed_peers: str = ""
 
     def __post_init__(self) -> None:
         positive = {
@@ -74,6 +78,7 @@ class ConnectorConfig:
         for name in ("max_early_registrations", "max_early_registrations_per_peer"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        PeerAllowList.parse(self.allowed_peers)  # ConfigError naming a bad entry
         if self.dead_peer_grace_s < 0 or self.handshake_retries < 0:
             raise ConfigError("dead_peer_grace_s and handshake_retries must not be negative")
         if self.liveness_timeout_s <= self.heartbeat_interval_s:

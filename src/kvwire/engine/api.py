@@ -22,7 +22,7 @@ import msgspec
 from kvwire.engine.request import TransferRole
 from kvwire.engine.sampling import GREEDY, SamplingParams, TokenLogprob, token_text
 from kvwire.engine.tokenizer import ByteTokenizer, StreamDecoder
-from kvwire.errors import EngineOverloaded, InvalidRequest, KVLoadFailed, TransferAborted
+from kvwire.errors import EngineOverloaded, InvalidRequest, KVLoadFailed, RouterOnly, TransferAborted
 from kvwire.kv_params import FIELD as _KV_PARAMS
 from kvwire.kv_params import KvTransferParams
 
@@ -204,6 +204,8 @@ def _transfer(params: KvTransferParams | None) -> tuple[TransferRole, str | None
 
 def error_status(exc: BaseException) -> tuple[int, str]:
     """HTTP status and OpenAI error type for an exception that ended a request."""
+    if isinstance(exc, RouterOnly):
+        return 403, "permission_error"
     if isinstance(exc, InvalidRequest):
         return 400, "invalid_request_error"
     if isinstance(exc, KVLoadFailed):

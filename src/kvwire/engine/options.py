@@ -41,6 +41,8 @@ CONNECTOR_HELP: dict[str, tuple[str, frozenset[Command]]] = {
     "max_early_registrations": ("P: registrations waiting for their prefill at most; more are dropped",
                                 frozenset({P})),
     "max_early_registrations_per_peer": ("P: of those, from one D engine life at most", frozenset({P})),
+    "allowed_peers": ("peers this engine may dial: CIDRs, addresses, host names, comma-separated (empty: "
+                      "any; with no secret, set it)", CONNECTED),
 }  # fmt: skip
 # Set by other options: the mode is --mode (P, D and the router agree on it).
 _NOT_KNOBS = frozenset({"mode"})
@@ -92,6 +94,11 @@ def engine_options() -> list[Option]:
         Option(
             "api_key", str, None, "key every /v1 request must carry (Authorization: Bearer KEY)", ENGINES,
             default_text="none: no key asked",
+        ),
+        Option(
+            "router_token", str, None, "token the router sends on its legs (header x-kvwire-router-token); "
+            "when set, kv_transfer_params are refused (403) on requests without it", ENGINES,
+            default_text="none: any client may send kv_transfer_params",
         ),
         Option(
             "insecure", bool, False, "allow a non-loopback --host without KVWIRE_SECRET: anyone who reaches "

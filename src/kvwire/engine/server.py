@@ -24,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvwire.apikey import ApiKeyMiddleware
+from kvwire.apikey import ROUTER_TOKEN_HEADER, ApiKeyMiddleware, token_matches
 from kvwire.connector.timeline import Stage, Timeline, merged
 from kvwire.engine.api import (
     MAX_BODY_BYTES,
@@ -42,7 +42,7 @@ from kvwire.engine.engine import Engine
 from kvwire.engine.loop import EngineLoop
 from kvwire.engine.request import Request as EngineRequest
 from kvwire.engine.request import RequestOutput, TransferRole
-from kvwire.errors import EngineOverloaded, InvalidRequest, KVLoadFailed, KvwireError
+from kvwire.errors import EngineOverloaded, InvalidRequest, KVLoadFailed, KvwireError, RouterOnly
 from kvwire.kv_params import KvTransferParams
 from kvwire.logsetup import transfer_extra
 from kvwire.metrics import CONTENT_TYPE, BlockStats, KvMetrics, MetricRole, Outcome, posts_transfers
@@ -127,8 +127,10 @@ class EngineServer:
         identity: Identity,
         metrics: KvMetrics | None = None,
         api_key: str | None = None,
+        router_token: str | None = None,
     ) -> None:
         self.engine = engine
+        self.router_token = router_token or None
         self.identity = identity
         role = MetricRole(identity.role.value)
         self.metrics = (
@@ -324,6 +326,7 @@ class EngineServer:
         try:
             body = decode_json(await _read_bounded(http, MAX_BODY_BYTES))
             creq = parse_completion(body, self.engine.tokenizer)
+            self._check_router_token(http, creq)
             req, queue = self._submit(creq)
         except (InvalidRequest, EngineOverloaded) as exc:
             return self._error(exc, started)
@@ -429,6 +432,17 @@ class EngineServer:
             except TimeoutError:
                 if await http.is_disconnected():
                     raise ClientGone from None
+
+    def _check_router_token(self, http: Request, creq: CompletionRequest) -> None:
+        """With a router token, kv_transfer_params (a peer to dial, a transfer to join) come from the router
+        only: a client of the public API gets 403 for them, whatever else it may ask."""
+        if self.router_token is None or creq.kv_transfer_params is None:
+            return
+        if not token_matches(http.headers.get(ROUTER_TOKEN_HEADER), self.router_token):
+            raise RouterOnly(
+                "kv_transfer_params are taken from the router only (this engine has a router token)",
+                "kv_transfer_params",
+            )
 
     def _error(self, exc: BaseException, started: float, transfer_id: str | None = None) -> JSONResponse:
         status, body, headers = http_error(exc)

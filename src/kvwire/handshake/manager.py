@@ -56,6 +56,7 @@ from kvwire.errors import (
     LayoutError,
     NobodyListens,
     NoSuchRank,
+    PeerNotAllowed,
     PeerUnreachable,
     TransportError,
     Unauthorized,
@@ -73,6 +74,7 @@ from kvwire.handshake.types import (
     PeerRank,
 )
 from kvwire.kv.mapping import RankLayout
+from kvwire.protocol.allow import PeerAllowList
 from kvwire.protocol.states import HandshakeEvent, HandshakeState, PeerHandshake
 from kvwire.transport.base import Agent, PeerMode
 
@@ -144,6 +146,7 @@ class HandshakeManager:
         clock_samples: int = 3,
         clock_rtt_target_s: float = 0.002,
         breaker: CircuitBreaker | None = None,
+        allowed: PeerAllowList | None = None,
     ) -> None:
         self.engine = engine
         self.local = local
@@ -163,6 +166,7 @@ class HandshakeManager:
         self.stats = HandshakeManagerStats()
         # Addresses whose last handshakes failed on the network fail fast for a while (breaker.py).
         self.breaker = breaker if breaker is not None else CircuitBreaker()
+        self.allowed = allowed if allowed is not None else PeerAllowList()
 
     # -- public API ------------------------------------------------------------------------------------
 
@@ -184,6 +188,9 @@ class HandshakeManager:
         is refreshed first. The peer's answer wins; compare ``PeerRank.incarnation`` to detect stale
         messages.
         """
+        if not self.allowed.allows(host):
+            self.stats.not_allowed += 1
+            raise PeerNotAllowed(f"{host}:{port} is not in allowed_peers: not dialled")
         addr = PeerAddress(host, port, pp_rank, tp_rank)
         hit = self._hit(addr, mode, engine_id, incarnation)
         if hit is not None:

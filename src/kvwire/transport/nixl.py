@@ -84,7 +84,7 @@ def _has_infiniband() -> bool:
         return False
 
 
-def _nixl(connect_timeout_s: float) -> tuple[Any, Any, Any]:
+def _nixl(connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> tuple[Any, Any, Any]:
     # Before the first agent creates UCX's context, which reads them: a connect to an unreachable peer
     # must neither block the agent nor outlive the handshake's deadline by minutes (ucx_env.py).
     apply_ucx_defaults(connect_timeout_s)

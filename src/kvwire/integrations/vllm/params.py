@@ -72,6 +72,7 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tombstone_s: float = _DEFAULTS.tombstone_s
     max_early_registrations: int = _DEFAULTS.max_early_registrations
     max_early_registrations_per_peer: int = _DEFAULTS.max_early_registrations_per_peer
+    allowed_peers: str = _DEFAULTS.allowed_peers
     # A step with nothing scheduled while transfers are live (vLLM steps back to back while a request
     # waits for KV or P holds blocks): the worker sleeps up to this long, woken at once by any kvwire
     # event, instead of spinning engine and worker processes through empty steps. 0 turns it off.
