@@ -202,6 +202,10 @@ class InvalidRequest(RequestError):
         self.param = param
 
 
+class ModelNotFound(InvalidRequest):
+    """The request names a model this engine does not serve (HTTP 404, OpenAI's ``model_not_found``)."""
+
+
 class RouterOnly(InvalidRequest):
     """A request part that only the router may send (kv_transfer_params, with a router token set)."""
 

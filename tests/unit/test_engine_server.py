@@ -190,6 +190,22 @@ async def test_hostile_json_is_an_openai_400(
     assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 2
 
 
+async def test_an_unknown_model_is_404_model_not_found(
+    client: tuple[httpx.AsyncClient, EngineServer],
+) -> None:
+    c, _ = client
+    r = await c.post("/v1/completions", json={"model": "gpt-9", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 404, r.text
+    error = r.json()["error"]
+    assert error["code"] == "model_not_found" and error["param"] == "model" and "gpt-9" in error["message"]
+    for name in ("kvwire-tiny", "kvwire", None):  # its own id, its alias (the router's default), none
+        body = {"prompt": "hi", "max_tokens": 2, **({"model": name} if name else {})}
+        ok = await c.post("/v1/completions", json=body)
+        assert ok.status_code == 200 and ok.json()["model"] == (name or "kvwire-tiny"), ok.text
+    ids = [m["id"] for m in (await c.get("/v1/models")).json()["data"]]
+    assert ids == ["kvwire-tiny", "kvwire"]
+
+
 async def test_an_oversized_body_is_refused_unbuffered(
     client: tuple[httpx.AsyncClient, EngineServer],
 ) -> None:

@@ -22,7 +22,14 @@ import msgspec
 from kvwire.engine.request import TransferRole
 from kvwire.engine.sampling import GREEDY, SamplingParams, TokenLogprob, token_text
 from kvwire.engine.tokenizer import ByteTokenizer, StreamDecoder
-from kvwire.errors import EngineOverloaded, InvalidRequest, KVLoadFailed, RouterOnly, TransferAborted
+from kvwire.errors import (
+    EngineOverloaded,
+    InvalidRequest,
+    KVLoadFailed,
+    ModelNotFound,
+    RouterOnly,
+    TransferAborted,
+)
 from kvwire.kv_params import FIELD as _KV_PARAMS
 from kvwire.kv_params import KvTransferParams
 
@@ -204,6 +211,8 @@ def _transfer(params: KvTransferParams | None) -> tuple[TransferRole, str | None
 
 def error_status(exc: BaseException) -> tuple[int, str]:
     """HTTP status and OpenAI error type for an exception that ended a request."""
+    if isinstance(exc, ModelNotFound):
+        return 404, "invalid_request_error"
     if isinstance(exc, RouterOnly):
         return 403, "permission_error"
     if isinstance(exc, InvalidRequest):
@@ -221,7 +230,9 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
     status, kind = error_status(exc)
     param = exc.param if isinstance(exc, InvalidRequest) else None
     message = str(exc) or type(exc).__name__
-    return status, {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    # OpenAI's own code for an unknown model; every other error keeps its status as its code.
+    code: int | str = "model_not_found" if isinstance(exc, ModelNotFound) else status
+    return status, {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def completion_id() -> str:

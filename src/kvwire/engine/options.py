@@ -96,6 +96,10 @@ def engine_options() -> list[Option]:
             default_text="none: no key asked",
         ),
         Option(
+            "served_model_name", str, "kvwire", "further model names the engine answers to, comma-separated "
+            "(its own, kvwire-PRESET, always); a request naming another gets 404 model_not_found", ENGINES,
+        ),
+        Option(
             "router_token", str, None, "token the router sends on its legs (header x-kvwire-router-token); "
             "when set, kv_transfer_params are refused (403) on requests without it", ENGINES,
             default_text="none: any client may send kv_transfer_params",

@@ -42,7 +42,14 @@ from kvwire.engine.engine import Engine
 from kvwire.engine.loop import EngineLoop
 from kvwire.engine.request import Request as EngineRequest
 from kvwire.engine.request import RequestOutput, TransferRole
-from kvwire.errors import EngineOverloaded, InvalidRequest, KVLoadFailed, KvwireError, RouterOnly
+from kvwire.errors import (
+    EngineOverloaded,
+    InvalidRequest,
+    KVLoadFailed,
+    KvwireError,
+    ModelNotFound,
+    RouterOnly,
+)
 from kvwire.kv_params import KvTransferParams
 from kvwire.logsetup import transfer_extra
 from kvwire.metrics import CONTENT_TYPE, BlockStats, KvMetrics, MetricRole, Outcome, posts_transfers
@@ -116,6 +123,13 @@ class Identity:
     seed: int = 0
     mode: TransferMode | None = None  # None: colocated (no connector)
     authenticated: bool = False  # KVWIRE_SECRET set: side-channel requests are signed
+    # Further names the engine answers to (--served-model-name), e.g. the router's --model, which it
+    # forwards as the client sent it.
+    aliases: tuple[str, ...] = ("kvwire",)
+
+    @property
+    def served_models(self) -> tuple[str, ...]:
+        return (self.model, *(a for a in self.aliases if a != self.model))
 
 
 class EngineServer:
@@ -327,6 +341,11 @@ class EngineServer:
             body = decode_json(await _read_bounded(http, MAX_BODY_BYTES))
             creq = parse_completion(body, self.engine.tokenizer)
             self._check_router_token(http, creq)
+            if creq.model is not None and creq.model not in self.identity.served_models:
+                served = ", ".join(self.identity.served_models)
+                raise ModelNotFound(
+                    f"the model {creq.model[:200]!r} does not exist (served: {served})", "model"
+                )
             req, queue = self._submit(creq)
         except (InvalidRequest, EngineOverloaded) as exc:
             return self._error(exc, started)
@@ -493,8 +512,11 @@ class EngineServer:
 
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:
-            card = {"id": self.identity.model, "object": "model", "created": 0, "owned_by": "kvwire"}
-            return {"object": "list", "data": [card]}
+            cards = [
+                {"id": name, "object": "model", "created": 0, "owned_by": "kvwire"}
+                for name in self.identity.served_models
+            ]
+            return {"object": "list", "data": cards}
 
         @app.post("/v1/completions")
         async def completions(http: Request) -> Response:
