@@ -585,19 +585,12 @@ class ConnectorBase(Generic[E]):
             raw = self._gate.incoming(sender, self.ranks[key].agent.name, sealed)
         except AuthError as exc:
             raise Refused(self.role, DropReason.UNAUTHENTICATED, str(exc)) from None
-        self._mark_arrival(raw)
-        self._apply(now, NotifIn(key, sender, raw))
-
-    def _mark_arrival(self, raw: bytes) -> None:
-        """Timeline marks (a second decode, a few us; the core's decode judges the message and counts)."""
-        try:
+        with contextlib.suppress(ProtocolError):  # timeline marks; the core's own decode judges and counts
             msg = decode_notif(raw)
-        except ProtocolError:
-            return
-        if isinstance(msg, PushReg):
-            self.timeline.mark(msg.transfer_id, Stage.PUSH_REG_RECEIVED, time.monotonic())
-        elif isinstance(msg, Done):
-            self.timeline.mark(msg.transfer_id, Stage.DONE_RECEIVED, time.monotonic())
+            if isinstance(msg, PushReg | Done):
+                stage = Stage.PUSH_REG_RECEIVED if isinstance(msg, PushReg) else Stage.DONE_RECEIVED
+                self.timeline.mark(msg.transfer_id, stage, time.monotonic())
+        self._apply(now, NotifIn(key, sender, raw))
 
     def _poll_transfers(self, now: float) -> None:
         for token, (key, handle, transfer_id) in list(self._handles.items()):
