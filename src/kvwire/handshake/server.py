@@ -86,7 +86,8 @@ class _Conn:
     writer: asyncio.StreamWriter
     opened: float
     counted: bool = True  # counts against its host's budget (until a request on it is authenticated)
-    waiting: bool = False  # between requests: may be evicted when it is not authenticated
+    # Between requests (from accept on: a new connection has sent nothing): evictable unless authenticated.
+    waiting: bool = True
     task: asyncio.Task[None] | None = None
 
 
@@ -278,7 +279,8 @@ class SideChannelServer:
         assert victim.task is not None
         self._conns.pop(victim.task)
         self._uncount(victim)
-        victim.task.cancel()  # its handler's ``finally`` closes the socket
+        victim.task.cancel()
+        victim.writer.close()  # here too: a handler cancelled before its first step never runs its finally
         self.stats.evicted_connections += 1
         return True
 
