@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
-from kvwire.connector.reports import Reporter, as_notification
+from kvwire.connector.reports import UNDELIVERED, Reporter, as_notification
 from kvwire.connector.timeline import Stage, Timeline
 from kvwire.core.base import CoreBase, DropReason, Feeder, Refused
 from kvwire.core.config import ConnectorConfig
@@ -176,6 +176,7 @@ class ConnectorBase(Generic[E]):
         self.reporter = Reporter(timeout_s=timeout, secret=secret, drops=self.core.stats.dropped_notifs)
         self._warm_up = warm_up
         self._drop_log = Throttle()  # a peer may send a bad message at any rate: one line per 10 s
+        self._allowed = PeerAllowList.parse(self.config.allowed_peers)  # who may be dialled at all
         self._own_loop = loop is None
         self._bg = loop
         self._server: SideChannelServer | None = None
@@ -239,7 +240,6 @@ class ConnectorBase(Generic[E]):
         self._port = self._bg.run(self._server.start(), _START_TIMEOUT_S)
         self.core.port = self._port
         cfg = self.config
-        allowed = PeerAllowList.parse(cfg.allowed_peers)
         self.managers = {
             key: HandshakeManager(
                 self.engine,
@@ -247,7 +247,7 @@ class ConnectorBase(Generic[E]):
                 timeout_s=cfg.handshake_timeout_s,
                 retries=cfg.handshake_retries,
                 secret=self._secret,
-                allowed=allowed,
+                allowed=self._allowed,
             )
             for key, rank in self.ranks.items()
         }
@@ -365,6 +365,9 @@ class ConnectorBase(Generic[E]):
         elif isinstance(action, StartHandshake):
             self._handshake(action)
         elif isinstance(action, ReportFailure):
+            if not self._allowed.allows(action.host):  # a push_reg named it: never dialled
+                self.core.stats.dropped_notifs[UNDELIVERED] += 1
+                return
             task = self.reporter.submit(action)
             if task is not None:
                 self._tasks.add(task)
