@@ -12,6 +12,17 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 PROTECTED_PREFIX = "/v1"
+# The router's legs carry its token here: with ``--router-token`` set, an engine takes kv_transfer_params
+# (which name a peer to dial, and a transfer to join) only from a request that carries it.
+ROUTER_TOKEN_HEADER = "x-kvwire-router-token"
+
+
+def router_token_header(token: str | None) -> dict[str, str]:
+    return {ROUTER_TOKEN_HEADER: token} if token else {}
+
+
+def token_matches(given: str | None, token: str) -> bool:
+    return given is not None and hmac.compare_digest(given.encode(), token.encode())
 
 
 def bearer(key: str | None) -> dict[str, str]:

@@ -150,6 +150,9 @@ class RouterConfig:
     # the engines (their --api-key). Kept out of repr: configs get logged.
     api_key: str | None = field(default=None, repr=False)
     engine_api_key: str | None = field(default=None, repr=False)
+    # Sent on every leg (header x-kvwire-router-token): engines with the same token take kv_transfer_params
+    # from the router only.
+    router_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prefill_urls or not self.decode_urls:

@@ -156,6 +156,15 @@ class NobodyListens(PeerUnreachable):
     """Connection refused: no process listens at the peer's side-channel address (gone, or not started)."""
 
 
+class PeerNotAllowed(Unauthorized):
+    """The address is not in ``allowed_peers``: the engine does not dial it."""
+
+
+class CircuitOpen(HandshakeError):
+    """Refused at once: the last handshakes with this address failed on the network, and its backoff
+    window has not passed (``kvwire.handshake.breaker``)."""
+
+
 # --- requests and transfers --------------------------------------------------------------------------
 
 
@@ -205,6 +214,14 @@ class TransferIdReused(InvalidRequest):
             "kv_transfer_params",
         )
         self.transfer_id = transfer_id
+
+
+class ModelNotFound(InvalidRequest):
+    """The request names a model this engine does not serve (HTTP 404, OpenAI's ``model_not_found``)."""
+
+
+class RouterOnly(InvalidRequest):
+    """A request part that only the router may send (kv_transfer_params, with a router token set)."""
 
 
 class EngineOverloaded(RequestError):

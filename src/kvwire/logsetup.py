@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvwire.options import LogFormat
@@ -57,3 +59,29 @@ def configure(level: str, fmt: LogFormat, http: bool = False) -> None:
         # uvicorn installs its own handlers; one handler (ours, on the root) keeps one format.
         logger.handlers.clear()
         logger.propagate = True
+
+
+class Throttle:
+    """At most one log line per ``interval_s`` for a message a peer can repeat at will (a dropped
+    notification, a refused connection): the first occurrence is logged at once, later ones are counted
+    and their number rides on the next line allowed. The counters in /metrics keep every occurrence."""
+
+    def __init__(self, interval_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s = interval_s
+        self._clock = clock
+        self._next = -math.inf
+        self.suppressed = 0
+
+    def log(self, logger: logging.Logger, level: int, fmt: str, *args: object) -> bool:
+        """Log unless a line went out less than ``interval_s`` ago; True when it was logged."""
+        now = self._clock()
+        if now < self._next:
+            self.suppressed += 1
+            return False
+        self._next = now + self.interval_s
+        if self.suppressed:
+            fmt += " (and %d more like it not logged)"
+            args = (*args, self.suppressed)
+            self.suppressed = 0
+        logger.log(level, fmt, *args)
+        return True

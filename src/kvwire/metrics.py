@@ -207,12 +207,27 @@ class KvMetrics:
         self.failures: Counter | None = None
         self.dropped: Counter | None = None
         self.digests: Counter | None = None
+        self.refused_connections: Counter | None = None
+        self.circuit_open: Counter | None = None
         if not on:
             return
         self.digests = Counter(
             "kvwire_kv_digests",
             "KV digests computed: P over its source for a D that asked, D over the bytes that landed "
             "(each compared; a mismatch is a digest_mismatch failure)",
+            base,
+            registry=r,
+        )
+        self.refused_connections = Counter(
+            "kvwire_refused_connections",
+            "Side-channel connections closed by the listener's limits, by reason (over_limit: refused at "
+            "accept; evicted_idle: an idle unauthenticated one closed to admit a newcomer)",
+            [*base, "reason"],
+            registry=r,
+        )
+        self.circuit_open = Counter(
+            "kvwire_handshake_circuit_open",
+            "Handshakes refused at once because their address's circuit breaker was open",
             base,
             registry=r,
         )
@@ -300,6 +315,14 @@ class KvMetrics:
     def record_dropped(self, reason: str, count: int = 1) -> None:
         if self.dropped is not None:
             self.dropped.labels(**self._base, reason=reason).inc(count)
+
+    def record_refused_connections(self, reason: str, count: int) -> None:
+        if self.refused_connections is not None and count > 0:
+            self.refused_connections.labels(**self._base, reason=reason).inc(count)
+
+    def record_circuit_open(self, count: int) -> None:
+        if self.circuit_open is not None and count > 0:
+            self.circuit_open.labels(**self._base).inc(count)
 
     def record_handshake(self, stats: HandshakeStats) -> None:
         if self.handshakes is not None and self.handshake_seconds is not None:

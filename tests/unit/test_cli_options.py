@@ -98,6 +98,8 @@ def test_a_config_file_sets_every_connector_knob(tmp_path: Path) -> None:
             continue
         if f.name == "kv_load_failure_policy":
             wanted[f.name] = "recompute"
+        elif f.name == "allowed_peers":
+            wanted[f.name] = "10.0.0.0/8,p0.cluster"
         elif isinstance(f.default, bool):
             wanted[f.name] = not f.default
         else:

@@ -269,3 +269,43 @@ def test_a_flood_of_early_push_regs_is_bounded_and_counted() -> None:
     finally:
         bare.close()
         pair.close()
+
+
+def _bombs() -> list[bytes]:
+    """Deeply nested notifications of about 5 KB: arrays, maps, and a ``failed`` whose unknown field
+    nests (the shape that made the old fallback decode raise RecursionError inside the tick)."""
+    arrays = b"KVW1" + b"\x91" * 5000 + b"\xc0"
+    maps = b"KVW1" + b"\x81\xa1a" * 1700 + b"\xc0"
+    failed = b"KVW1\x83\xa4type\xa6failed\xa6reason\xa3new\xa1x" + b"\x91" * 5000 + b"\xc0"
+    return [arrays, maps, failed]
+
+
+def test_nested_bombs_in_a_batch_cost_only_themselves(caplog: pytest.LogCaptureFixture) -> None:
+    pair = Pair(SPEC)
+    try:
+        d_agent = pair.d.ranks[0].agent
+        assert isinstance(d_agent, InprocAgent)
+        pair.consumer.request_allocated("live", [0, 1], 8, 0, pair.remote())
+        rogue = _rogue(pair, "rogue/r5/pp0/tp0", d_agent)
+        cancel = encode_notif(Cancel(transfer_id="live", engine_id="rogue", incarnation="r5"))
+        batch = [_done("nope", "rogue", "r5"), *_bombs(), _done("live", "rogue", "r5"), *_bombs(), cancel]
+
+        def send_all() -> None:  # one loop callback: D drains them all in one tick
+            for raw in batch:
+                rogue.send_notif(d_agent.name, raw)
+
+        pair.on_loop(send_all)
+        dropped = pair.consumer.stats.dropped_notifs
+        wait_for(lambda: sum(dropped.values()) == len(batch), "every notification of the batch judged")
+        # The good-format ones after the bombs were decoded and judged on their merits.
+        want = {"unknown_transfer": 1, "malformed": 6, "wrong_sender": 1, "unexpected": 1}
+        assert dict(dropped) == want
+        assert not [r for r in caplog.records if r.levelname == "ERROR"]
+        # Nine drops, one log line: the rest wait for the next line the throttle allows.
+        assert len([r for r in caplog.records if "dropped" in r.getMessage()]) == 1
+        kv = pair.fill_p([4, 5], 8)
+        pair.producer.request_finished("live", [4, 5], 8)
+        assert [e.kind for e in pair.d_event("live")] == [ConsumerEventKind.READY]
+        assert same_bytes(pair.d_tokens([0, 1], range(8)), kv)
+    finally:
+        pair.close()

@@ -11,6 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvwire.engine.api import MAX_BODY_BYTES
 from kvwire.engine.config import EngineConfig, Role, preset
 from kvwire.engine.engine import Engine
 from kvwire.engine.loopback import LoopbackHub
@@ -158,6 +159,67 @@ async def test_invalid_json_is_400(client: tuple[httpx.AsyncClient, EngineServer
     c, _ = client
     r = await c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400
+
+
+def _openai_error(r: httpx.Response, status: int, kind: str) -> dict[str, object]:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["type"] == kind and error["code"] == status and error["message"]
+    return dict(error)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": "hi", "max_tokens": ' + b"7" * 5000 + b"}",  # Python's int() refuses 4,300+ digits
+        b'{"prompt": "\\ud800 lone surrogate", "max_tokens": 2}',
+        b'{"prompt": "hi", "stop": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+        b'{"prompt": "hi", "max_tokens": 1e999}',
+        b'{"prompt": "\xff\xfe not utf-8"}',
+    ],
+    ids=["5000-digits", "lone-surrogate", "deep-nesting", "inf", "bad-utf8"],
+)
+async def test_hostile_json_is_an_openai_400(
+    client: tuple[httpx.AsyncClient, EngineServer], raw: bytes
+) -> None:
+    c, _ = client
+    r = await c.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    _openai_error(r, 400, "invalid_request_error")
+    # The engine is unharmed: the next request is served.
+    ok = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 2
+
+
+async def test_an_unknown_model_is_404_model_not_found(
+    client: tuple[httpx.AsyncClient, EngineServer],
+) -> None:
+    c, _ = client
+    r = await c.post("/v1/completions", json={"model": "gpt-9", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 404, r.text
+    error = r.json()["error"]
+    assert error["code"] == "model_not_found" and error["param"] == "model" and "gpt-9" in error["message"]
+    for name in ("kvwire-tiny", "kvwire", None):  # its own id, its alias (the router's default), none
+        body = {"prompt": "hi", "max_tokens": 2, **({"model": name} if name else {})}
+        ok = await c.post("/v1/completions", json=body)
+        assert ok.status_code == 200 and ok.json()["model"] == (name or "kvwire-tiny"), ok.text
+    ids = [m["id"] for m in (await c.get("/v1/models")).json()["data"]]
+    assert ids == ["kvwire-tiny", "kvwire"]
+
+
+async def test_an_oversized_body_is_refused_unbuffered(
+    client: tuple[httpx.AsyncClient, EngineServer],
+) -> None:
+    c, _ = client
+    big = b'{"prompt": "' + b"a" * (MAX_BODY_BYTES + 1) + b'"}'
+    r = await c.post("/v1/completions", content=big)
+    assert "limit" in str(_openai_error(r, 400, "invalid_request_error")["message"])
+
+
+async def test_framework_refusals_are_openai_shaped(client: tuple[httpx.AsyncClient, EngineServer]) -> None:
+    c, _ = client
+    _openai_error(await c.get("/v1/nothing-here"), 404, "not_found_error")
+    _openai_error(await c.get("/v1/completions"), 405, "invalid_request_error")
+    _openai_error(await c.get("/v1/kv_stats", params={"timeline": "many"}), 400, "invalid_request_error")
 
 
 async def test_prompt_larger_than_cache_is_400(client: tuple[httpx.AsyncClient, EngineServer]) -> None:
@@ -382,3 +444,56 @@ async def test_orphaned_decode_leg_releases_its_blocks_when_the_client_goes_away
         assert d.health()["load"]["free_blocks"] == 64
     finally:
         d.stop()
+
+
+async def test_side_channel_evictions_are_exported_in_metrics() -> None:
+    import socket
+
+    from kvwire.engine.connector_hooks import ConnectorMetrics, ConnectorSettings, attach_connector
+
+    eng = Engine(EngineConfig(TINY, role=Role.PREFILL, num_blocks=16), model=MODEL)
+    hooks = attach_connector(eng, ConnectorSettings("prefill-guard", "inc1", "kvwire-tiny", backend="inproc"))
+    srv = EngineServer(
+        eng, Identity(Role.PREFILL, "prefill-guard", "inc1", "127.0.0.1", hooks.connector.port)
+    )
+    srv.scrape_hooks.append(ConnectorMetrics(hooks.connector, srv.metrics).sync)
+    srv.start()
+    socks = [socket.create_connection(("127.0.0.1", hooks.connector.port)) for _ in range(40)]
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=srv.app), base_url="http://p") as c:
+            for _ in range(100):  # the listener runs on the connector's loop thread: wait for it
+                text = (await c.get("/metrics")).text
+                got = {
+                    s.labels.get("reason"): s.value
+                    for f in text_string_to_metric_families(text)
+                    if f.name == "kvwire_refused_connections"
+                    for s in f.samples
+                }
+                if got.get("evicted_idle", 0) >= 8:
+                    break
+                await asyncio.sleep(0.05)
+            assert got.get("evicted_idle", 0) >= 8, got
+    finally:
+        for s in socks:
+            s.close()
+        srv.stop()
+
+
+async def test_kv_transfer_params_need_the_router_token_when_one_is_set() -> None:
+    engine = Engine(EngineConfig(TINY, num_blocks=64), model=MODEL)
+    server = EngineServer(engine, Identity(Role.COLOCATED, "c", "inc0"), router_token="t0k3n")
+    server.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=server.app), base_url="http://e") as c:
+            params = {"prompt": "hi", "max_tokens": 2, "kv_transfer_params": {"do_remote_decode": False}}
+            for headers in ({}, {"x-kvwire-router-token": "wrong"}):
+                r = await c.post("/v1/completions", json=params, headers=headers)
+                assert r.status_code == 403, r.text
+                error = r.json()["error"]
+                assert error["type"] == "permission_error" and error["param"] == "kv_transfer_params"
+            ok = await c.post("/v1/completions", json=params, headers={"x-kvwire-router-token": "t0k3n"})
+            assert ok.status_code == 200, ok.text
+            plain = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert plain.status_code == 200  # a request without kv_transfer_params needs no token
+    finally:
+        server.stop()

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from kvwire.errors import AuthError
+from kvwire.handshake.manager import HandshakeManager
 from kvwire.handshake.server import SideChannelServer
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.auth import sign
@@ -26,6 +27,7 @@ from kvwire.protocol.messages import (
 )
 from kvwire.protocol.seal import ReplySeal
 from kvwire.testing.handshake_env import build_registered_engine
+from kvwire.transport.base import PeerMode
 from kvwire.transport.inproc import InprocFabric
 
 SPEC = KVSpec(num_layers=4, kv_heads=4, head_dim=8, block_size=4)
@@ -286,9 +288,9 @@ def test_rank_whose_agent_is_closed_is_refused_not_crashed() -> None:
     run(body)
 
 
-def test_connections_beyond_the_per_host_cap_are_closed_and_counted() -> None:
-    """A peer holding connections open cannot take the listener: past the cap its new ones are closed at
-    once; when it lets one go, a new connection is served again."""
+def test_a_newcomer_over_the_per_host_cap_evicts_the_oldest_idle_connection() -> None:
+    """A peer holding connections open cannot keep a newcomer out: past the cap the oldest connection that
+    waits for a request is closed (counted) to admit the new one, which is served."""
 
     async def body() -> None:
         fabric = InprocFabric()
@@ -296,15 +298,96 @@ def test_connections_beyond_the_per_host_cap_are_closed_and_counted() -> None:
         async with SideChannelServer(info, ranks, max_connections_per_host=3) as server:
             held = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(3)]
             await asyncio.sleep(0.05)  # let the server accept them
+            replies, _ = await exchange(server.port, encode_frame(GetMetadata(pp_rank=0, tp_rank=0)))
+            assert isinstance(replies[0], Metadata)
+            assert await asyncio.wait_for(held[0][0].read(), 5) == b""  # the oldest idle one went
+            assert server.stats.evicted_connections == 1 and server.stats.refused_connections == 0
+            for _, w in held:
+                w.close()
+
+    run(body)
+
+
+def test_connections_beyond_the_cap_are_refused_when_none_is_idle() -> None:
+    async def body() -> None:
+        fabric = InprocFabric()
+        info, ranks = build_registered_engine("P", SPEC, 16, fabric.create_agent)
+        async with SideChannelServer(info, ranks, max_connections_per_host=3) as server:
+            held = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(3)]
+            for _, w in held:
+                w.write((100).to_bytes(4, "big"))  # a frame begun, its body not sent: busy, not idle
+            await asyncio.sleep(0.05)
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
             assert await asyncio.wait_for(reader.read(), 5) == b""  # refused: closed at once
             writer.close()
-            assert server.stats.refused_connections == 1
-            held[0][1].close()
-            await asyncio.sleep(0.05)
-            replies, _ = await exchange(server.port, encode_frame(GetMetadata(pp_rank=0, tp_rank=0)))
-            assert isinstance(replies[0], Metadata)
-            for _, w in held[1:]:
+            assert server.stats.refused_connections == 1 and server.stats.evicted_connections == 0
+            for _, w in held:
                 w.close()
+
+    run(body)
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["no-secret", "secret"])
+def test_idle_connections_from_the_peers_address_do_not_stop_a_real_handshake(secret: bytes | None) -> None:
+    """Issue 23: 40 idle connections from 127.0.0.1 (over the 32 a host may hold) and a real handshake from
+    the same address, with no retry: it is served."""
+
+    async def body() -> None:
+        fabric = InprocFabric()
+        info, ranks = build_registered_engine("P", SPEC, 16, fabric.create_agent)
+        d_info, d_ranks = build_registered_engine("D", SPEC, 16, fabric.create_agent)
+        async with SideChannelServer(info, ranks, secret=secret) as server:
+            idle = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(40)]
+            await asyncio.sleep(0.05)
+            mgr = HandshakeManager(
+                d_info, d_ranks[0], timeout_s=2.0, retries=0, secret=secret, clock_samples=1
+            )
+            peer = await mgr.ensure("127.0.0.1", server.port, 0, 0, PeerMode.NOTIF_ONLY)
+            assert peer.engine_id == "P"
+            assert server.stats.evicted_connections >= 9 and server.stats.refused_connections == 0
+            assert server.stats.authenticated_connections == (1 if secret else 0)
+            await mgr.close()
+            for _, w in idle:
+                w.close()
+
+    run(body)
+
+
+def test_an_authenticated_connection_is_never_evicted() -> None:
+    async def body() -> None:
+        async with make_server(secret=SECRET) as server:
+            server._max_per_host = 2
+            me = f"127.0.0.1:{server.port}"
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            for round_ in range(2):
+                if round_:  # between the two requests: more idle newcomers than the host may hold
+                    idle = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(6)]
+                    await asyncio.sleep(0.05)
+                writer.write(encode_frame(sign(GetMetadata(pp_rank=0, tp_rank=0), SECRET, target=me)))
+                decoder, got = FrameDecoder(), list[SideMessage]()
+                while not got:
+                    chunk = await asyncio.wait_for(reader.read(65536), 5)
+                    assert chunk, "the authenticated connection was closed"
+                    got = decoder.feed(chunk)
+                assert isinstance(got[0], Sealed)
+            assert server.stats.authenticated_connections == 1 and server.stats.evicted_connections >= 4
+            writer.close()
+            for _, w in idle:
+                w.close()
+
+    run(body)
+
+
+def test_a_connection_that_sends_no_request_is_closed_after_the_first_request_deadline() -> None:
+    async def body() -> None:
+        fabric = InprocFabric()
+        info, ranks = build_registered_engine("P", SPEC, 16, fabric.create_agent)
+        async with SideChannelServer(info, ranks, idle_timeout_s=30, first_request_timeout_s=0.2) as server:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(b"\x00\x00")  # a trickle: half a header, then nothing
+            t0 = asyncio.get_running_loop().time()
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+            assert asyncio.get_running_loop().time() - t0 < 2.0
+            writer.close()
 
     run(body)

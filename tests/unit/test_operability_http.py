@@ -20,7 +20,7 @@ from kvwire.engine.config import EngineConfig, Role, preset
 from kvwire.engine.engine import Engine
 from kvwire.engine.server import EngineServer, Identity, http_error
 from kvwire.errors import KVLoadFailed
-from kvwire.logsetup import configure, transfer_extra
+from kvwire.logsetup import Throttle, configure, transfer_extra
 from kvwire.metrics import KvMetrics, MetricRole, posts_transfers
 from kvwire.options import LogFormat
 from kvwire.protocol.messages import TransferMode
@@ -270,3 +270,21 @@ async def test_secret_on_prefill_only_is_a_permanent_error_naming_the_secret() -
         d.stop()
         for hooks in (d_hooks, p_hooks):
             hooks.close()
+
+
+def test_throttle_logs_one_line_per_interval_and_counts_the_rest(caplog: pytest.LogCaptureFixture) -> None:
+    now = [100.0]
+    throttle = Throttle(interval_s=10.0, clock=lambda: now[0])
+    logger = logging.getLogger("kvwire.test.throttle")
+    with caplog.at_level(logging.WARNING, logger="kvwire.test.throttle"):
+        sent = []
+        for step in range(30):  # one a second for 30 s
+            now[0] = 100.0 + step
+            sent.append(throttle.log(logger, logging.WARNING, "dropped %s", step))
+    assert [i for i, s in enumerate(sent) if s] == [0, 10, 20]
+    assert [r.getMessage() for r in caplog.records] == [
+        "dropped 0",
+        "dropped 10 (and 9 more like it not logged)",
+        "dropped 20 (and 9 more like it not logged)",
+    ]
+    assert throttle.suppressed == 9

@@ -14,6 +14,7 @@ from kvwire.protocol.codec import (
     encode_notif,
     parse_frame_header,
 )
+from kvwire.protocol.limits import MAX_DEPTH, MAX_NOTIF_BYTES, nesting_depth
 from kvwire.protocol.messages import (
     MAX_FRAME_BYTES,
     NOTIF_MAGIC,
@@ -295,3 +296,40 @@ def test_a_failed_with_an_unknown_reason_decodes_as_unknown() -> None:
     body = {"type": "failed", "version": 1, **_IDS, "tp_rank": 0, "pp_rank": 0, "reason": "bored"}
     msg = decode_notif(NOTIF_MAGIC + msgspec.msgpack.encode(body))
     assert isinstance(msg, Failed) and msg.reason is FailReason.UNKNOWN
+
+
+# --- nesting limits -----------------------------------------------------------------------------------
+
+
+def _nested(depth: int) -> bytes:
+    return b"\x91" * depth + b"\xc0"
+
+
+@pytest.mark.parametrize("depth", [33, 1_000, 100_000])
+def test_deep_nesting_is_malformed_on_both_channels(depth: int) -> None:
+    failed = b"\x83\xa4type\xa6failed\xa6reason\xa3new\xa1x" + _nested(depth)
+    for body in (_nested(depth), b"\x81\xa1a" * depth + b"\xc0", failed):
+        with pytest.raises(MalformedMessage, match="nested deeper"):
+            decode_notif(NOTIF_MAGIC + body)
+        with pytest.raises(MalformedMessage, match="nested deeper"):
+            decode_side(body)
+
+
+def test_nesting_depth_matches_the_structure() -> None:
+    cases: list[tuple[object, int]] = [
+        (1, 0),
+        ([], 1),
+        ({}, 1),
+        ([[], {"a": [1, b"x" * 300, "y" * 70_000]}], 3),
+        ({"k": msgspec.msgpack.Ext(1, b"\x91" * 40)}, 1),  # an ext's payload is opaque
+        ([1.5, None, True, -(2**40), 2**63], 1),
+    ]
+    for obj, want in cases:
+        assert nesting_depth(msgspec.msgpack.encode(obj)) == want
+    # The walk stops just past the limit, whatever the real depth.
+    assert nesting_depth(_nested(10**6)) == MAX_DEPTH + 1
+
+
+def test_an_oversized_notification_is_refused_before_decoding() -> None:
+    with pytest.raises(MalformedMessage, match="over the"):
+        decode_notif(NOTIF_MAGIC + b"\xc4" + bytes(MAX_NOTIF_BYTES))

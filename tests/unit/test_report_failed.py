@@ -358,3 +358,21 @@ def test_p_opens_a_sealed_refusal_and_rejects_a_plain_one_under_a_secret() -> No
         server.close()
 
     asyncio.run(body())
+
+
+def test_p_never_dials_a_d_outside_allowed_peers_not_even_to_report() -> None:
+    p_cfg = dataclasses.replace(CFG, allowed_peers="10.0.0.0/8")
+    pair = Pair(SPEC, config=p_cfg, d_config=CFG, secret=SECRET)
+    try:
+        server = pair.consumer.side_channel_stats
+        assert server is not None
+        pair.fill_p([0, 1], 8)
+        pair.consumer.request_allocated("r1", [2, 3], 8, 0, pair.remote())
+        pair.producer.request_finished("r1", [0, 1], 8)
+        assert pair.p_event("r1").outcome is ProducerOutcome.FAILED  # its handshake with D: not allowed
+        wait_for(lambda: pair.producer.stats.dropped_notifs["report_undelivered"] == 1, "report dropped")
+        assert sum(m.stats.not_allowed for m in pair.producer.managers.values()) == 1
+        assert server.replies["report"] == 0 and server.connections == 0  # P opened no connection to D
+        assert untouched_blocks_zero(pair.d.ranks, [])
+    finally:
+        pair.close()

@@ -33,6 +33,7 @@ class Engine:
         self.hold_s = 0.0  # then this long before the body ends
         self.size = 100  # bytes of a unary answer
         self.events = [b'data: {"choices": [{"text": "a"}]}\n\n']
+        self.tokens: list[str | None] = []  # the router token header of each leg
 
     async def unary(self, request: web.Request) -> web.Response:
         """A JSON answer of ``self.size`` bytes."""
@@ -43,6 +44,7 @@ class Engine:
         peer = request.transport.get_extra_info("peername") if request.transport else None
         if peer is not None:
             self.peers.add((str(peer[0]), int(peer[1])))
+        self.tokens.append(request.headers.get("x-kvwire-router-token"))
         await request.read()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -138,3 +140,14 @@ async def test_an_answer_over_the_limit_is_refused_not_buffered(
             await client.get(url + "/health", 2.0)
     finally:
         await client.close()
+
+
+async def test_every_leg_carries_the_router_token(engine: tuple[Engine, str]) -> None:
+    fake, url = engine
+    for token in ("t0k3n", None):
+        client = EngineClient(2.0, 5.0, router_token=token)
+        try:
+            assert await _stream_all(client, url) == [{"choices": [{"text": "a"}]}]
+        finally:
+            await client.close()
+    assert fake.tokens == ["t0k3n", None]

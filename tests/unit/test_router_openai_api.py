@@ -137,7 +137,8 @@ def test_unknown_model_is_404() -> None:
 
 def test_decode_json_object_refuses_non_objects() -> None:
     assert decode_json_object(b'{"a": 1}') == {"a": 1}
-    for raw in (b"[1]", b"{", b"\xff"):
+    nested = b"[" * 100_000 + b"]" * 100_000
+    for raw in (b"[1]", b"{", b"\xff", nested, b'{"n": ' + b"7" * 5000 + b"}"):
         with pytest.raises(ApiError):
             decode_json_object(raw)
 

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
-from kvwire.connector.reports import Reporter, as_notification
+from kvwire.connector.reports import UNDELIVERED, Reporter, as_notification
 from kvwire.connector.timeline import Stage, Timeline
 from kvwire.core.base import CoreBase, DropReason, Feeder, Refused
 from kvwire.core.config import ConnectorConfig
@@ -68,10 +68,12 @@ from kvwire.errors import (
 )
 from kvwire.handshake.loop import BackgroundLoop
 from kvwire.handshake.manager import HandshakeManager, warm_up
-from kvwire.handshake.server import SideChannelServer
+from kvwire.handshake.server import ServerStats, SideChannelServer
 from kvwire.handshake.types import EngineInfo, LocalRank, PeerRank
 from kvwire.kv.digest import kv_digest
 from kvwire.kv.mapping import RankLayout
+from kvwire.logsetup import Throttle
+from kvwire.protocol.allow import PeerAllowList
 from kvwire.protocol.codec import decode_notif, encode_notif
 from kvwire.protocol.messages import Done, FailReason, PushReg, ReportFailed
 from kvwire.protocol.ranks import RankKey
@@ -184,6 +186,8 @@ class ConnectorBase(Generic[E]):
         timeout = self.config.handshake_timeout_s
         self.reporter = Reporter(timeout_s=timeout, secret=secret, drops=self.core.stats.dropped_notifs)
         self._warm_up = warm_up
+        self._drop_log = Throttle()  # a peer may send a bad message at any rate: one line per 10 s
+        self._allowed = PeerAllowList.parse(self.config.allowed_peers)  # who may be dialled at all
         self._own_loop = loop is None
         self._bg = loop
         self._server: SideChannelServer | None = None
@@ -254,6 +258,7 @@ class ConnectorBase(Generic[E]):
                 timeout_s=cfg.handshake_timeout_s,
                 retries=cfg.handshake_retries,
                 secret=self._secret,
+                allowed=self._allowed,
             )
             for key, rank in self.ranks.items()
         }
@@ -343,7 +348,7 @@ class ConnectorBase(Generic[E]):
     def _failed(self, item: Input, exc: Exception) -> None:
         if isinstance(exc, Refused):
             self.stats.dropped_notifs[exc.reason.value] += 1
-            log.debug("%s: dropped %s", self.role, exc)
+            self._drop_log.log(log, logging.WARNING, "%s: dropped %s", self.role, exc)
         elif isinstance(exc, KvwireError):
             log.warning("%s: %s refused: %s", self.role, type(item).__name__, exc)
         else:
@@ -373,6 +378,9 @@ class ConnectorBase(Generic[E]):
         elif isinstance(action, StartHandshake):
             self._handshake(action)
         elif isinstance(action, ReportFailure):
+            if not self._allowed.allows(action.host):  # a push_reg named it: never dialled
+                self.core.stats.dropped_notifs[UNDELIVERED] += 1
+                return
             task = self.reporter.submit(action)
             if task is not None:
                 self._tasks.add(task)
@@ -504,6 +512,10 @@ class ConnectorBase(Generic[E]):
                 self._next.cancel()
                 self._next = None
 
+    @property
+    def side_channel_stats(self) -> ServerStats | None:
+        return self._server.stats if self._server is not None else None
+
     def _on_tick(self, loop: asyncio.AbstractEventLoop) -> None:
         self._next, self._woken = None, False
         now = self._clock()
@@ -571,36 +583,30 @@ class ConnectorBase(Generic[E]):
                 # Once per rank: a closed or dead agent would otherwise log at every tick.
                 if key not in self._broken:
                     self._broken.add(key)
-                    log.warning(
-                        "%s: draining notifications of %s failed: %s", self.role, rank.agent.name, exc
-                    )
+                    log.warning("%s: draining notifs of %s failed: %s", self.role, rank.agent.name, exc)
                 continue
             for sender, msgs in inbox.items():
                 for sealed in msgs:
                     # Not activity: what it calls for (a send, a post) starts the fast polls. A ramp per
                     # arrival took the GIL from the prefill of the request D had just registered.
                     self._active_at = now
-                    try:  # NIXL lets a sender pick any name: only the seal says who sent it
-                        raw = self._gate.incoming(sender, rank.agent.name, sealed)
-                    except AuthError as exc:
-                        drop = Refused(self.role, DropReason.UNAUTHENTICATED, str(exc))
-                        self._failed(NotifIn(key, sender, sealed), drop)
-                        continue
-                    self._mark_arrival(raw)
-                    self._apply(now, NotifIn(key, sender, raw))
+                    try:  # one message, whatever it holds, never costs the rest of the batch
+                        self._take_notif(now, key, sender, sealed)
+                    except Exception as exc:
+                        self._failed(NotifIn(key, sender, sealed), exc)
         self._poll_transfers(now)
 
-    def _mark_arrival(self, raw: bytes) -> None:
-        """Timeline marks of the notifications a request waits on (a second decode of a small message,
-        a few microseconds; the core's own decode stays the one that judges it)."""
-        try:
+    def _take_notif(self, now: float, key: RankKey, sender: str, sealed: bytes) -> None:
+        try:  # NIXL lets a sender pick any name: only the seal says who sent it
+            raw = self._gate.incoming(sender, self.ranks[key].agent.name, sealed)
+        except AuthError as exc:
+            raise Refused(self.role, DropReason.UNAUTHENTICATED, str(exc)) from None
+        with contextlib.suppress(ProtocolError):  # timeline marks; the core's own decode judges and counts
             msg = decode_notif(raw)
-        except ProtocolError:
-            return  # the core counts it as malformed
-        if isinstance(msg, PushReg):
-            self.timeline.mark(msg.transfer_id, Stage.PUSH_REG_RECEIVED, time.monotonic())
-        elif isinstance(msg, Done):
-            self.timeline.mark(msg.transfer_id, Stage.DONE_RECEIVED, time.monotonic())
+            if isinstance(msg, PushReg | Done):
+                stage = Stage.PUSH_REG_RECEIVED if isinstance(msg, PushReg) else Stage.DONE_RECEIVED
+                self.timeline.mark(msg.transfer_id, stage, time.monotonic())
+        self._apply(now, NotifIn(key, sender, raw))
 
     def _poll_transfers(self, now: float) -> None:
         for token, (key, handle, transfer_id) in list(self._handles.items()):

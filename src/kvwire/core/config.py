@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass
 
 from kvwire.errors import ConfigError
+from kvwire.protocol.allow import PeerAllowList
 from kvwire.protocol.messages import TransferMode
 
 
@@ -61,6 +62,9 @@ class ConnectorConfig:
     # source (CRC-32 of the written tokens; about 1 s of one core per GB on each side, docs/benchmarks.md):
     # 1.0 every request (tests, benchmarks), 0.0 none. Chosen per transfer id, deterministically.
     kv_digest_sample: float = 0.0
+    # The peers this engine may dial (CIDRs, addresses, host names; comma-separated; empty: any). Without
+    # a secret this is what stops a request or a notification from naming any address (handshake/allow.py).
+    allowed_peers: str = ""
 
     def __post_init__(self) -> None:
         positive = {
@@ -84,6 +88,7 @@ class ConnectorConfig:
         for name in ("max_early_registrations", "max_early_registrations_per_peer", "max_served_ids"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        PeerAllowList.parse(self.allowed_peers)  # ConfigError naming a bad entry
         if self.dead_peer_grace_s < 0 or self.handshake_retries < 0:
             raise ConfigError("dead_peer_grace_s and handshake_retries must not be negative")
         if self.liveness_timeout_s <= self.heartbeat_interval_s:

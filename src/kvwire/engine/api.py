@@ -22,13 +22,23 @@ import msgspec
 from kvwire.engine.request import TransferRole
 from kvwire.engine.sampling import GREEDY, SamplingParams, TokenLogprob, token_text
 from kvwire.engine.tokenizer import ByteTokenizer, StreamDecoder
-from kvwire.errors import EngineOverloaded, InvalidRequest, KVLoadFailed, TransferAborted
+from kvwire.errors import (
+    EngineOverloaded,
+    InvalidRequest,
+    KVLoadFailed,
+    ModelNotFound,
+    RouterOnly,
+    TransferAborted,
+)
 from kvwire.kv_params import FIELD as _KV_PARAMS
 from kvwire.kv_params import KvTransferParams
 
 DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20  # vLLM's default cap; OpenAI's completions allow 5 (the router checks that)
 MAX_STOPS = 16
+
+# A prompt of max_model_len tokens as JSON token ids is well under 1 MiB; text prompts are of the same order.
+MAX_BODY_BYTES = 16 << 20
 
 _Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
 
@@ -83,6 +93,18 @@ class CompletionRequest:
 
 _PATH = re.compile(r"at `\$\.(\w+)")
 _UNKNOWN = re.compile(r"unknown field `([^`]*)`")
+
+
+def decode_json(raw: bytes) -> Any:
+    """A request body as JSON, or ``InvalidRequest`` (400). msgspec rather than ``json``: it refuses what
+    would fail later as a 500 (a 5,000-digit integer, a lone surrogate that no encoder takes), and its
+    recursion guard turns deep nesting into an error here instead of deep in a handler."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise InvalidRequest(f"the body is over the {MAX_BODY_BYTES}-byte limit")
+    try:
+        return msgspec.json.decode(raw)
+    except (msgspec.MsgspecError, RecursionError, ValueError) as exc:
+        raise InvalidRequest(f"the body is not valid JSON: {exc}") from None
 
 
 def _decode(body: Any) -> CompletionBody:
@@ -189,6 +211,10 @@ def _transfer(params: KvTransferParams | None) -> tuple[TransferRole, str | None
 
 def error_status(exc: BaseException) -> tuple[int, str]:
     """HTTP status and OpenAI error type for an exception that ended a request."""
+    if isinstance(exc, ModelNotFound):
+        return 404, "invalid_request_error"
+    if isinstance(exc, RouterOnly):
+        return 403, "permission_error"
     if isinstance(exc, InvalidRequest):
         return 400, "invalid_request_error"
     if isinstance(exc, KVLoadFailed):
@@ -204,7 +230,9 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
     status, kind = error_status(exc)
     param = exc.param if isinstance(exc, InvalidRequest) else None
     message = str(exc) or type(exc).__name__
-    return status, {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    # OpenAI's own code for an unknown model; every other error keeps its status as its code.
+    code: int | str = "model_not_found" if isinstance(exc, ModelNotFound) else status
+    return status, {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def completion_id() -> str:

@@ -123,7 +123,8 @@ def attach_connector(engine: Engine, s: ConnectorSettings) -> ProducerHooks | Co
     ranks: list[LocalRank] = []
     try:
         for (pp, tp), cache in sorted(kv.caches.items()):
-            agents.append(create_agent(s.backend, make_agent_name(s.engine_id, s.incarnation, pp, tp)))
+            name = make_agent_name(s.engine_id, s.incarnation, pp, tp)
+            agents.append(create_agent(s.backend, name, connect_timeout_s=s.config.handshake_timeout_s))
             ranks.append(LocalRank(pp_rank=pp, tp_rank=tp, agent=agents[-1], cache=cache))
         config = dataclasses.replace(s.config, mode=s.mode)
         cls = Producer if role is Role.PREFILL else Consumer
@@ -145,6 +146,15 @@ def attach_connector(engine: Engine, s: ConnectorSettings) -> ProducerHooks | Co
     return hooks
 
 
+def _guard_totals(connector: Producer | Consumer) -> dict[str, int]:
+    server = connector.side_channel_stats
+    return {
+        "over_limit": server.refused_connections if server is not None else 0,
+        "evicted_idle": server.evicted_connections if server is not None else 0,
+        "circuit_open": sum(m.breaker.fast_failures for m in connector.managers.values()),
+    }
+
+
 class ConnectorMetrics:
     """Feeds a ``KvMetrics`` from a connector's cumulative counters (call ``sync`` before each scrape)."""
 
@@ -157,6 +167,7 @@ class ConnectorMetrics:
         self._dropped: dict[str, int] = {}
         self._digests = 0
         self._handshakes: dict[tuple[Any, PeerMode], int] = {}
+        self._guards: dict[str, int] = {}  # side-channel refusals and breaker fast failures seen so far
 
     def sync(self) -> None:
         st = self.connector.stats
@@ -181,6 +192,7 @@ class ConnectorMetrics:
             for _ in range(count - self._failures.get(reason, 0)):
                 self.metrics.record_failure(reason)
             self._failures[reason] = count
+        self._sync_guards()
         for key, mgr in self.connector.managers.items():
             for mode in PeerMode:
                 done = mgr.stats.handshakes[mode]
@@ -194,3 +206,12 @@ class ConnectorMetrics:
                 for secs in recent[len(recent) - min(done - seen, len(recent)) :]:
                     self.metrics.record_handshake(HandshakeStats(peer=peer, mode=mode, seconds=secs))
                 self._handshakes[(key, mode)] = done
+
+    def _sync_guards(self) -> None:
+        for what, total in _guard_totals(self.connector).items():
+            new = total - self._guards.get(what, 0)
+            self._guards[what] = total
+            if what == "circuit_open":
+                self.metrics.record_circuit_open(new)
+            else:
+                self.metrics.record_refused_connections(what, new)

@@ -45,6 +45,8 @@ CONNECTOR_HELP: dict[str, tuple[str, frozenset[Command]]] = {
                        frozenset({D})),
     "kv_digest_sample": ("D: share of requests whose KV bytes are checked against P's digest (0: none, "
                          "1: all; costs CPU on both sides)", frozenset({D})),
+    "allowed_peers": ("peers this engine may dial: CIDRs, addresses, host names, comma-separated (empty: "
+                      "any; with no secret, set it)", CONNECTED),
 }  # fmt: skip
 # Set by other options: the mode is --mode (P, D and the router agree on it).
 _NOT_KNOBS = frozenset({"mode"})
@@ -96,6 +98,15 @@ def engine_options() -> list[Option]:
         Option(
             "api_key", str, None, "key every /v1 request must carry (Authorization: Bearer KEY)", ENGINES,
             default_text="none: no key asked",
+        ),
+        Option(
+            "served_model_name", str, "kvwire", "further model names the engine answers to, comma-separated "
+            "(its own, kvwire-PRESET, always); a request naming another gets 404 model_not_found", ENGINES,
+        ),
+        Option(
+            "router_token", str, None, "token the router sends on its legs (header x-kvwire-router-token); "
+            "when set, kv_transfer_params are refused (403) on requests without it", ENGINES,
+            default_text="none: any client may send kv_transfer_params",
         ),
         Option(
             "insecure", bool, False, "allow a non-loopback --host without KVWIRE_SECRET: anyone who reaches "

@@ -107,8 +107,9 @@ def build_server(values: dict[str, Any], role: Role, env: EnvConfig) -> EngineSe
         seed=values["seed"],
         mode=mode,
         authenticated=env.secret is not None,
+        aliases=tuple(n.strip() for n in values["served_model_name"].split(",") if n.strip()),
     )
-    server = EngineServer(engine, identity, api_key=values["api_key"])
+    server = EngineServer(engine, identity, api_key=values["api_key"], router_token=values["router_token"])
     if connector is not None:
         server.scrape_hooks.append(ConnectorMetrics(connector, server.metrics).sync)
         conn = connector  # /health: 503 while an agent is held by a NIXL call stuck on the network

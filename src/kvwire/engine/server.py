@@ -20,15 +20,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvwire.apikey import ApiKeyMiddleware
+from kvwire.apikey import ROUTER_TOKEN_HEADER, ApiKeyMiddleware, token_matches
 from kvwire.connector.timeline import Stage, Timeline, merged
 from kvwire.engine.api import (
+    MAX_BODY_BYTES,
     CompletionRequest,
     TextBuilder,
     completion_body,
     completion_id,
+    decode_json,
     error_body,
     error_status,
     parse_completion,
@@ -38,7 +42,14 @@ from kvwire.engine.engine import Engine
 from kvwire.engine.loop import EngineLoop
 from kvwire.engine.request import Request as EngineRequest
 from kvwire.engine.request import RequestOutput, TransferRole
-from kvwire.errors import EngineOverloaded, InvalidRequest, KVLoadFailed, KvwireError
+from kvwire.errors import (
+    EngineOverloaded,
+    InvalidRequest,
+    KVLoadFailed,
+    KvwireError,
+    ModelNotFound,
+    RouterOnly,
+)
 from kvwire.kv_params import KvTransferParams
 from kvwire.logsetup import transfer_extra
 from kvwire.metrics import CONTENT_TYPE, BlockStats, KvMetrics, MetricRole, Outcome, posts_transfers
@@ -120,6 +131,13 @@ class Identity:
     seed: int = 0
     mode: TransferMode | None = None  # None: colocated (no connector)
     authenticated: bool = False  # KVWIRE_SECRET set: side-channel requests are signed
+    # Further names the engine answers to (--served-model-name), e.g. the router's --model, which it
+    # forwards as the client sent it.
+    aliases: tuple[str, ...] = ("kvwire",)
+
+    @property
+    def served_models(self) -> tuple[str, ...]:
+        return (self.model, *(a for a in self.aliases if a != self.model))
 
 
 class EngineServer:
@@ -131,8 +149,10 @@ class EngineServer:
         identity: Identity,
         metrics: KvMetrics | None = None,
         api_key: str | None = None,
+        router_token: str | None = None,
     ) -> None:
         self.engine = engine
+        self.router_token = router_token or None
         self.identity = identity
         role = MetricRole(identity.role.value)
         self.metrics = (
@@ -326,11 +346,14 @@ class EngineServer:
     async def completions(self, http: Request) -> Response:
         started = time.monotonic()
         try:
-            body = await http.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return self._error(InvalidRequest("the body is not valid JSON"), started)
-        try:
+            body = decode_json(await _read_bounded(http, MAX_BODY_BYTES))
             creq = parse_completion(body, self.engine.tokenizer)
+            self._check_router_token(http, creq)
+            if creq.model is not None and creq.model not in self.identity.served_models:
+                served = ", ".join(self.identity.served_models)
+                raise ModelNotFound(
+                    f"the model {creq.model[:200]!r} does not exist (served: {served})", "model"
+                )
             req, queue = self._submit(creq)
         except (InvalidRequest, EngineOverloaded) as exc:
             return self._error(exc, started)
@@ -437,6 +460,17 @@ class EngineServer:
                 if await http.is_disconnected():
                     raise ClientGone from None
 
+    def _check_router_token(self, http: Request, creq: CompletionRequest) -> None:
+        """With a router token, kv_transfer_params (a peer to dial, a transfer to join) come from the router
+        only: a client of the public API gets 403 for them, whatever else it may ask."""
+        if self.router_token is None or creq.kv_transfer_params is None:
+            return
+        if not token_matches(http.headers.get(ROUTER_TOKEN_HEADER), self.router_token):
+            raise RouterOnly(
+                "kv_transfer_params are taken from the router only (this engine has a router token)",
+                "kv_transfer_params",
+            )
+
     def _error(self, exc: BaseException, started: float, transfer_id: str | None = None) -> JSONResponse:
         status, body, headers = http_error(exc)
         if status >= 500:
@@ -486,21 +520,61 @@ class EngineServer:
 
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:
-            card = {"id": self.identity.model, "object": "model", "created": 0, "owned_by": "kvwire"}
-            return {"object": "list", "data": [card]}
+            cards = [
+                {"id": name, "object": "model", "created": 0, "owned_by": "kvwire"}
+                for name in self.identity.served_models
+            ]
+            return {"object": "list", "data": cards}
 
         @app.post("/v1/completions")
         async def completions(http: Request) -> Response:
             return await self.completions(http)
 
-        @app.exception_handler(KvwireError)
-        async def kvwire_error(_: Request, exc: KvwireError) -> JSONResponse:
-            status, body, headers = http_error(exc)
-            return JSONResponse(body, status_code=status, headers=headers)
-
+        _install_error_handlers(app)
         if self.api_key is not None:
             app.add_middleware(ApiKeyMiddleware, key=self.api_key, flag="--api-key / KVWIRE_API_KEY")
         return app
+
+
+async def _read_bounded(http: Request, limit: int) -> bytes:
+    """The body, refused (400) once it passes ``limit`` instead of buffered whole."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > limit:
+            raise InvalidRequest(f"the body is over the {limit}-byte limit")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _openai_error(status: int, message: str, kind: str) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every answer that is not a success is an OpenAI error object, whatever raised it: FastAPI's own
+    refusals (an unknown path, a bad query parameter) and a bug's exception included."""
+
+    @app.exception_handler(KvwireError)
+    async def kvwire_error(_: Request, exc: KvwireError) -> JSONResponse:
+        status, body, headers = http_error(exc)
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_refusal(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _openai_error(exc.status_code, str(exc.detail), kind)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_parameter(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _openai_error(400, f"invalid request: {exc.errors()!r:.500}", "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def bug(_: Request, exc: Exception) -> JSONResponse:
+        log.error("request raised", exc_info=exc)
+        return _openai_error(500, f"internal error: {type(exc).__name__}", "internal_error")
 
 
 def _sse(obj: Any) -> bytes:

@@ -54,11 +54,14 @@ from kvwire.errors import (
     IncompatiblePeer,
     KvwireError,
     LayoutError,
+    NobodyListens,
     NoSuchRank,
+    PeerNotAllowed,
     PeerUnreachable,
     TransportError,
     Unauthorized,
 )
+from kvwire.handshake.breaker import CircuitBreaker
 from kvwire.handshake.client import Fetched, fetch_metadata
 from kvwire.handshake.layout import validate_layout
 from kvwire.handshake.server import engine_compat_hash
@@ -71,6 +74,7 @@ from kvwire.handshake.types import (
     PeerRank,
 )
 from kvwire.kv.mapping import RankLayout
+from kvwire.protocol.allow import PeerAllowList
 from kvwire.protocol.states import HandshakeEvent, HandshakeState, PeerHandshake
 from kvwire.transport.base import Agent, PeerMode
 
@@ -82,6 +86,16 @@ _ENSURE_ROUNDS = 4  # a caller waits on at most: a notif-only in flight, an upgr
 
 def _satisfies(have: PeerMode, want: PeerMode) -> bool:
     return have is PeerMode.FULL or want is PeerMode.NOTIF_ONLY
+
+
+def _trips_breaker(exc: BaseException) -> bool:
+    """A failure of the address on the network that cost time: not a refusal it answered, not a refused
+    connection (fast, and what a restarting peer answers for a moment), not our own agent held."""
+    if isinstance(exc, AgentBusy | NobodyListens) or isinstance(exc.__cause__, AgentBusy):
+        return False
+    if isinstance(exc.__cause__, TransportError):
+        return True  # the load of the peer's agent failed in UCX (an endpoint it could not create)
+    return _reason(exc) in (FailureReason.TIMEOUT, FailureReason.UNREACHABLE, FailureReason.TRANSPORT)
 
 
 def _reason(exc: BaseException) -> FailureReason:
@@ -131,6 +145,8 @@ class HandshakeManager:
         secret: bytes | None = None,
         clock_samples: int = 3,
         clock_rtt_target_s: float = 0.002,
+        breaker: CircuitBreaker | None = None,
+        allowed: PeerAllowList | None = None,
     ) -> None:
         self.engine = engine
         self.local = local
@@ -148,6 +164,9 @@ class HandshakeManager:
         self._machines: dict[PeerAddress, PeerHandshake] = {}
         self._last_used: dict[str, float] = {}  # engine_id -> monotonic time
         self.stats = HandshakeManagerStats()
+        # Addresses whose last handshakes failed on the network fail fast for a while (breaker.py).
+        self.breaker = breaker if breaker is not None else CircuitBreaker()
+        self.allowed = allowed if allowed is not None else PeerAllowList()
 
     # -- public API ------------------------------------------------------------------------------------
 
@@ -169,6 +188,9 @@ class HandshakeManager:
         is refreshed first. The peer's answer wins; compare ``PeerRank.incarnation`` to detect stale
         messages.
         """
+        if not self.allowed.allows(host):
+            self.stats.not_allowed += 1
+            raise PeerNotAllowed(f"{host}:{port} is not in allowed_peers: not dialled")
         addr = PeerAddress(host, port, pp_rank, tp_rank)
         hit = self._hit(addr, mode, engine_id, incarnation)
         if hit is not None:
@@ -183,6 +205,7 @@ class HandshakeManager:
                 return self._checked(cached, engine_id)
             task = self._inflight.get(addr)
             if task is None:
+                self.breaker.check(host, port)  # CircuitOpen: counted by the breaker, not logged per call
                 want = mode if cached is None or fresh else max_mode(mode, cached.mode)
                 task = asyncio.create_task(self._handshake(addr, want, cached if fresh else None, cached))
                 self._inflight[addr] = task
@@ -337,7 +360,10 @@ class HandshakeManager:
             self._failed(machine)
             if isinstance(exc, KvwireError):
                 self._log_failure(addr, mode, steps, exc)
+                if _trips_breaker(exc):
+                    self.breaker.failed(addr.host, addr.port)
             raise
+        self.breaker.succeeded(addr.host, addr.port)
         offset = base.clock_offset_s if upgrade and base is not None else fetched.clock_offset_s
         peer = _peer_rank(addr, mode, name, layout, fetched, offset)
         self._peers[addr] = peer

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from kvwire.errors import AuthError, ConfigError, KvwireError, ProtocolError, VersionMismatch
 from kvwire.handshake.types import EngineInfo, LocalRank
@@ -52,6 +52,7 @@ from kvwire.protocol.messages import (
 from kvwire.protocol.seal import ReplySeal
 
 log = logging.getLogger("kvwire.handshake")
+_R = TypeVar("_R", Metadata, ErrorReply, Ack, Metadata | ErrorReply, Ack | ErrorReply)
 
 DEFAULT_IDLE_TIMEOUT_S = 10.0
 DEFAULT_MAX_REQUESTS = 64
@@ -59,6 +60,9 @@ DEFAULT_MAX_REQUESTS = 64
 # requests keep one alive) cannot exhaust the listener's sockets or starve other peers.
 DEFAULT_MAX_CONNECTIONS = 256
 DEFAULT_MAX_CONNECTIONS_PER_HOST = 32
+# From accept to a connection's first complete request: a real requester sends it at once (its handshake
+# is a few ms), so an idle or trickling connection is closed long before it could be renewed at scale.
+DEFAULT_FIRST_REQUEST_TIMEOUT_S = 2.0
 _ACCEPT_STEPS = 3  # loop steps from an accepted socket to connection_made (see _stop_accepting)
 
 
@@ -68,7 +72,23 @@ class ServerStats:
 
     connections: int = 0
     refused_connections: int = 0  # over max_connections (in all or from one host): closed at once
+    # Idle connections that were not authenticated, closed to admit a new one over a limit.
+    evicted_connections: int = 0
+    authenticated_connections: int = 0  # moved to the authenticated budget (with a secret)
     replies: Counter[str] = field(default_factory=Counter)  # "metadata" | "notif_only" | ErrorCode value
+
+
+@dataclass(eq=False)
+class _Conn:
+    """One accepted connection, as the limits see it."""
+
+    host: str
+    writer: asyncio.StreamWriter
+    opened: float
+    counted: bool = True  # counts against its host's budget (until a request on it is authenticated)
+    # Between requests (from accept on: a new connection has sent nothing): evictable unless authenticated.
+    waiting: bool = True
+    task: asyncio.Task[None] | None = None
 
 
 def engine_compat_hash(engine: EngineInfo) -> str:
@@ -123,6 +143,7 @@ class SideChannelServer:
         max_requests_per_conn: int = DEFAULT_MAX_REQUESTS,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         max_connections_per_host: int = DEFAULT_MAX_CONNECTIONS_PER_HOST,
+        first_request_timeout_s: float = DEFAULT_FIRST_REQUEST_TIMEOUT_S,
         on_report: Callable[[ReportFailed], None] | None = None,
     ) -> None:
         self._ranks = {(r.pp_rank, r.tp_rank): r for r in ranks}
@@ -140,6 +161,7 @@ class SideChannelServer:
         self._replays = ReplayGuard() if self._secret else None
         self._seal = ReplySeal(self._secret) if self._secret else None
         self._idle_timeout_s = idle_timeout_s
+        self._first_timeout_s = min(first_request_timeout_s, idle_timeout_s)
         self._max_requests = max_requests_per_conn
         self._max_conns = max_connections
         self._max_per_host = max_connections_per_host
@@ -148,7 +170,7 @@ class SideChannelServer:
         # Handler tasks and their writers are tracked from the moment a connection is accepted: a
         # handler cancelled before its first step never runs its ``finally``, so close() must close the
         # writer itself, or the socket is left to the GC (a ResourceWarning).
-        self._conns: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        self._conns: dict[asyncio.Task[None], _Conn] = {}
         self._late: list[asyncio.StreamWriter] = []  # connections that arrived while closing
         self._closing = False
         # A rank's cache never moves (one slab for its life), so its regions are built once.
@@ -181,7 +203,7 @@ class SideChannelServer:
             task.cancel()
         if conns:
             await asyncio.gather(*conns, return_exceptions=True)
-        for writer in [*conns.values(), *self._late]:
+        for writer in [*(c.writer for c in conns.values()), *self._late]:
             await self._close_writer(writer)
         self._late.clear()
         if server is not None:
@@ -226,25 +248,66 @@ class SideChannelServer:
             return
         peer = writer.get_extra_info("peername")
         host = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
-        if len(self._conns) >= self._max_conns or self._per_host[host] >= self._max_per_host:
+        if not self._make_room(host):
             self.stats.refused_connections += 1
             writer.close()
             return
         self._per_host[host] += 1
-        task = asyncio.get_running_loop().create_task(self._on_connect(reader, writer))
-        self._conns[task] = writer
-        task.add_done_callback(functools.partial(self._forget_conn, host))
+        conn = _Conn(host, writer, time.monotonic())
+        task = asyncio.get_running_loop().create_task(self._on_connect(reader, conn))
+        conn.task = task
+        self._conns[task] = conn
+        task.add_done_callback(self._forget_conn)
 
-    def _forget_conn(self, host: str, task: asyncio.Task[None]) -> None:
-        self._conns.pop(task, None)
-        self._per_host[host] -= 1
-        if self._per_host[host] <= 0:
-            del self._per_host[host]
+    def _make_room(self, host: str) -> bool:
+        """Whether a new connection from ``host`` fits, after evicting (if it must) the oldest idle
+        connection not yet authenticated, of that host or of any: holding connections open then never
+        keeps a newcomer out, and an authenticated peer's connections are never evicted."""
+        if self._per_host[host] >= self._max_per_host and not self._evict(host):
+            return False
+        return len(self._conns) < self._max_conns or self._evict(None)
 
-    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _evict(self, host: str | None) -> bool:
+        idle = [
+            c
+            for c in self._conns.values()
+            if c.waiting and c.counted and (host is None or c.host == host) and c.task is not None
+        ]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda c: c.opened)
+        assert victim.task is not None
+        self._conns.pop(victim.task)
+        self._uncount(victim)
+        victim.task.cancel()
+        victim.writer.close()  # here too: a handler cancelled before its first step never runs its finally
+        self.stats.evicted_connections += 1
+        return True
+
+    def _uncount(self, conn: _Conn) -> None:
+        if conn.counted:
+            conn.counted = False
+            self._per_host[conn.host] -= 1
+            if self._per_host[conn.host] <= 0:
+                del self._per_host[conn.host]
+
+    def _forget_conn(self, task: asyncio.Task[None]) -> None:
+        conn = self._conns.pop(task, None)
+        if conn is not None:
+            self._uncount(conn)
+
+    def _authenticated(self, conn: _Conn) -> None:
+        """A request on ``conn`` proved the secret: from now on it counts against the total only, never
+        against its host's budget, and is never evicted."""
+        if conn.counted:
+            self._uncount(conn)
+            self.stats.authenticated_connections += 1
+
+    async def _on_connect(self, reader: asyncio.StreamReader, conn: _Conn) -> None:
         self.stats.connections += 1
+        writer = conn.writer
         try:
-            await self._serve(reader, writer)
+            await self._serve(reader, conn)
         except (ConnectionError, TimeoutError, asyncio.IncompleteReadError):
             pass  # the client went away or idled out: nothing to answer
         except Exception:  # a bug must cost one connection, never the listener
@@ -252,13 +315,19 @@ class SideChannelServer:
         finally:
             await self._close_writer(writer)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        for _ in range(self._max_requests):
+    async def _serve(self, reader: asyncio.StreamReader, conn: _Conn) -> None:
+        writer = conn.writer
+        for served in range(self._max_requests):
+            # The first request has a short deadline from accept, header and body together.
+            limit = self._first_timeout_s if served == 0 else self._idle_timeout_s
             try:
-                header = await self._read(reader, FRAME_HEADER_BYTES, at_start=True)
-                if header is None:
-                    return
-                body = await self._read(reader, parse_frame_header(header), at_start=False)
+                async with asyncio.timeout(limit):
+                    conn.waiting = True
+                    header = await self._read(reader, FRAME_HEADER_BYTES, at_start=True)
+                    conn.waiting = False
+                    if header is None:
+                        return
+                    body = await self._read(reader, parse_frame_header(header), at_start=False)
                 assert body is not None
                 msg = decode_side(body)
             except ProtocolError as exc:
@@ -266,14 +335,22 @@ class SideChannelServer:
                 await self._send(writer, self._error_for(exc))
                 return
             if isinstance(msg, ReportFailed):
-                await self._send(writer, self.sealed(msg, self.report(msg)))
+                await self._send(writer, self.sealed(msg, self._trusting(conn, self.report(msg))))
                 continue
             if not isinstance(msg, GetMetadata):
                 await self._send(
                     writer, self._refuse(ErrorCode.BAD_REQUEST, f"{type(msg).__name__} is no request")
                 )
                 return
-            await self._send(writer, self.sealed(msg, self.answer(msg)))
+            await self._send(writer, self.sealed(msg, self._trusting(conn, self.answer(msg))))
+
+    def _trusting(self, conn: _Conn, reply: _R) -> _R:
+        """With a secret, a request that was not refused as unauthorized proved it (``answer`` and
+        ``report`` verify before anything else): its connection joins the authenticated budget."""
+        unauthorized = isinstance(reply, ErrorReply) and reply.code is ErrorCode.UNAUTHORIZED
+        if self._secret is not None and not unauthorized:
+            self._authenticated(conn)
+        return reply
 
     async def _read(self, reader: asyncio.StreamReader, n: int, *, at_start: bool) -> bytes | None:
         """Exactly ``n`` bytes, or None on a clean EOF between frames."""

@@ -105,6 +105,7 @@ class HandshakeManagerStats:
     retries: int = 0
     replaced: int = 0  # entries dropped because the peer came back with a new incarnation
     forgotten: int = 0
+    not_allowed: int = 0  # ensure() calls refused at once: the address is not in allowed_peers
     failures: Counter[FailureReason] = field(default_factory=Counter)
     # Most recent durations (seconds), by mode; bounded so a long-lived engine does not grow it.
     durations_s: dict[PeerMode, deque[float]] = field(

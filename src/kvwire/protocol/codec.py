@@ -21,6 +21,7 @@ from kvwire.errors import (
     UnknownMessageType,
     VersionMismatch,
 )
+from kvwire.protocol.limits import MAX_DEPTH, MAX_NOTIF_BYTES, nesting_depth
 from kvwire.protocol.messages import (
     MAX_FRAME_BYTES,
     NOTIF_MAGIC,
@@ -70,10 +71,20 @@ _ENVELOPE_DECODER = msgspec.msgpack.Decoder(_Envelope)
 _DECODE_ERRORS = (msgspec.MsgspecError, ValueError, TypeError, OverflowError, RecursionError, MemoryError)
 
 
-def _explain(
-    body: bytes | bytearray | memoryview, known: frozenset[str], channel: str, err: Exception
-) -> ProtocolError:
+def _too_deep(body: bytes, channel: str) -> MalformedMessage | None:
+    """Refuses a body nested deeper than any message, before an untyped decode walks it (the typed
+    decoders fail early on a wrong shape; the fallbacks that explain a failure would not)."""
+    depth = nesting_depth(body)
+    if depth > MAX_DEPTH:
+        return MalformedMessage(f"{channel}: nested deeper than {MAX_DEPTH} levels")
+    return None
+
+
+def _explain(body: bytes, known: frozenset[str], channel: str, err: Exception) -> ProtocolError:
     """Pick the most specific error for a body that did not decode as a message."""
+    too_deep = _too_deep(body, channel)
+    if too_deep is not None:
+        return too_deep
     try:
         env = _ENVELOPE_DECODER.decode(body)
     except _DECODE_ERRORS:
@@ -106,6 +117,8 @@ def decode_notif(data: bytes | bytearray | memoryview) -> Notification:
     """Decode one notification; raises only ``kvwire.errors.ProtocolError`` subclasses."""
     # Slices copy (notifications are small): a memoryview kept alive by a traceback would pin the caller's
     # buffer.
+    if len(data) > MAX_NOTIF_BYTES + len(NOTIF_MAGIC):
+        raise MalformedMessage(f"notification of {len(data)} bytes is over the {MAX_NOTIF_BYTES}-byte limit")
     magic = bytes(data[: len(NOTIF_MAGIC)])
     if magic != NOTIF_MAGIC:
         raise MalformedMessage(f"notification: bad magic {magic!r}")
@@ -124,9 +137,11 @@ def decode_notif(data: bytes | bytearray | memoryview) -> Notification:
 def _failed_with_unknown_reason(body: bytes) -> Failed | None:
     """A ``failed`` whose reason this version does not know, as ``FailReason.UNKNOWN``: the peer still
     ended its registration, and dropping the message would leave D waiting for liveness."""
+    if _too_deep(body, "notification") is not None:
+        return None
     try:
         raw = msgspec.msgpack.decode(body)
-    except msgspec.DecodeError:
+    except _DECODE_ERRORS:
         return None
     if not isinstance(raw, dict) or raw.get("type") != "failed" or not isinstance(raw.get("reason"), str):
         return None
@@ -135,7 +150,7 @@ def _failed_with_unknown_reason(body: bytes) -> Failed | None:
     raw["reason"] = FailReason.UNKNOWN.value
     try:
         return msgspec.convert(raw, Failed)
-    except msgspec.ValidationError:
+    except _DECODE_ERRORS:
         return None
 
 
@@ -175,7 +190,7 @@ def decode_side(body: bytes | bytearray | memoryview) -> SideMessage:
     try:
         msg = _SIDE_DECODER.decode(body)
     except _DECODE_ERRORS as err:
-        raise _explain(body, SIDE_TYPES, "side channel", err) from None
+        raise _explain(bytes(body), SIDE_TYPES, "side channel", err) from None
     _check_version(msg, "side channel")
     return msg
 

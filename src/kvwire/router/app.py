@@ -118,7 +118,12 @@ def _event_tokens(event: Mapping[str, Any]) -> int:
 class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.client = EngineClient(config.connect_timeout_s, config.request_timeout_s, config.engine_api_key)
+        self.client = EngineClient(
+            config.connect_timeout_s,
+            config.request_timeout_s,
+            config.engine_api_key,
+            router_token=config.router_token,
+        )
         self.registry = EngineRegistry(
             self.client, config.prefill_urls, config.decode_urls, config.health_timeout_s, config.engines
         )

@@ -69,6 +69,10 @@ def router_options() -> list[Option]:
             "engine_api_key", str, None, "key the router sends to the engines (their --api-key)", R,
             env="KVWIRE_API_KEY", default_text="none",
         ),
+        Option(
+            "router_token", str, None, "token the router sends on its legs; engines started with the same "
+            "--router-token take kv_transfer_params only from the router", R, default_text="none",
+        ),
         *logging_options(R),
     ]  # fmt: skip
 
@@ -100,6 +104,7 @@ def config_from_values(values: dict[str, Any]) -> RouterConfig:
         engines=EngineKind(values["engines"]),
         api_key=values["api_key"],
         engine_api_key=values["engine_api_key"],
+        router_token=values["router_token"],
     )
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from kvwire.apikey import bearer
+from kvwire.apikey import bearer, router_token_header
 
 _JSON = {"Content-Type": "application/json"}
 # The most an engine's answer may hold: a health or model list, or a whole unary completion (tokens,
@@ -64,10 +64,11 @@ class EngineClient:
         read_timeout_s: float,
         api_key: str | None = None,
         max_connections: int = 512,
+        router_token: str | None = None,
     ) -> None:
         # No total timeout here: the router bounds each request as a whole; this bounds each wait.
         self._timeout = aiohttp.ClientTimeout(sock_connect=connect_timeout_s, sock_read=read_timeout_s)
-        self._headers = {**bearer(api_key), **_JSON}
+        self._headers = {**bearer(api_key), **router_token_header(router_token), **_JSON}
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
 

@@ -95,7 +95,7 @@ def _bad(message: str, param: str | None = None) -> ApiError:
 def decode_json_object(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # deep nesting: a 400, not a 500
         raise _bad(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object")

@@ -41,8 +41,10 @@ def create_agent(
     *,
     fabric: InprocFabric | None = None,
     faults: InprocFaults | None = None,
+    connect_timeout_s: float | None = None,
 ) -> Agent:
-    """An agent named ``name`` (see ``make_agent_name``). ``fabric``/``faults`` apply to ``inproc`` only."""
+    """An agent named ``name`` (see ``make_agent_name``). ``fabric``/``faults`` apply to ``inproc`` only;
+    ``connect_timeout_s`` (the handshake deadline) to ``nixl`` only: UCX's connect timeouts follow it."""
     try:
         chosen = Backend(backend)
     except ValueError as exc:
@@ -51,5 +53,7 @@ def create_agent(
         # Imported here so that the inproc backend works where NIXL is not installed.
         from kvwire.transport.nixl import NixlAgent
 
-        return NixlAgent(name)
+        if connect_timeout_s is None:
+            return NixlAgent(name)
+        return NixlAgent(name, connect_timeout_s=connect_timeout_s)
     return (fabric or default_fabric()).create_agent(name, faults)

@@ -56,6 +56,7 @@ from kvwire.transport.base import (
     check_desc_arrays,
 )
 from kvwire.transport.offload import DEFAULT_GRACE_S, CallWorker
+from kvwire.transport.ucx_env import DEFAULT_CONNECT_TIMEOUT_S, apply_ucx_defaults
 
 _MAGIC = b"KVWN\x01"
 _FULL = b"F"
@@ -83,7 +84,10 @@ def _has_infiniband() -> bool:
         return False
 
 
-def _nixl() -> tuple[Any, Any, Any]:
+def _nixl(connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> tuple[Any, Any, Any]:
+    # Before the first agent creates UCX's context, which reads them: a connect to an unreachable peer
+    # must neither block the agent nor outlive the handshake's deadline by minutes (ucx_env.py).
+    apply_ucx_defaults(connect_timeout_s)
     # UCX's ib modules make every process that created an agent segfault at exit on hosts with Debian's
     # ibverbs-providers (nixl-on-cpu.md); UCX reads this when the first agent is created.
     # Only where no InfiniBand device exists: on RDMA clusters those modules are the fast path.
@@ -145,9 +149,14 @@ class NixlAgent(PeerTableAgent[PeerEntry]):
     """One NIXL agent with the UCX backend and the progress thread off."""
 
     def __init__(
-        self, name: str, backends: Sequence[str] = ("UCX",), *, busy_grace_s: float = DEFAULT_GRACE_S
+        self,
+        name: str,
+        backends: Sequence[str] = ("UCX",),
+        *,
+        busy_grace_s: float = DEFAULT_GRACE_S,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
     ) -> None:
-        nixl_agent, nixl_agent_config, self._b = _nixl()
+        nixl_agent, nixl_agent_config, self._b = _nixl(connect_timeout_s)
         self.name = name
         self._backends = list(backends)
         try:

@@ -76,6 +76,7 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The digest reads host memory: a D with a GPU cache refuses to start with it above 0, and a P with
     # one sends none (a D asking it fails those requests): leave 0 unless both caches are in host memory.
     kv_digest_sample: float = _DEFAULTS.kv_digest_sample
+    allowed_peers: str = _DEFAULTS.allowed_peers
     # A step with nothing scheduled while transfers are live (vLLM steps back to back while a request
     # waits for KV or P holds blocks): the worker sleeps up to this long, woken at once by any kvwire
     # event, instead of spinning engine and worker processes through empty steps. 0 turns it off.

@@ -120,7 +120,8 @@ class WorkerSide:
         # Producer and consumer of one kv_both engine are two engines to their peers: distinct ids.
         engine_id = p.engine_id if not (self.role is KvRole.BOTH and tag == "d") else f"{p.engine_id}-d"
         info = EngineInfo(engine_id, p.incarnation, p.model_id, kv.spec, p.tp_size, p.pp_size, s.mode)
-        agent = create_agent(s.backend, make_agent_name(engine_id, p.incarnation, p.pp_rank, p.tp_rank))
+        name = make_agent_name(engine_id, p.incarnation, p.pp_rank, p.tp_rank)
+        agent = create_agent(s.backend, name, connect_timeout_s=s.handshake_timeout_s)
         self._agents.append(agent)
         rank = LocalRank(pp_rank=p.pp_rank, tp_rank=p.tp_rank, agent=agent, cache=kv)
         port = s.rank_port(p.pp_rank, p.tp_rank, p.tp_size) + offset
