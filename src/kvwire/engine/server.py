@@ -142,6 +142,9 @@ class EngineServer:
         # Each request's steps as this server saw them (the connector keeps its own: see ``timelines``).
         self.timeline = Timeline()
         self._started = False
+        # SIGTERM under --discovery (``kvwire.engine.fleet``): still serving, but /health says draining so
+        # that routers send nothing new.
+        self.draining = False
         self.app = self._build_app()
 
     def start(self) -> None:
@@ -163,7 +166,7 @@ class EngineServer:
         ident, load = self.identity, self.engine.load()
         problems = [p for check in self.health_checks if (p := check()) is not None]
         return {
-            "status": ("unhealthy" if problems else "ok") if self.loop.alive else "starting",
+            "status": _status(self.loop.alive, bool(problems), self.draining),
             "problems": problems,
             "role": ident.role.value,
             "engine_id": ident.engine_id,
@@ -493,6 +496,12 @@ class EngineServer:
         if self.api_key is not None:
             app.add_middleware(ApiKeyMiddleware, key=self.api_key, flag="--api-key / KVWIRE_API_KEY")
         return app
+
+
+def _status(alive: bool, problems: bool, draining: bool) -> str:
+    if not alive:
+        return "starting"
+    return "unhealthy" if problems else "draining" if draining else "ok"
 
 
 def _sse(obj: Any) -> bytes:

@@ -26,12 +26,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter, Gauge
 
 from kvwire.apikey import ApiKeyMiddleware
-from kvwire.config import EngineKind, RouterConfig
+from kvwire.config import EngineKind, Policy, RouterConfig
 from kvwire.logsetup import transfer_extra
 from kvwire.metrics import CONTENT_TYPE, KvMetrics, MetricRole, Outcome
 from kvwire.protocol.messages import TransferMode
 from kvwire.router import openai_api as api
 from kvwire.router.engines import EngineRegistry, HealthInfo, pair_problem
+from kvwire.router.fleet import FleetDiscovery
 from kvwire.router.http import EngineClient
 from kvwire.router.legs import (
     DecodeStream,
@@ -51,6 +52,7 @@ from kvwire.router.policy import (
     decide_prefill,
     prompt_tokens,
 )
+from kvwire.router.prefix import BLOCK_TOKENS, block_hashes
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +125,9 @@ class Router:
             self.client, config.prefill_urls, config.decode_urls, config.health_timeout_s, config.engines
         )
         self.picker = Picker(config.policy)
+        self.fleet = FleetDiscovery(config.discovery, self.registry) if config.discovery else None
+        # Prompt blocks sent to P, and of those the ones P was believed to hold (the prefix index's view).
+        self.prefix_blocks = {"hit": 0, "total": 0}
         self.metrics = KvMetrics(MetricRole.ROUTER, config.model, transfers=False)
         self._healthy_gauge = Gauge(
             "kvwire_router_engine_healthy",
@@ -142,6 +147,8 @@ class Router:
         self._background: set[asyncio.Task[Any]] = set()
 
     async def start(self) -> None:
+        if self.fleet is not None:
+            await self.fleet.start(first_view_s=self.config.health_timeout_s)
         await self.registry.check_all()
         self._poller = asyncio.create_task(self.registry.poll(self.config.health_interval_s, self._stop))
 
@@ -152,6 +159,8 @@ class Router:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.registry.close()
+        if self.fleet is not None:
+            await self.fleet.close()
         await self.client.close()
 
     # -- status endpoints ----------------------------------------------------------------------------
@@ -166,7 +175,10 @@ class Router:
         ok = all(any(e.healthy for e in states) for states in self.registry.engines.values())
         problems = self.registry.pair_problems(self.config.mode)
         status = "ok" if ok and not problems else "misconfigured" if problems else "unavailable"
-        body = {"status": status, "role": "router", "problems": problems, **engines}
+        body: dict[str, Any] = {"status": status, "role": "router", "problems": problems, **engines}
+        body["prefix_blocks"] = dict(self.prefix_blocks)
+        if self.fleet is not None:
+            body["discovery"] = self.fleet.summary()
         return (200 if status == "ok" else 503), body
 
     def render_metrics(self) -> bytes:
@@ -205,8 +217,9 @@ class Router:
         self, req: ParsedRequest, start: float, trace: _Trace
     ) -> tuple[Response, Latency | None]:
         """Serve one parsed request: on D alone, or disaggregated. ``(response, None)`` for a stream."""
-        p, d = await self._pick()
         tokens = self._tokens(req)
+        hashes = block_hashes(req.prompt)
+        p, d = await self._pick(hashes, tokens)
         cfg = self.config
         decision = decide_prefill(cfg.disaggregation, tokens, p, d, cfg.local_prefill_max_tokens)
         self._prefills.labels("router", cfg.model, decision.site.value, decision.reason.value).inc()
@@ -216,6 +229,7 @@ class Router:
             return await self._local(req, rid, d.url, tokens, start)
         p_url, d_url = p.url, d.url
         p_info = await self._pair_info(p_url, d_url)
+        self._count_prefix(p_url, hashes)
         trace.transfer_id = transfer_id = uuid.uuid4().hex
         base = req.engine_body()
         legs = (prefill_body(base, transfer_id), decode_body(base, transfer_id, p_info))
@@ -244,16 +258,30 @@ class Router:
         lat = latency or Latency()
         self.metrics.record_request(outcome, time.monotonic() - start, lat.ttft_s, lat.token_gaps_s)
 
-    async def _pick(self) -> tuple[EngineView, EngineView]:
+    def _count_prefix(self, p_url: str, hashes: list[bytes]) -> None:
+        """Count the blocks P was believed to hold, then record the prompt as held there."""
+        self.prefix_blocks["hit"] += self.registry.prefix.overlap(p_url, hashes)
+        self.prefix_blocks["total"] += len(hashes)
+        self.registry.prefix.record(p_url, hashes)
+
+    def _pick_one(self, role: Role, hashes: list[bytes], tokens: int) -> EngineView:
+        views = self.registry.views(role)
+        cached = None
+        if role is Role.PREFILL and self.picker.policy is Policy.PREFIX_AWARE:
+            index = self.registry.prefix
+            cached = {v.url: index.overlap(v.url, hashes) * BLOCK_TOKENS for v in views if v.healthy}
+        return self.picker.pick(role, views, cached, tokens)
+
+    async def _pick(self, hashes: list[bytes], tokens: int) -> tuple[EngineView, EngineView]:
         picks = []
         for role in (Role.PREFILL, Role.DECODE):
             try:
-                picks.append(self.picker.pick(role, self.registry.views(role)))
+                picks.append(self._pick_one(role, hashes, tokens))
             except NoHealthyEngine:
                 # The cached health may be stale (an engine came back): look again once before refusing.
                 await self.registry.check_all(role)
                 try:
-                    picks.append(self.picker.pick(role, self.registry.views(role)))
+                    picks.append(self._pick_one(role, hashes, tokens))
                 except NoHealthyEngine as exc:
                     raise ApiError(ErrorType.UNAVAILABLE, str(exc)) from exc
         return picks[0], picks[1]
