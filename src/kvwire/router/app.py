@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 _EXTRA_EVENTS = 16
 # How long a cancelled leg may take to close its connection before the router stops waiting for it.
 _CANCEL_WAIT_S = 2.0
+# Picks per request when the picked engines refuse connections (each refusal re-checks that engine first).
+_PICK_TRIES = 3
 # UTF-8 bytes per prompt token, to size a text prompt: exact for kvwire's byte-level engines; for vLLM's
 # tokenizers, which the router does not load, a rough average for English text.
 _BYTES_PER_TOKEN = {EngineKind.KVWIRE: 1.0, EngineKind.VLLM: 4.0}
@@ -214,6 +216,21 @@ class Router:
         return response
 
     async def _route(
+        self, req: ParsedRequest, start: float, trace: _Trace
+    ) -> tuple[Response, Latency | None]:
+        """``_route_once``, again on another pick when an engine refused the connection (it never saw the
+        request: a killed engine the health checks have not caught yet, or one that just left the fleet)."""
+        for attempt in range(_PICK_TRIES):
+            try:
+                return await self._route_once(req, start, trace)
+            except LegError as exc:
+                if not exc.refused or attempt + 1 == _PICK_TRIES:
+                    raise
+                log.info("%s refused the connection: picking again", exc.url)
+                await self.registry.recheck(exc.url)
+        raise AssertionError("unreachable")
+
+    async def _route_once(
         self, req: ParsedRequest, start: float, trace: _Trace
     ) -> tuple[Response, Latency | None]:
         """Serve one parsed request: on D alone, or disaggregated. ``(response, None)`` for a stream."""

@@ -247,6 +247,12 @@ class EngineRegistry:
         if state._refreshing is None or state._refreshing.done():
             state._refreshing = asyncio.create_task(self.check(state))
 
+    async def recheck(self, url: str) -> None:
+        """Check this engine's health now and wait for the answer (before picking again)."""
+        state = self._by_url.get(url)
+        if state is not None:
+            await self.check(state)
+
     async def info_of(self, url: str) -> HealthInfo | None:
         state = self._by_url[url]
         if state.info is None:
