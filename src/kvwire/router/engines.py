@@ -131,6 +131,7 @@ class EngineState:
     healthy: bool = False
     info: HealthInfo | None = None
     inflight: int = 0
+    sent: int = 0  # requests this router sent it, ever (a joining engine's first traffic shows here)
     prefill_tokens: int = 0  # see EngineView.prefill_tokens
     error: str | None = None
     checked_at: float = 0.0
@@ -152,6 +153,7 @@ class EngineState:
             "draining": self.draining,
             "engine_id": info.engine_id if info else None,
             "inflight": self.inflight,
+            "sent": self.sent,
             "prefill_tokens": self.prefill_tokens,
             "load": vars(info.load) if info else None,
             "error": self.error,
@@ -262,7 +264,9 @@ class EngineRegistry:
     def begin(self, *urls: str) -> None:
         """Count a request this router sent to these engines (least-loaded picks see it at once)."""
         for url in urls:
-            self._by_url[url].inflight += 1
+            state = self._by_url[url]
+            state.inflight += 1
+            state.sent += 1
 
     def end(self, *urls: str) -> None:
         for url in urls:
