@@ -99,3 +99,19 @@ def test_discovery_prefix_aware_score() -> None:
     # Round robin ignores the cache.
     rr = Picker(Policy.ROUND_ROBIN)
     assert [rr.pick(Role.PREFILL, [hot, cold], cached, 600).url for _ in range(2)] == [P1, P2]
+
+
+def test_discovery_prefix_index_overlaps_every_engine_at_once() -> None:
+    index = PrefixIndex()
+    long_a = block_hashes("a" * 16 * 8)
+    index.record(P1, long_a)
+    index.record(P2, long_a[:3])
+    index.record(D1, block_hashes("b" * 64))
+    assert index.overlaps(long_a) == {P1: 8, P2: 3}
+    assert index.overlaps(block_hashes("c" * 64)) == {}
+    index.set_capacity(P1, 2)  # the engine's cache is 2 blocks: the oldest go
+    assert index.size(P1) == 2 and index.overlaps(long_a) == {P2: 3}
+    index.forget(P2)  # its holders go with it
+    assert index.overlaps(long_a) == {} and index._holders.keys() == set(block_hashes("b" * 64)) | set(
+        long_a[6:]
+    )

@@ -67,9 +67,9 @@ class Bench:
         self.fleet = fleet
         self.setup = fleet.setup
         self.prompts = plain_prompts(16, args.seed)
-        self.shared = shared_prefix_prompts(
-            4, max(1, args.routing_requests // 4), args.prefix_bytes, args.seed
-        )
+        groups = args.prefix_groups
+        per_group = max(1, args.routing_requests // groups)
+        self.shared = shared_prefix_prompts(groups, per_group, args.prefix_bytes, args.seed)
         assert fleet.colocated is not None
         self.reference = reference_answers(fleet.colocated, [*self.prompts, *self.shared], self.setup)
         self.router = fleet.routers[_MAIN]
@@ -243,8 +243,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--p", type=int, default=2, help="prefill engines")
     add("--d", type=int, default=2, help="decode engines")
     add("--requests", type=int, default=40, help="requests per scenario (rolling runs until it is done)")
-    add("--routing-requests", type=int, default=48, help="shared-prefix requests per routing policy; 0: skip")
+    add("--routing-requests", type=int, default=64, help="shared-prefix requests per routing policy; 0: skip")
     add("--prefix-bytes", type=int, default=768, help="length of the shared prefixes")
+    add(
+        "--prefix-groups",
+        type=int,
+        default=8,
+        help="distinct shared prefixes (more than one P's cache holds)",
+    )
     add("--concurrency", type=int, default=3)
     add("--rate", type=float, default=20.0, help="requests per second at most, all clients together")
     add("--max-tokens", type=int, default=8)

@@ -2,8 +2,9 @@
 
 Timed in process on simulated engines: the registry holds ``n`` discovered prefill and ``n`` decode
 engines, each P's prefix index warm with the workload's prompts; one request's pick is what
-``Router._pick_one`` does for it under prefix-aware routing: hash the prompt's blocks, look them up in
-every healthy P's index, score, and pick a D. The HTTP legs, the same at any fleet size, are left out.
+``Router._pick_one`` does for it under prefix-aware routing: hash the prompt's blocks, look up which
+Ps hold them (one lookup per block, whatever the fleet's size), score every P, and pick a D. The HTTP
+legs, the same at any fleet size, are left out.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def pick_us(n: int, picks: int, prompts: Sequence[str]) -> float:
         prompt = prompts[i % len(prompts)]
         hashes = block_hashes(prompt)
         views = reg.views(Role.PREFILL)
-        cached = {v.url: reg.prefix.overlap(v.url, hashes) * BLOCK_TOKENS for v in views if v.healthy}
+        cached = {url: n * BLOCK_TOKENS for url, n in reg.prefix.overlaps(hashes).items()}
         picker.pick(Role.PREFILL, views, cached, len(prompt) + 1)
         picker.pick(Role.DECODE, reg.views(Role.DECODE))
     return (time.perf_counter() - start) / picks * 1e6

@@ -221,17 +221,19 @@ def plain_prompts(n: int, seed: int) -> list[str]:
 
 def shared_prefix_prompts(groups: int, per_group: int, prefix_bytes: int, seed: int) -> list[str]:
     """Few-shot / multi-turn shaped prompts: ``groups`` long shared prefixes, each followed by
-    ``per_group`` different short questions; interleaved so a group's requests arrive spread out."""
+    ``per_group`` different short questions, in a random order."""
     rng = random.Random(seed)
     prefixes = []
     for g in range(groups):
         shots = [f"Q{k}: {rng.random():.6f} A{k}: {rng.random():.6f}." for k in range(prefix_bytes // 24 + 1)]
         prefixes.append(f"[system {g}] " + " ".join(shots)[:prefix_bytes])
-    return [
+    out = [
         f"{prefixes[g]} User: question {q} about {rng.randint(0, 999)}?"
         for q in range(per_group)
         for g in range(groups)
     ]
+    rng.shuffle(out)  # arrivals in no pattern a rotation could line up with
+    return out
 
 
 def log_dir_for(base: Path | None) -> Path:

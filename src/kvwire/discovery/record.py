@@ -54,6 +54,8 @@ class EngineRecord(msgspec.Struct, frozen=True):
     mode: str | None = None
     authenticated: bool | None = None
     load: RecordLoad = RecordLoad()
+    kv_blocks: int = 0  # the KV cache's size in blocks of block_size tokens (0: not said)
+    block_size: int = 0
     draining: bool = False  # SIGTERM received: finish what it has, take nothing new
     updated: float = 0.0  # the engine's wall clock when written (for people reading etcd)
 

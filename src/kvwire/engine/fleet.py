@@ -64,6 +64,8 @@ def engine_record(server: EngineServer, url: str) -> EngineRecord:
         mode=mode.value if mode is not None else None,
         authenticated=ident.authenticated,
         load=RecordLoad(load.running, load.waiting, load.free_blocks),
+        kv_blocks=server.engine.kv.allocator.num_blocks,
+        block_size=server.engine.kv.spec.block_size,
         draining=server.draining,
         updated=time.time(),
     )

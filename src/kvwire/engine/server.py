@@ -180,6 +180,8 @@ class EngineServer:
             "mode": ident.mode.value if ident.mode is not None else None,
             "authenticated": ident.authenticated,
             "load": {"running": load.running, "waiting": load.waiting, "free_blocks": load.free_blocks},
+            "kv_blocks": self.engine.kv.allocator.num_blocks,
+            "block_size": self.engine.kv.spec.block_size,
         }
 
     def refresh_metrics(self) -> None:

@@ -285,8 +285,7 @@ class Router:
         views = self.registry.views(role)
         cached = None
         if role is Role.PREFILL and self.picker.policy is Policy.PREFIX_AWARE:
-            index = self.registry.prefix
-            cached = {v.url: index.overlap(v.url, hashes) * BLOCK_TOKENS for v in views if v.healthy}
+            cached = {url: n * BLOCK_TOKENS for url, n in self.registry.prefix.overlaps(hashes).items()}
         return self.picker.pick(role, views, cached, tokens)
 
     async def _pick(self, hashes: list[bytes], tokens: int) -> tuple[EngineView, EngineView]:

@@ -23,7 +23,7 @@ from kvwire.errors import ConfigError
 from kvwire.protocol.messages import TransferMode
 from kvwire.router.http import EngineClient, json_object
 from kvwire.router.policy import EngineView, Load, Role
-from kvwire.router.prefix import PrefixIndex
+from kvwire.router.prefix import BLOCK_TOKENS, PrefixIndex
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class HealthInfo:
     seed: int | None = None
     mode: TransferMode | None = None
     authenticated: bool | None = None  # KVWIRE_SECRET set
+    kv_tokens: int = 0  # the KV cache's size in tokens, when the engine says (sizes the prefix index)
 
     @classmethod
     def parse(cls, body: Mapping[str, Any]) -> HealthInfo:
@@ -67,6 +68,7 @@ class HealthInfo:
             seed=int(body["seed"]) if body.get("seed") is not None else None,
             mode=TransferMode(body["mode"]) if body.get("mode") is not None else None,
             authenticated=bool(body["authenticated"]) if body.get("authenticated") is not None else None,
+            kv_tokens=int(body.get("kv_blocks", 0)) * int(body.get("block_size", 0)),
         )
         if body.get("status", "ok") != "ok":
             raise ValueError(f"status {body.get('status')!r}")
@@ -235,6 +237,7 @@ class EngineRegistry:
             if not state.healthy:
                 log.info("%s engine %s healthy (engine_id %s)", state.role.value, state.url, info.engine_id)
             state.healthy, state.info, state.error = True, info, None
+            self._size_prefix(state)
         state.checked_at = time.monotonic()
 
     async def check_all(self, role: Role | None = None) -> None:
@@ -299,6 +302,7 @@ class EngineRegistry:
                     self.prefix.forget(url)
                 state.healthy, state.error = True, None
             state.info, state.draining = info, draining.get(url, False)
+            self._size_prefix(state)
         for role, states in self.engines.items():
             for state in [s for s in states if s.discovered and (role, s.url) not in found]:
                 log.info("%s engine %s left the fleet", role.value, state.url)
@@ -306,6 +310,10 @@ class EngineRegistry:
                 state.healthy = False
                 self.prefix.forget(state.url)
                 self._drop_if_gone(state.url)
+
+    def _size_prefix(self, state: EngineState) -> None:
+        if state.role is Role.PREFILL and state.info is not None and state.info.kv_tokens > 0:
+            self.prefix.set_capacity(state.url, state.info.kv_tokens // BLOCK_TOKENS)
 
     def _drop_if_gone(self, url: str) -> None:
         """Forget a departed engine once no request of ours is on it (the table stays bounded)."""

@@ -43,6 +43,7 @@ def health_info(rec: EngineRecord) -> HealthInfo:
         seed=rec.seed,
         mode=mode,
         authenticated=rec.authenticated,
+        kv_tokens=rec.kv_blocks * rec.block_size,
     )
 
 
