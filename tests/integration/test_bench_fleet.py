@@ -14,8 +14,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.nixl]
 
 def test_bench_fleet_discovery_meets_its_goals(tmp_path: Path) -> None:
     out = tmp_path / "fleet.json"
-    cmd = [sys.executable, "-m", "kvwire.cli", "bench", "fleet", "--requests", "12", "--routing-requests", "32",
-           "--cost-picks", "200", "--json", str(out), "--log-dir", str(tmp_path / "logs")]  # fmt: skip
+    cmd = [sys.executable, "-m", "kvwire.cli", "bench", "fleet", "--requests", "12",
+           "--routing-requests", "32", "--cost-picks", "200", "--json", str(out),
+           "--log-dir", str(tmp_path / "logs")]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     doc = json.loads(out.read_text())
