@@ -10,8 +10,9 @@ Scenarios, each on the same fleet (``--p`` prefill and ``--d`` decode engines, a
 * ``drain``: that engine gets SIGTERM under load; it marks itself draining, finishes, deregisters, exits 0.
 * ``rolling``: every engine in turn gets SIGTERM (drain) and is started again on its port (a new
   incarnation), under load that runs until the last one is back.
-* ``kill``: a decode engine gets SIGKILL under load; ``in_flight_at_kill`` is what the router had on it
-  just before. Its lease then expires (``--ttl``); the engine is started again afterwards.
+* ``kill``: a decode engine gets SIGKILL under load, at a moment the router has requests on it;
+  ``in_flight_at_kill`` is how many (read just before, plus those sent to it until just after). Its
+  lease then expires (``--ttl``); the engine is started again afterwards.
 
 Every answer is compared with the colocated reference engine's (temperature 0): ``mismatched`` counts the
 differences. ``routing`` sends the same shared-prefix requests (few-shot prompts: a long shared prefix and
@@ -130,8 +131,16 @@ class Bench:
     def kill(self) -> dict[str, Any]:
         victim = self.fleet.engines["decode0"]
         load = self.open_load()
-        in_flight = self.fleet.view(self.router)[victim.url]["inflight"]
+        # Killed while it has requests: what the goal is about (at most 5 s of looking for the moment).
+        deadline = time.monotonic() + 5.0
+        while (before := self.fleet.view(self.router)[victim.url])["inflight"] == 0:
+            if time.monotonic() > deadline:
+                break
         self.fleet.group.kill(victim)
+        # Requests sent to it between the read and the kill were in flight on it too (the count can only
+        # err high by one sent in the milliseconds after the kill: refused, then picked again elsewhere).
+        after = self.fleet.view(self.router).get(victim.url, before)
+        in_flight = before["inflight"] + after["sent"] - before["sent"]
         del self.fleet.engines["decode0"]
         outcome = self.finish(load)
         gone = self.fleet.wait_view(self.router, lambda v: victim.url not in v, "the lease expiry", 30.0)
