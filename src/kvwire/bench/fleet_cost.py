@@ -17,7 +17,7 @@ from kvwire.config import Policy
 from kvwire.router.engines import EngineRegistry, HealthInfo
 from kvwire.router.http import EngineClient
 from kvwire.router.policy import Load, Picker, Role
-from kvwire.router.prefix import BLOCK_TOKENS, block_hashes
+from kvwire.router.prefix import block_hashes
 
 
 def _registry(n: int) -> EngineRegistry:
@@ -43,7 +43,7 @@ def pick_us(n: int, picks: int, prompts: Sequence[str]) -> float:
         prompt = prompts[i % len(prompts)]
         hashes = block_hashes(prompt)
         views = reg.views(Role.PREFILL)
-        cached = {url: n * BLOCK_TOKENS for url, n in reg.prefix.overlaps(hashes).items()}
+        cached = reg.cached_tokens(hashes)
         picker.pick(Role.PREFILL, views, cached, len(prompt) + 1)
         picker.pick(Role.DECODE, reg.views(Role.DECODE))
     return (time.perf_counter() - start) / picks * 1e6

@@ -52,7 +52,7 @@ from kvwire.router.policy import (
     decide_prefill,
     prompt_tokens,
 )
-from kvwire.router.prefix import BLOCK_TOKENS, block_hashes
+from kvwire.router.prefix import block_hashes
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +128,6 @@ class Router:
         )
         self.picker = Picker(config.policy)
         self.fleet = FleetDiscovery(config.discovery, self.registry) if config.discovery else None
-        # Prompt blocks sent to P, and of those the ones P was believed to hold (the prefix index's view).
-        self.prefix_blocks = {"hit": 0, "total": 0}
         self.metrics = KvMetrics(MetricRole.ROUTER, config.model, transfers=False)
         self._healthy_gauge = Gauge(
             "kvwire_router_engine_healthy",
@@ -178,7 +176,7 @@ class Router:
         problems = self.registry.pair_problems(self.config.mode)
         status = "ok" if ok and not problems else "misconfigured" if problems else "unavailable"
         body: dict[str, Any] = {"status": status, "role": "router", "problems": problems, **engines}
-        body["prefix_blocks"] = dict(self.prefix_blocks)
+        body["prefix_blocks"] = dict(self.registry.prefix_blocks)
         if self.fleet is not None:
             body["discovery"] = self.fleet.summary()
         return (200 if status == "ok" else 503), body
@@ -246,7 +244,7 @@ class Router:
             return await self._local(req, rid, d.url, tokens, start)
         p_url, d_url = p.url, d.url
         p_info = await self._pair_info(p_url, d_url)
-        self._count_prefix(p_url, hashes)
+        self.registry.prefix_sent(p_url, hashes)
         trace.transfer_id = transfer_id = uuid.uuid4().hex
         base = req.engine_body()
         legs = (prefill_body(base, transfer_id), decode_body(base, transfer_id, p_info))
@@ -275,18 +273,10 @@ class Router:
         lat = latency or Latency()
         self.metrics.record_request(outcome, time.monotonic() - start, lat.ttft_s, lat.token_gaps_s)
 
-    def _count_prefix(self, p_url: str, hashes: list[bytes]) -> None:
-        """Count the blocks P was believed to hold, then record the prompt as held there."""
-        self.prefix_blocks["hit"] += self.registry.prefix.overlap(p_url, hashes)
-        self.prefix_blocks["total"] += len(hashes)
-        self.registry.prefix.record(p_url, hashes)
-
     def _pick_one(self, role: Role, hashes: list[bytes], tokens: int) -> EngineView:
-        views = self.registry.views(role)
-        cached = None
-        if role is Role.PREFILL and self.picker.policy is Policy.PREFIX_AWARE:
-            cached = {url: n * BLOCK_TOKENS for url, n in self.registry.prefix.overlaps(hashes).items()}
-        return self.picker.pick(role, views, cached, tokens)
+        prefix_aware = role is Role.PREFILL and self.picker.policy is Policy.PREFIX_AWARE
+        cached = self.registry.cached_tokens(hashes) if prefix_aware else None
+        return self.picker.pick(role, self.registry.views(role), cached, tokens)
 
     async def _pick(self, hashes: list[bytes], tokens: int) -> tuple[EngineView, EngineView]:
         picks = []

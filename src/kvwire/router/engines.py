@@ -181,6 +181,8 @@ class EngineRegistry:
         self._by_url = {e.url: e for states in self.engines.values() for e in states}
         # What each P probably holds in its prefix cache (kept under every policy, to report hit rates).
         self.prefix = PrefixIndex()
+        # Prompt blocks sent to P, and of those the ones P was believed to hold (``/health``).
+        self.prefix_blocks = {"hit": 0, "total": 0}
 
     def _state(self, url: str, role: Role) -> EngineState:
         base, fragment = split_fragment(url)
@@ -283,6 +285,16 @@ class EngineRegistry:
     def prefill_end(self, url: str, tokens: int) -> None:
         self._by_url[url].prefill_tokens -= tokens
         self._drop_if_gone(url)
+
+    def prefix_sent(self, url: str, hashes: list[bytes]) -> None:
+        """A prompt goes to P ``url``: count the blocks it was believed to hold, then record them there."""
+        self.prefix_blocks["hit"] += self.prefix.overlap(url, hashes)
+        self.prefix_blocks["total"] += len(hashes)
+        self.prefix.record(url, hashes)
+
+    def cached_tokens(self, hashes: list[bytes]) -> dict[str, int]:
+        """Per P URL, the leading tokens of the prompt it is believed to hold."""
+        return {url: n * BLOCK_TOKENS for url, n in self.prefix.overlaps(hashes).items()}
 
     # -- discovery ---------------------------------------------------------------------------------------
     def sync(self, found: Mapping[tuple[Role, str], HealthInfo], draining: Mapping[str, bool]) -> None:
