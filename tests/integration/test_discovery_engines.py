@@ -63,6 +63,18 @@ def test_discovery_fleet_processes_join_drain_and_die(
     got = httpx.post(router.url + "/v1/completions", json=body, timeout=30.0)
     assert got.status_code == 200, got.text
     assert view(router)[p.url]["sent"] == 1 and view(router)[d.url]["sent"] == 1
+    metrics = httpx.get(router.url + "/metrics", timeout=5.0).text.splitlines()
+    figures = {
+        line.split("{")[0]: line.rsplit(" ", 1)[1]
+        for line in metrics
+        if line.startswith("kvwire_router_disc")
+    }
+    assert figures == {
+        "kvwire_router_discovery_synced": "1.0",
+        "kvwire_router_discovery_engines": "2.0",
+        "kvwire_router_discovery_resyncs": "0.0",
+        "kvwire_router_discovery_rejected": "0.0",
+    }
     # SIGTERM drains P: the router sees it draining, then gone; the process exits 0.
     p_old = view_id(router, p.url)
     assert p.proc is not None

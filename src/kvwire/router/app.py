@@ -129,6 +129,8 @@ class Router:
         self.picker = Picker(config.policy)
         self.fleet = FleetDiscovery(config.discovery, self.registry) if config.discovery else None
         self.metrics = KvMetrics(MetricRole.ROUTER, config.model, transfers=False)
+        if self.fleet is not None:
+            self.fleet.gauges(self.metrics.registry, config.model)
         self._healthy_gauge = Gauge(
             "kvwire_router_engine_healthy",
             "1 if the engine's last health check passed",

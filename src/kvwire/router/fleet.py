@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+
+from prometheus_client import CollectorRegistry, Gauge
 
 from kvwire.discovery.etcd import EtcdClient, parse_target
 from kvwire.discovery.record import EngineRecord, FleetRole
@@ -69,6 +71,29 @@ class FleetDiscovery:
             await asyncio.wait_for(self.watcher.synced.wait(), timeout=first_view_s)
         except TimeoutError:
             log.warning("no answer from %s yet: starting without its engines", self.client.target)
+
+    def gauges(self, registry: CollectorRegistry, model: str) -> None:
+        """``kvwire_router_discovery_*`` on the router's ``/metrics`` (read from the watcher at scrape)."""
+        labels = {"role": "router", "model_name": model}
+        w = self.watcher
+        figures: dict[str, tuple[str, Callable[[], float]]] = {
+            "synced": (
+                "1 while the view follows etcd (0: away, last view kept)",
+                lambda: float(w.synced.is_set()),
+            ),
+            "engines": ("engine records in the view", lambda: float(len(w.records))),
+            "resyncs": (
+                "full listings after the first (etcd came back, or the watch broke)",
+                lambda: w.resyncs,
+            ),
+            "rejected": (
+                "values under the prefix refused (not a record, or not its key's)",
+                lambda: w.rejected,
+            ),
+        }
+        for name, (text, read) in figures.items():
+            gauge = Gauge(f"kvwire_router_discovery_{name}", text, list(labels), registry=registry)
+            gauge.labels(**labels).set_function(read)
 
     def summary(self) -> dict[str, object]:
         return {
