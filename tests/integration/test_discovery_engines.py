@@ -1,5 +1,6 @@
 """Engine servers and a router as real processes on a real etcd: the router starts with no engine URL,
-finds P and D through etcd, serves a request; SIGTERM drains P (draining, then deregistered, exit 0);
+finds P and D through etcd, serves a request, serves on while etcd is down and resyncs when it is back;
+SIGTERM drains P (draining, then deregistered, exit 0);
 kill -9 of D leaves the view when its lease expires. ``-k "etcd or discovery"`` finds it."""
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ pytestmark = pytest.mark.nixl
 def view(router: Server) -> dict[str, dict[str, Any]]:
     body = httpx.get(router.url + "/health", timeout=5.0).json()
     return {e["url"]: e for role in ("prefill", "decode") for e in body[role]}
+
+
+def discovery(router: Server) -> dict[str, Any]:
+    body: dict[str, Any] = httpx.get(router.url + "/health", timeout=5.0).json()["discovery"]
+    return body
 
 
 def view_id(router: Server, url: str) -> str:
@@ -56,7 +62,7 @@ def fleet(tmp_path: Path) -> Iterator[tuple[ServerGroup, EtcdServer, dict[str, S
 def test_discovery_fleet_processes_join_drain_and_die(
     fleet: tuple[ServerGroup, EtcdServer, dict[str, Server]],
 ) -> None:
-    group, _, s = fleet
+    group, etcd, s = fleet
     router, p, d = s["router"], s["prefill"], s["decode"]
     wait_until(lambda: {p.url, d.url} <= set(view(router)), "the router to find both engines")
     body = {"model": "kvwire-tiny", "prompt": "a fleet found through etcd", "max_tokens": 6, "temperature": 0}
@@ -75,6 +81,14 @@ def test_discovery_fleet_processes_join_drain_and_die(
         "kvwire_router_discovery_resyncs": "0.0",
         "kvwire_router_discovery_rejected": "0.0",
     }
+    # etcd down: the router keeps its view and the engines serve on; etcd back: the view resyncs.
+    etcd.kill()
+    wait_until(lambda: not discovery(router)["synced"], "the router to notice etcd is gone", 5.0)
+    down = httpx.post(router.url + "/v1/completions", json=body, timeout=30.0)
+    assert down.status_code == 200 and down.json()["choices"][0]["text"] == got.json()["choices"][0]["text"]
+    etcd.start()
+    wait_until(lambda: discovery(router)["synced"] and discovery(router)["engines"] == 2, "the resync", 15.0)
+    assert discovery(router)["resyncs"] >= 1 and {p.url, d.url} <= set(view(router))
     # SIGTERM drains P: the router sees it draining, then gone; the process exits 0.
     p_old = view_id(router, p.url)
     assert p.proc is not None
