@@ -115,3 +115,32 @@ def test_discovery_prefix_index_overlaps_every_engine_at_once() -> None:
     assert index.overlaps(long_a) == {} and index._holders.keys() == set(block_hashes("b" * 64)) | set(
         long_a[6:]
     )
+
+
+def test_discovery_target_and_record_parsing() -> None:
+    from kvwire.discovery.etcd import EtcdUnavailable, _events, parse_target, prefix_end
+    from kvwire.discovery.record import MAX_RECORD_BYTES, decode, encode
+    from kvwire.errors import ConfigError
+
+    assert parse_target("etcd://10.0.0.5:2379/prod/") == parse_target("etcd://10.0.0.5:2379/prod")
+    t = parse_target("etcd://h")
+    assert (t.host, t.port, t.prefix, str(t)) == ("h", 2379, "/kvwire", "etcd://h:2379/kvwire")
+    for bad in ("http://h:1", "etcd://", "etcd://h:port"):
+        with pytest.raises(ConfigError):
+            parse_target(bad)
+    assert prefix_end("/kvwire/engines/") == "/kvwire/engines0"
+    rec = EngineRecord(FleetRole.DECODE, "d", "i", "m", "http://x:1", "x", 2)
+    assert decode(encode(rec)) == rec
+    for raw in (b"{}", b"[1]", b'{"role": "router"}', b" " * (MAX_RECORD_BYTES + 1)):
+        with pytest.raises(ValueError):
+            decode(raw)
+    with pytest.raises(EtcdUnavailable):
+        _events({"error": {"message": "no"}})
+    with pytest.raises(EtcdUnavailable):
+        _events({"result": {"canceled": True, "compact_revision": "5"}})
+    assert (
+        _events({"result": {"events": [{"type": "DELETE", "kv": {"key": "YQ==", "mod_revision": "3"}}]}})[
+            0
+        ].value
+        is None
+    )

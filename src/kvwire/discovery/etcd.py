@@ -174,11 +174,11 @@ class EtcdClient:
 
 
 def _events(message: Any) -> list[WatchEvent]:
-    result = message.get("result", {}) if isinstance(message, dict) else {}
-    if message.get("error") if isinstance(message, dict) else True:
-        raise EtcdUnavailable(
-            f"etcd watch error: {message.get('error') if isinstance(message, dict) else message}"
-        )
+    """One line of the watch stream as events (``EtcdUnavailable`` for an error or a cancelled watch)."""
+    if not isinstance(message, dict) or message.get("error"):
+        detail = message.get("error") if isinstance(message, dict) else message
+        raise EtcdUnavailable(f"etcd watch error: {str(detail)[:200]}")
+    result = message.get("result", {})
     if result.get("canceled") or result.get("compact_revision"):
         raise EtcdUnavailable(f"etcd cancelled the watch: {result.get('cancel_reason', 'compacted')}")
     out = []
