@@ -217,3 +217,32 @@ def test_etcd_discovery_skips_junk_under_the_prefix(etcd: EtcdServer) -> None:
         await watcher.client.close()
 
     run(body)
+
+
+def test_etcd_watcher_survives_a_failing_view_update(etcd: EtcdServer) -> None:
+    """A bug while applying the view (here: the callback raises once) is logged and the watcher lists
+    again, instead of its task ending and the router's view freezing."""
+
+    async def body() -> None:
+        target = parse_target(etcd.url)
+        view = View()
+        calls = [0]
+
+        def flaky(records: Mapping[str, EngineRecord]) -> None:
+            calls[0] += 1
+            if calls[0] == 1:
+                raise RuntimeError("boom")
+            view(records)
+
+        client = EtcdClient(target)
+        await client.put(engine_key("/kvwire", FleetRole.PREFILL, record().url), encode(record()))
+        watcher = FleetWatcher(EtcdClient(target), flaky, retry_s=0.05)
+        task = asyncio.create_task(watcher.run())
+        await until(lambda: view.urls() == {record().url}, "the view after the failure")
+        assert calls[0] >= 2 and not task.done()
+        await client.close()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await watcher.client.close()
+
+    run(body)

@@ -94,6 +94,9 @@ class Registrar:
                     log.warning("etcd unreachable, serving on and retrying: %s", exc)
                 failing = True
                 self.registered.clear()
+            except Exception:  # a bug here must not end the registration for good: log it, try again
+                log.exception("registration failed")
+                self.registered.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), timeout=self.interval_s)
 

@@ -96,6 +96,9 @@ class FleetWatcher:
                         "etcd watch lost, keeping the last view of %d engines: %s", len(self.records), exc
                     )
                 self.synced.clear()
+            except Exception:  # a bug in applying the view must not freeze it for good: log, list again
+                log.exception("applying the fleet view failed")
+                self.synced.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), timeout=self.retry_s)
 
