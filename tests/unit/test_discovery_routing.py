@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvwire.config import Policy
+from kvwire.config import Policy, RouterConfig
 from kvwire.discovery.record import EngineRecord, FleetRole, RecordLoad
 from kvwire.router.engines import EngineRegistry, HealthInfo
 from kvwire.router.fleet import health_info
@@ -144,3 +144,25 @@ def test_discovery_target_and_record_parsing() -> None:
         ].value
         is None
     )
+
+
+def test_discovery_router_options_need_no_urls() -> None:
+    import argparse
+
+    from kvwire.errors import ConfigError
+    from kvwire.options import Command, resolve
+    from kvwire.router.cli import add_arguments, config_from_values, router_options
+
+    def config(*argv: str) -> RouterConfig:
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        values = resolve(parser.parse_args(list(argv)), router_options(), Command.ROUTER, {})
+        return config_from_values(values)
+
+    cfg = config("--discovery", "etcd://127.0.0.1:2379/f", "--policy", "prefix_aware")
+    assert cfg.prefill_urls == () and cfg.discovery == "etcd://127.0.0.1:2379/f"
+    assert cfg.policy is Policy.PREFIX_AWARE
+    with pytest.raises(ConfigError, match="--discovery"):
+        config()
+    with pytest.raises(ConfigError, match="etcd://"):
+        config("--discovery", "127.0.0.1:2379")

@@ -85,7 +85,8 @@ def config_from_values(values: dict[str, Any]) -> RouterConfig:
     for name in ("prefill", "decode"):
         if not values[name] and not values["discovery"]:
             raise ConfigError(
-                f"the router needs --{name} URL (or KVWIRE_{name.upper()}, or '{name}' in --config)"
+                f"the router needs --{name} URL (or KVWIRE_{name.upper()}, or '{name}' in --config), "
+                "or --discovery etcd://HOST:PORT to find its engines there"
             )
     if values["discovery"]:
         parse_target(values["discovery"])
