@@ -7,6 +7,7 @@ Every engine gets ``--discovery`` and nothing else about the fleet: the routers 
 from __future__ import annotations
 
 import random
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -237,6 +238,4 @@ def shared_prefix_prompts(groups: int, per_group: int, prefix_bytes: int, seed: 
 
 
 def log_dir_for(base: Path | None) -> Path:
-    import tempfile
-
     return base if base is not None else Path(tempfile.mkdtemp(prefix="kvwire-fleet-"))
