@@ -166,3 +166,16 @@ def test_discovery_router_options_need_no_urls() -> None:
         config()
     with pytest.raises(ConfigError, match="etcd://"):
         config("--discovery", "127.0.0.1:2379")
+
+
+def test_discovery_router_health_counts_draining_engines_out() -> None:
+    from kvwire.router.app import Router
+
+    router = Router(RouterConfig((), (), discovery="etcd://127.0.0.1:1"))
+    router.registry.sync({(Role.PREFILL, P1): info(Role.PREFILL), (Role.DECODE, D1): info(Role.DECODE)}, {})
+    assert router.health()[0] == 200
+    router.registry.sync(
+        {(Role.PREFILL, P1): info(Role.PREFILL), (Role.DECODE, D1): info(Role.DECODE)}, {P1: True}
+    )
+    status, body = router.health()
+    assert status == 503 and body["status"] == "unavailable" and body["prefill"][0]["draining"]

@@ -174,7 +174,7 @@ class Router:
         engines = {
             role.value: [e.summary() for e in states] for role, states in self.registry.engines.items()
         }
-        ok = all(any(e.healthy for e in states) for states in self.registry.engines.values())
+        ok = all(any(e.view().healthy for e in states) for states in self.registry.engines.values())
         problems = self.registry.pair_problems(self.config.mode)
         status = "ok" if ok and not problems else "misconfigured" if problems else "unavailable"
         body: dict[str, Any] = {"status": status, "role": "router", "problems": problems, **engines}
