@@ -28,6 +28,11 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("bench e2e", "kvwire.bench.e2e", "TTFT disaggregated vs colocated"),
     ("bench overhead", "kvwire.bench.overhead", "control-plane CPU time per request"),
     ("bench short", "kvwire.bench.short", "a short request disaggregated vs colocated; idle engines' CPU"),
+    (
+        "bench fleet",
+        "kvwire.bench.fleet",
+        "a 2P2D fleet on etcd: steady, join, drain, rolling restart, kill; routing",
+    ),
     ("bench flood", "kvwire.bench.flood", "a rogue peer floods P with notifications while real requests run"),
     ("bench vllm", "kvwire.bench.vllm", "kvwire vs vLLM's NIXL push connector in real vLLM engines"),
     (

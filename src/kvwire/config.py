@@ -86,6 +86,8 @@ class Policy(enum.Enum):
 
     ROUND_ROBIN = "round_robin"
     LEAST_LOADED = "least_loaded"
+    # P by prefix-cache overlap against its prefill queue, D by load (``kvwire.router.policy``).
+    PREFIX_AWARE = "prefix_aware"
 
 
 class Disaggregation(enum.Enum):
@@ -153,10 +155,14 @@ class RouterConfig:
     # Sent on every leg (header x-kvwire-router-token): engines with the same token take kv_transfer_params
     # from the router only.
     router_token: str | None = field(default=None, repr=False)
+    # etcd://HOST:PORT[/prefix]: engines found there join the static URLs (``kvwire.discovery``).
+    discovery: str | None = None
 
     def __post_init__(self) -> None:
-        if not self.prefill_urls or not self.decode_urls:
-            raise ConfigError("the router needs at least one prefill and one decode engine URL")
+        if (not self.prefill_urls or not self.decode_urls) and self.discovery is None:
+            raise ConfigError(
+                "the router needs at least one prefill and one decode engine URL (or --discovery)"
+            )
         if set(self.prefill_urls) & set(self.decode_urls):
             raise ConfigError("an engine cannot be both a prefill and a decode engine of one router")
         for url in (*self.prefill_urls, *self.decode_urls):

@@ -251,3 +251,16 @@ def logging_options(commands: frozenset[Command]) -> list[Option]:
             commands,
         ),
     ]
+
+
+def discovery_option(commands: frozenset[Command]) -> Option:
+    """``--discovery etcd://HOST:PORT[/prefix]``: the engines register there, the router watches there."""
+    return Option(
+        "discovery",
+        str,
+        None,
+        "etcd://HOST:PORT[/prefix] (prefix default /kvwire): engines register under a lease there and the "
+        "router routes to the engines registered there, besides any --prefill/--decode URLs",
+        commands,
+        default_text="none: static URLs only",
+    )

@@ -14,7 +14,7 @@ from typing import Any
 from kvwire.config import Backend
 from kvwire.connector import ConnectorConfig
 from kvwire.engine.config import PRESETS
-from kvwire.options import CONNECTED, ENGINES, Command, Option, logging_options
+from kvwire.options import CONNECTED, ENGINES, Command, Option, discovery_option, logging_options
 from kvwire.protocol.messages import TransferMode
 
 P, D, C = Command.PREFILL, Command.DECODE, Command.COLOCATED
@@ -112,6 +112,13 @@ def engine_options() -> list[Option]:
             "insecure", bool, False, "allow a non-loopback --host without KVWIRE_SECRET: anyone who reaches "
             "the side channel can then read the cache layout and write into D's KV", ENGINES,
         ),
+        discovery_option(CONNECTED),
+        Option("discovery_ttl", int, 5, "seconds the engine's etcd lease lives without renewal (a killed "
+               "engine leaves the routers' view after at most this)", CONNECTED),
+        Option("advertise_url", str, None, "the HTTP URL routers reach this engine at (registered in etcd)",
+               CONNECTED, default_text="http://HOST:PORT, HOST from KVWIRE_SIDE_CHANNEL_HOST or --host"),
+        Option("drain_timeout", float, 30.0, "under --discovery, SIGTERM drains: seconds at most to finish "
+               "in-flight requests before stopping", CONNECTED),
         *_connector_options(),
         *logging_options(ENGINES),
     ]  # fmt: skip

@@ -18,10 +18,11 @@ import signal
 import socket
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvwire.config import EnvConfig, env_config, process_environ
 from kvwire.connector import LoadFailurePolicy
+from kvwire.discovery.etcd import parse_target
 from kvwire.engine.config import EngineConfig, Role, preset
 from kvwire.engine.connector_hooks import ConnectorMetrics, ConnectorSettings, attach_connector
 from kvwire.engine.engine import Engine
@@ -34,6 +35,9 @@ from kvwire.options import Command, LogFormat, add_options, resolve
 from kvwire.protocol.messages import TransferMode
 from kvwire.startup import bind_tcp, check_exposure, fail, in_use_message
 from kvwire.transport.base import new_incarnation
+
+if TYPE_CHECKING:
+    from kvwire.engine.fleet import Fleet
 
 log = logging.getLogger("kvwire.serve")
 
@@ -119,6 +123,8 @@ def build_server(values: dict[str, Any], role: Role, env: EnvConfig) -> EngineSe
 
 def start(values: dict[str, Any], role: Role, env: EnvConfig) -> Started:
     check_exposure(values["host"], env.secret, values["insecure"])
+    if values.get("discovery"):
+        parse_target(values["discovery"])  # a bad --discovery ends start-up before anything listens
     if role is not Role.COLOCATED:
         connector_config(values, TransferMode(values["mode"]))  # refuse bad knobs before building anything
     port = values["port"]
@@ -155,6 +161,20 @@ def summary(values: dict[str, Any], started: Started, env: EnvConfig) -> str:
     return "; ".join(parts)
 
 
+def _fleet(values: dict[str, Any], started: Started, env: EnvConfig) -> Fleet | None:
+    """The engine's etcd registration (``--discovery``), installed on its app; None without it."""
+    if not values.get("discovery"):
+        return None
+    from kvwire.engine.fleet import Fleet  # uvicorn and aiohttp: imported only when serving
+
+    url = values["advertise_url"] or f"http://{env.side_channel_host or values['host']}:{started.port}"
+    fleet = Fleet(started.server, values["discovery"], url.rstrip("/"), values["discovery_ttl"],
+                  values["drain_timeout"])  # fmt: skip
+    fleet.install(started.server.app)
+    log.info("registering in %s as %s (lease ttl %d s)", values["discovery"], url, values["discovery_ttl"])
+    return fleet
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -171,16 +191,23 @@ def run(args: argparse.Namespace) -> int:
     log.info("%s", summary(values, started, env))
     if env.secret is None:
         log.warning("KVWIRE_SECRET is not set: the side channel authenticates no peer")
+    fleet = _fleet(values, started, env)
     config = uvicorn.Config(
         server.app, host=values["host"], port=started.port, log_config=None, lifespan="on", access_log=False
     )
+    if fleet is None:
+        userver = uvicorn.Server(config)
+    else:
+        from kvwire.engine.fleet import DrainingServer
+
+        userver = DrainingServer(config, fleet)
     stopped_by: list[int] = []
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler that was
     # installed before it: this one records it, so a requested stop exits with status 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: stopped_by.append(signum))
     try:
-        uvicorn.Server(config).run(sockets=[started.sock])
+        userver.run(sockets=[started.sock])
     finally:
         server.stop()
         if server.engine.hooks is not None:

@@ -170,6 +170,9 @@ class EngineServer:
         # Each request's steps as this server saw them (the connector keeps its own: see ``timelines``).
         self.timeline = Timeline()
         self._started = False
+        # SIGTERM under --discovery (``kvwire.engine.fleet``): still serving, but /health says draining so
+        # that routers send nothing new.
+        self.draining = False
         self.app = self._build_app()
 
     def start(self) -> None:
@@ -191,7 +194,7 @@ class EngineServer:
         ident, load = self.identity, self.engine.load()
         problems = [p for check in self.health_checks if (p := check()) is not None]
         return {
-            "status": ("unhealthy" if problems else "ok") if self.loop.alive else "starting",
+            "status": _status(self.loop.alive, bool(problems), self.draining),
             "problems": problems,
             "role": ident.role.value,
             "engine_id": ident.engine_id,
@@ -205,6 +208,8 @@ class EngineServer:
             "mode": ident.mode.value if ident.mode is not None else None,
             "authenticated": ident.authenticated,
             "load": {"running": load.running, "waiting": load.waiting, "free_blocks": load.free_blocks},
+            "kv_blocks": self.engine.kv.allocator.num_blocks,
+            "block_size": self.engine.kv.spec.block_size,
         }
 
     def refresh_metrics(self) -> None:
@@ -575,6 +580,12 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def bug(_: Request, exc: Exception) -> JSONResponse:
         log.error("request raised", exc_info=exc)
         return _openai_error(500, f"internal error: {type(exc).__name__}", "internal_error")
+
+
+def _status(alive: bool, problems: bool, draining: bool) -> str:
+    if not alive:
+        return "starting"
+    return "unhealthy" if problems else "draining" if draining else "ok"
 
 
 def _sse(obj: Any) -> bytes:

@@ -26,12 +26,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter, Gauge
 
 from kvwire.apikey import ApiKeyMiddleware
-from kvwire.config import EngineKind, RouterConfig
+from kvwire.config import EngineKind, Policy, RouterConfig
 from kvwire.logsetup import transfer_extra
 from kvwire.metrics import CONTENT_TYPE, KvMetrics, MetricRole, Outcome
 from kvwire.protocol.messages import TransferMode
 from kvwire.router import openai_api as api
 from kvwire.router.engines import EngineRegistry, HealthInfo, pair_problem
+from kvwire.router.fleet import FleetDiscovery
 from kvwire.router.http import EngineClient
 from kvwire.router.legs import (
     DecodeStream,
@@ -51,6 +52,7 @@ from kvwire.router.policy import (
     decide_prefill,
     prompt_tokens,
 )
+from kvwire.router.prefix import block_hashes
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,8 @@ log = logging.getLogger(__name__)
 _EXTRA_EVENTS = 16
 # How long a cancelled leg may take to close its connection before the router stops waiting for it.
 _CANCEL_WAIT_S = 2.0
+# Picks per request when the picked engines refuse connections (each refusal re-checks that engine first).
+_PICK_TRIES = 3
 # UTF-8 bytes per prompt token, to size a text prompt: exact for kvwire's byte-level engines; for vLLM's
 # tokenizers, which the router does not load, a rough average for English text.
 _BYTES_PER_TOKEN = {EngineKind.KVWIRE: 1.0, EngineKind.VLLM: 4.0}
@@ -128,7 +132,10 @@ class Router:
             self.client, config.prefill_urls, config.decode_urls, config.health_timeout_s, config.engines
         )
         self.picker = Picker(config.policy)
+        self.fleet = FleetDiscovery(config.discovery, self.registry) if config.discovery else None
         self.metrics = KvMetrics(MetricRole.ROUTER, config.model, transfers=False)
+        if self.fleet is not None:
+            self.fleet.gauges(self.metrics.registry, config.model)
         self._healthy_gauge = Gauge(
             "kvwire_router_engine_healthy",
             "1 if the engine's last health check passed",
@@ -147,6 +154,8 @@ class Router:
         self._background: set[asyncio.Task[Any]] = set()
 
     async def start(self) -> None:
+        if self.fleet is not None:
+            await self.fleet.start(first_view_s=self.config.health_timeout_s)
         await self.registry.check_all()
         self._poller = asyncio.create_task(self.registry.poll(self.config.health_interval_s, self._stop))
 
@@ -157,6 +166,8 @@ class Router:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.registry.close()
+        if self.fleet is not None:
+            await self.fleet.close()
         await self.client.close()
 
     # -- status endpoints ----------------------------------------------------------------------------
@@ -168,10 +179,13 @@ class Router:
         engines = {
             role.value: [e.summary() for e in states] for role, states in self.registry.engines.items()
         }
-        ok = all(any(e.healthy for e in states) for states in self.registry.engines.values())
+        ok = all(any(e.view().healthy for e in states) for states in self.registry.engines.values())
         problems = self.registry.pair_problems(self.config.mode)
         status = "ok" if ok and not problems else "misconfigured" if problems else "unavailable"
-        body = {"status": status, "role": "router", "problems": problems, **engines}
+        body: dict[str, Any] = {"status": status, "role": "router", "problems": problems, **engines}
+        body["prefix_blocks"] = dict(self.registry.prefix_blocks)
+        if self.fleet is not None:
+            body["discovery"] = self.fleet.summary()
         return (200 if status == "ok" else 503), body
 
     def render_metrics(self) -> bytes:
@@ -209,9 +223,25 @@ class Router:
     async def _route(
         self, req: ParsedRequest, start: float, trace: _Trace
     ) -> tuple[Response, Latency | None]:
+        """``_route_once``, again on another pick when an engine refused the connection (it never saw the
+        request: a killed engine the health checks have not caught yet, or one that just left the fleet)."""
+        for attempt in range(_PICK_TRIES):
+            try:
+                return await self._route_once(req, start, trace)
+            except LegError as exc:
+                if not exc.refused or attempt + 1 == _PICK_TRIES:
+                    raise
+                log.info("%s refused the connection: picking again", exc.url)
+                await self.registry.recheck(exc.url)
+        raise AssertionError("unreachable")
+
+    async def _route_once(
+        self, req: ParsedRequest, start: float, trace: _Trace
+    ) -> tuple[Response, Latency | None]:
         """Serve one parsed request: on D alone, or disaggregated. ``(response, None)`` for a stream."""
-        p, d = await self._pick()
         tokens = self._tokens(req)
+        hashes = block_hashes(req.prompt)
+        p, d = await self._pick(hashes, tokens)
         cfg = self.config
         decision = decide_prefill(cfg.disaggregation, tokens, p, d, cfg.local_prefill_max_tokens)
         self._prefills.labels("router", cfg.model, decision.site.value, decision.reason.value).inc()
@@ -221,6 +251,7 @@ class Router:
             return await self._local(req, rid, d.url, tokens, start)
         p_url, d_url = p.url, d.url
         p_info = await self._pair_info(p_url, d_url)
+        self.registry.prefix_sent(p_url, hashes)
         trace.transfer_id = transfer_id = uuid.uuid4().hex
         base = req.engine_body()
         legs = (prefill_body(base, transfer_id), decode_body(base, transfer_id, p_info))
@@ -249,16 +280,21 @@ class Router:
         lat = latency or Latency()
         self.metrics.record_request(outcome, time.monotonic() - start, lat.ttft_s, lat.token_gaps_s)
 
-    async def _pick(self) -> tuple[EngineView, EngineView]:
+    def _pick_one(self, role: Role, hashes: list[bytes], tokens: int) -> EngineView:
+        prefix_aware = role is Role.PREFILL and self.picker.policy is Policy.PREFIX_AWARE
+        cached = self.registry.cached_tokens(hashes) if prefix_aware else None
+        return self.picker.pick(role, self.registry.views(role), cached, tokens)
+
+    async def _pick(self, hashes: list[bytes], tokens: int) -> tuple[EngineView, EngineView]:
         picks = []
         for role in (Role.PREFILL, Role.DECODE):
             try:
-                picks.append(self.picker.pick(role, self.registry.views(role)))
+                picks.append(self._pick_one(role, hashes, tokens))
             except NoHealthyEngine:
                 # The cached health may be stale (an engine came back): look again once before refusing.
                 await self.registry.check_all(role)
                 try:
-                    picks.append(self.picker.pick(role, self.registry.views(role)))
+                    picks.append(self._pick_one(role, hashes, tokens))
                 except NoHealthyEngine as exc:
                     raise ApiError(ErrorType.UNAVAILABLE, str(exc)) from exc
         return picks[0], picks[1]

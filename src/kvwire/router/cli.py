@@ -20,9 +20,10 @@ from kvwire.config import (
     process_environ,
     split_urls,
 )
+from kvwire.discovery.etcd import parse_target
 from kvwire.errors import ConfigError, KvwireError
 from kvwire.logsetup import configure
-from kvwire.options import Command, LogFormat, Option, add_options, logging_options, resolve
+from kvwire.options import Command, LogFormat, Option, add_options, discovery_option, logging_options, resolve
 from kvwire.protocol.messages import TransferMode
 from kvwire.startup import bind_tcp, fail
 
@@ -32,8 +33,11 @@ R = frozenset({Command.ROUTER})
 
 def router_options() -> list[Option]:
     return [
-        Option("prefill", list, None, "prefill engine URL (repeat or comma-separate); required", R),
-        Option("decode", list, None, "decode engine URL (repeat or comma-separate); required", R),
+        Option("prefill", list, None, "prefill engine URL (repeat or comma-separate); required without "
+               "--discovery", R),
+        Option("decode", list, None, "decode engine URL (repeat or comma-separate); required without "
+               "--discovery", R),
+        discovery_option(R),
         Option("host", str, "127.0.0.1", "address to bind", R),
         Option("port", int, 8000, "port to bind", R),
         Option("policy", str, Policy.ROUND_ROBIN.value, "picks P and D", R, tuple(p.value for p in Policy)),
@@ -83,13 +87,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_values(values: dict[str, Any]) -> RouterConfig:
     for name in ("prefill", "decode"):
-        if not values[name]:
+        if not values[name] and not values["discovery"]:
             raise ConfigError(
-                f"the router needs --{name} URL (or KVWIRE_{name.upper()}, or '{name}' in --config)"
+                f"the router needs --{name} URL (or KVWIRE_{name.upper()}, or '{name}' in --config), "
+                "or --discovery etcd://HOST:PORT to find its engines there"
             )
+    if values["discovery"]:
+        parse_target(values["discovery"])
     return RouterConfig(
-        prefill_urls=split_urls(values["prefill"]),
-        decode_urls=split_urls(values["decode"]),
+        prefill_urls=split_urls(values["prefill"] or []),
+        decode_urls=split_urls(values["decode"] or []),
+        discovery=values["discovery"],
         policy=Policy(values["policy"]),
         disaggregation=Disaggregation(values["disaggregation"]),
         local_prefill_max_tokens=values["local_prefill_max_tokens"],
@@ -112,8 +120,9 @@ def summary(config: RouterConfig, port: int) -> str:
     return "; ".join(
         [
             f"router serving http://{config.host}:{port}",
-            f"prefill {', '.join(config.prefill_urls)}",
-            f"decode {', '.join(config.decode_urls)}",
+            f"prefill {', '.join(config.prefill_urls) or '-'}",
+            f"decode {', '.join(config.decode_urls) or '-'}",
+            f"discovery {config.discovery or 'none'}",
             f"mode {config.mode.value}",
             f"policy {config.policy.value}",
             _disaggregation(config),

@@ -23,6 +23,7 @@ from kvwire.errors import ConfigError
 from kvwire.protocol.messages import TransferMode
 from kvwire.router.http import EngineClient, json_object
 from kvwire.router.policy import EngineView, Load, Role
+from kvwire.router.prefix import BLOCK_TOKENS, PrefixIndex
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class HealthInfo:
     seed: int | None = None
     mode: TransferMode | None = None
     authenticated: bool | None = None  # KVWIRE_SECRET set
+    kv_tokens: int = 0  # the KV cache's size in tokens, when the engine says (sizes the prefix index)
 
     @classmethod
     def parse(cls, body: Mapping[str, Any]) -> HealthInfo:
@@ -66,6 +68,7 @@ class HealthInfo:
             seed=int(body["seed"]) if body.get("seed") is not None else None,
             mode=TransferMode(body["mode"]) if body.get("mode") is not None else None,
             authenticated=bool(body["authenticated"]) if body.get("authenticated") is not None else None,
+            kv_tokens=int(body.get("kv_blocks", 0)) * int(body.get("block_size", 0)),
         )
         if body.get("status", "ok") != "ok":
             raise ValueError(f"status {body.get('status')!r}")
@@ -130,22 +133,29 @@ class EngineState:
     healthy: bool = False
     info: HealthInfo | None = None
     inflight: int = 0
+    sent: int = 0  # requests this router sent it, ever (a joining engine's first traffic shows here)
     prefill_tokens: int = 0  # see EngineView.prefill_tokens
     error: str | None = None
     checked_at: float = 0.0
+    discovered: bool = False  # from etcd: leaves the view when its record goes
+    draining: bool = False  # its record says it is draining: finish what it has, send it nothing new
     _refreshing: asyncio.Task[None] | None = field(default=None, repr=False)
 
     def view(self) -> EngineView:
         load = self.info.load if self.info is not None else Load()
-        return EngineView(self.url, self.healthy, load, self.inflight, self.prefill_tokens)
+        return EngineView(
+            self.url, self.healthy and not self.draining, load, self.inflight, self.prefill_tokens
+        )
 
     def summary(self) -> dict[str, Any]:
         info = self.info
         return {
             "url": self.url,
             "healthy": self.healthy,
+            "draining": self.draining,
             "engine_id": info.engine_id if info else None,
             "inflight": self.inflight,
+            "sent": self.sent,
             "prefill_tokens": self.prefill_tokens,
             "load": vars(info.load) if info else None,
             "error": self.error,
@@ -169,6 +179,10 @@ class EngineRegistry:
             for role, urls in ((Role.PREFILL, prefill), (Role.DECODE, decode))
         }
         self._by_url = {e.url: e for states in self.engines.values() for e in states}
+        # What each P probably holds in its prefix cache (kept under every policy, to report hit rates).
+        self.prefix = PrefixIndex()
+        # Prompt blocks sent to P, and of those the ones P was believed to hold (``/health``).
+        self.prefix_blocks = {"hit": 0, "total": 0}
 
     def _state(self, url: str, role: Role) -> EngineState:
         base, fragment = split_fragment(url)
@@ -220,20 +234,31 @@ class EngineRegistry:
                 log.warning("%s engine %s unhealthy: %s", state.role.value, state.url, exc)
             state.healthy, state.error = False, str(exc) or type(exc).__name__
         else:
+            if state.info is not None and state.info.incarnation != info.incarnation:
+                self.prefix.forget(state.url)  # a new life: its prefix cache starts empty
             if not state.healthy:
                 log.info("%s engine %s healthy (engine_id %s)", state.role.value, state.url, info.engine_id)
             state.healthy, state.info, state.error = True, info, None
+            self._size_prefix(state)
         state.checked_at = time.monotonic()
 
     async def check_all(self, role: Role | None = None) -> None:
-        states = self._by_url.values() if role is None else self.engines[role]
+        states = [*self._by_url.values()] if role is None else [*self.engines[role]]
         await asyncio.gather(*(self.check(s) for s in states))
 
     def suspect(self, url: str) -> None:
         """A leg to this engine failed: re-check its health now, in the background (deduplicated)."""
-        state = self._by_url[url]
+        state = self._by_url.get(url)
+        if state is None:
+            return  # it left the fleet meanwhile
         if state._refreshing is None or state._refreshing.done():
             state._refreshing = asyncio.create_task(self.check(state))
+
+    async def recheck(self, url: str) -> None:
+        """Check this engine's health now and wait for the answer (before picking again)."""
+        state = self._by_url.get(url)
+        if state is not None:
+            await self.check(state)
 
     async def info_of(self, url: str) -> HealthInfo | None:
         state = self._by_url[url]
@@ -244,11 +269,14 @@ class EngineRegistry:
     def begin(self, *urls: str) -> None:
         """Count a request this router sent to these engines (least-loaded picks see it at once)."""
         for url in urls:
-            self._by_url[url].inflight += 1
+            state = self._by_url[url]
+            state.inflight += 1
+            state.sent += 1
 
     def end(self, *urls: str) -> None:
         for url in urls:
             self._by_url[url].inflight -= 1
+            self._drop_if_gone(url)
 
     def prefill_begin(self, url: str, tokens: int) -> None:
         """A prompt of ``tokens`` was sent to this engine to prefill (conditional routing compares them)."""
@@ -256,6 +284,56 @@ class EngineRegistry:
 
     def prefill_end(self, url: str, tokens: int) -> None:
         self._by_url[url].prefill_tokens -= tokens
+        self._drop_if_gone(url)
+
+    def prefix_sent(self, url: str, hashes: list[bytes]) -> None:
+        """A prompt goes to P ``url``: count the blocks it was believed to hold, then record them there."""
+        self.prefix_blocks["hit"] += self.prefix.overlap(url, hashes)
+        self.prefix_blocks["total"] += len(hashes)
+        self.prefix.record(url, hashes)
+
+    def cached_tokens(self, hashes: list[bytes]) -> dict[str, int]:
+        """Per P URL, the leading tokens of the prompt it is believed to hold."""
+        return {url: n * BLOCK_TOKENS for url, n in self.prefix.overlaps(hashes).items()}
+
+    # -- discovery ---------------------------------------------------------------------------------------
+    def sync(self, found: Mapping[tuple[Role, str], HealthInfo], draining: Mapping[str, bool]) -> None:
+        """Make the discovered engines exactly ``found`` (static ones stay). A new engine, or a new life
+        (incarnation) of a known one, is healthy at once: it registered once it served."""
+        for (role, url), info in found.items():
+            state = self._by_url.get(url)
+            if state is None or state.role is not role:
+                state = self._by_url[url] = EngineState(url, role, discovered=True)
+                if self.kind is EngineKind.VLLM:
+                    state.static = info
+            if state not in self.engines[role]:
+                self.engines[role].append(state)
+            if state.info is None or state.info.incarnation != info.incarnation:
+                if state.info is not None:
+                    log.info("%s engine %s: new life (incarnation %s)", role.value, url, info.incarnation)
+                    self.prefix.forget(url)
+                state.healthy, state.error = True, None
+            state.info, state.draining = info, draining.get(url, False)
+            self._size_prefix(state)
+        for role, states in self.engines.items():
+            for state in [s for s in states if s.discovered and (role, s.url) not in found]:
+                log.info("%s engine %s left the fleet", role.value, state.url)
+                states.remove(state)
+                state.healthy = False
+                self.prefix.forget(state.url)
+                self._drop_if_gone(state.url)
+
+    def _size_prefix(self, state: EngineState) -> None:
+        if state.role is Role.PREFILL and state.info is not None and state.info.kv_tokens > 0:
+            self.prefix.set_capacity(state.url, state.info.kv_tokens // BLOCK_TOKENS)
+
+    def _drop_if_gone(self, url: str) -> None:
+        """Forget a departed engine once no request of ours is on it (the table stays bounded)."""
+        state = self._by_url.get(url)
+        if state is None or not state.discovered or state in self.engines[state.role]:
+            return
+        if state.inflight <= 0 and state.prefill_tokens <= 0:
+            del self._by_url[url]
 
     async def poll(self, interval_s: float, stop: asyncio.Event) -> None:
         """Re-check every engine each ``interval_s`` until ``stop`` is set."""

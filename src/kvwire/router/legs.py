@@ -47,6 +47,8 @@ class LegError(ApiError):
         self.role = role
         self.url = url
         self.unreachable = unreachable
+        # The connection was refused: the engine never saw the request, another engine may take it.
+        self.refused = False
 
 
 def prefill_body(base: Mapping[str, Any], transfer_id: str) -> dict[str, Any]:
@@ -141,9 +143,9 @@ def _translate(role: Role, url: str, exc: BaseException) -> LegError:
         return LegError(role, url, ErrorType.TIMEOUT, f"timed out ({type(exc).__name__})")
     # The engine could not be reached or dropped the connection: its health is worth a look at once.
     unreachable = isinstance(exc, aiohttp.ClientConnectionError | aiohttp.ClientPayloadError)
-    return LegError(
-        role, url, ErrorType.ENGINE_ERROR, f"{type(exc).__name__}: {exc}", unreachable=unreachable
-    )
+    err = LegError(role, url, ErrorType.ENGINE_ERROR, f"{type(exc).__name__}: {exc}", unreachable=unreachable)
+    err.refused = isinstance(exc, aiohttp.ClientConnectorError)
+    return err
 
 
 async def post_completion(

@@ -6,6 +6,13 @@ loaded takes the engine with the fewest running + waiting requests (as last repo
 router has sent it since), breaking ties by the most free blocks, then by rotation so that equal engines
 share the work.
 
+Prefix aware (``Policy.PREFIX_AWARE``) picks P by ``prefill_cost``: the prompt tokens P would compute
+before this request's first token, i.e. the tokens this router already queued there (``prefill_tokens``)
+plus this prompt's tokens that P does not hold in its prefix cache (``PrefixIndex.overlap``), plus
+``QUEUE_TOKENS`` per request P reports running or waiting (other routers' work, decode steps). The lowest
+cost wins; equal costs rotate. D is the least loaded (fewest requests, then most free KV blocks): a decode
+engine's cost is its batch, and the KV it receives never hits a cache.
+
 Under ``Disaggregation.CONDITIONAL`` the router also decides, per request, where its prompt is prefilled
 (``decide_prefill``): on D itself when the prompt is short, or when P's prefill queue is longer than D's;
 otherwise on P, with the KV sent to D.
@@ -14,7 +21,7 @@ otherwise on P, with the KV sent to D.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvwire.config import Disaggregation, Policy
@@ -54,6 +61,11 @@ class EngineView:
     prefill_tokens: int = 0
 
 
+# What one request running or waiting on P costs a new one, in prompt tokens (one block's worth: a request
+# in the batch slows every step a little; the prompt tokens dominate when they are known).
+QUEUE_TOKENS = 16
+
+
 class Picker:
     """Picks one engine per call. Keeps only a rotation counter (per role) as state."""
 
@@ -61,7 +73,14 @@ class Picker:
         self.policy = policy
         self._turn: dict[Role, int] = {Role.PREFILL: 0, Role.DECODE: 0}
 
-    def pick(self, role: Role, engines: Sequence[EngineView]) -> EngineView:
+    def pick(
+        self,
+        role: Role,
+        engines: Sequence[EngineView],
+        cached_tokens: Mapping[str, int] | None = None,
+        prompt_tokens: int = 0,
+    ) -> EngineView:
+        """``cached_tokens``: per P URL, the prompt's tokens it holds (prefix aware P picks only)."""
         healthy = [e for e in engines if e.healthy]
         if not healthy:
             raise NoHealthyEngine(role)
@@ -69,6 +88,8 @@ class Picker:
         self._turn[role] = turn + 1
         if self.policy is Policy.ROUND_ROBIN:
             return healthy[turn % len(healthy)]
+        if self.policy is Policy.PREFIX_AWARE and role is Role.PREFILL:
+            return cheapest_prefill(healthy, cached_tokens or {}, prompt_tokens, turn)
         return least_loaded(healthy, turn)
 
 
@@ -85,6 +106,19 @@ def least_loaded(engines: Sequence[EngineView], turn: int = 0) -> EngineView:
     order = [engines[(turn + i) % n] for i in range(n)]
     # min() keeps the first of equal keys, so rotating the list first spreads ties.
     return min(order, key=lambda e: (busy(e), -e.load.free_blocks))
+
+
+def prefill_cost(engine: EngineView, cached_tokens: int, prompt_tokens: int) -> int:
+    """Prompt tokens ``engine`` computes before this request's first token (see the module's text)."""
+    return engine.prefill_tokens + max(0, prompt_tokens - cached_tokens) + QUEUE_TOKENS * busy(engine)
+
+
+def cheapest_prefill(
+    engines: Sequence[EngineView], cached_tokens: Mapping[str, int], prompt_tokens: int, turn: int = 0
+) -> EngineView:
+    n = len(engines)
+    order = [engines[(turn + i) % n] for i in range(n)]
+    return min(order, key=lambda e: prefill_cost(e, cached_tokens.get(e.url, 0), prompt_tokens))
 
 
 class PrefillSite(enum.Enum):

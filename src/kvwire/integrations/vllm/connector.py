@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvwire.config import env_config
 from kvwire.errors import ConfigError
+from kvwire.integrations.vllm.discovery import BackgroundRegistrar, start_registration
 from kvwire.integrations.vllm.identity import vllm_model_id
 from kvwire.integrations.vllm.params import KvRole, Op, incarnation_of, settings_from_extra
 from kvwire.integrations.vllm.scheduler import LocalEngine, SchedulerSide
@@ -80,9 +81,12 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._fleet: BackgroundRegistrar | None = None
         if role == KVConnectorRole.SCHEDULER:
             local = LocalEngine(engine_id, settings.side_channel_host, settings.side_channel_port, tp, pp)
             self._sched = SchedulerSide(kv_role, settings, local, block_size)
+            model = settings.model_id or vllm_model_id(mc)
+            self._fleet = start_registration(settings, kv_role, engine_id, incarnation, tp, pp, model)
             return
         tp_rank, pp_rank = _tp_pp_rank()
         place = RankPlace(
@@ -182,3 +186,5 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._fleet is not None:
+            self._fleet.close()

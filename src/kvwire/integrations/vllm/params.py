@@ -81,6 +81,11 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # waits for KV or P holds blocks): the worker sleeps up to this long, woken at once by any kvwire
     # event, instead of spinning engine and worker processes through empty steps. 0 turns it off.
     idle_step_wait_ms: float = 5.0
+    # etcd://HOST:PORT[/prefix]: the scheduler registers the engine there (docs/fleet.md), at discovery_url
+    # (this vLLM server's http://HOST:PORT), under a lease of discovery_ttl_s.
+    discovery: str | None = None
+    discovery_url: str | None = None
+    discovery_ttl_s: int = 5
 
     def connector_config(self) -> ConnectorConfig:
         names = {f.name for f in dataclasses.fields(ConnectorConfig)}
@@ -102,6 +107,14 @@ def settings_from_extra(extra: Mapping[str, Any] | None) -> Settings:
         raise ConfigError(f"kv_connector_extra_config: side_channel_port {s.side_channel_port} out of range")
     where, override = "kv_connector_extra_config side_channel_host", 'set "insecure": true'
     check_exposure(s.side_channel_host, secret(), s.insecure, where, override)
+    if s.discovery is not None:
+        from kvwire.discovery.etcd import parse_target  # aiohttp: loaded only when asked for
+
+        parse_target(s.discovery)
+        if not s.discovery_url or s.discovery_ttl_s < 1:
+            raise ConfigError(
+                "kv_connector_extra_config: discovery needs discovery_url and discovery_ttl_s >= 1"
+            )
     return s
 
 

@@ -1,0 +1,190 @@
+"""A small etcd v3 client over etcd's JSON gateway (``/v3/...`` on the client port), on aiohttp.
+
+Why not a gRPC client (``aetcd``, ``etcd3aio``): they bring ``grpcio`` and ``protobuf``, which a vLLM
+process already pins to its own versions (the connector runs inside vLLM), and their reconnect behaviour is
+hidden in the channel. The gateway ships with every etcd 3.x server, speaks the same API (leases,
+keep-alive, range, put, delete, watch) and needs only aiohttp, which kvwire already uses. Every call has a
+timeout and every failure is one ``EtcdUnavailable``: callers (``Registrar``, ``FleetWatcher``) retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import urllib.parse
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from kvwire.errors import ConfigError, KvwireError
+
+DEFAULT_PREFIX = "/kvwire"
+# A watch line is one JSON object per event batch; a fleet's records are a few hundred bytes each.
+_MAX_LINE = 4 << 20
+
+
+class EtcdUnavailable(KvwireError):
+    """etcd did not answer, or answered with an error (the caller keeps its last state and retries)."""
+
+
+@dataclass(frozen=True)
+class EtcdTarget:
+    """Where the fleet lives: ``etcd://HOST:PORT[/prefix]``."""
+
+    host: str
+    port: int
+    prefix: str = DEFAULT_PREFIX
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __str__(self) -> str:
+        return f"etcd://{self.host}:{self.port}{self.prefix}"
+
+
+def parse_target(text: str) -> EtcdTarget:
+    """``etcd://HOST:PORT[/prefix]`` (``ConfigError`` otherwise)."""
+    parts = urllib.parse.urlsplit(text)
+    if parts.scheme != "etcd" or not parts.hostname:
+        raise ConfigError(f"--discovery {text!r}: expected etcd://HOST:PORT[/prefix]")
+    try:
+        port = parts.port or 2379
+    except ValueError:
+        raise ConfigError(f"--discovery {text!r}: the port is not a number") from None
+    prefix = parts.path.rstrip("/") or DEFAULT_PREFIX
+    return EtcdTarget(parts.hostname, port, prefix)
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+def prefix_end(prefix: str) -> str:
+    """The ``range_end`` that selects every key starting with ``prefix`` (its last byte plus one)."""
+    raw = prefix.encode()
+    return (raw[:-1] + bytes([raw[-1] + 1])).decode()
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    key: str
+    value: bytes | None  # None: the key was deleted (or its lease expired)
+    revision: int
+
+
+class EtcdClient:
+    """One session to one etcd endpoint. Not thread-safe: use it from one event loop."""
+
+    def __init__(self, target: EtcdTarget, timeout_s: float = 2.0) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession()
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One unary gateway call, e.g. ``call("/v3/kv/put", {...})``."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                url = self.target.base_url + path
+                async with self._http().post(url, data=json.dumps(body)) as resp:
+                    raw = await resp.read()
+                    if resp.status != 200:
+                        raise EtcdUnavailable(f"etcd {path}: HTTP {resp.status}: {raw[:200]!r}")
+            out = json.loads(raw)
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+            raise EtcdUnavailable(f"etcd at {self.target.base_url}: {type(exc).__name__} {exc}") from exc
+        if not isinstance(out, dict):
+            raise EtcdUnavailable(f"etcd {path}: not a JSON object")
+        return out.get("result", out) if path == "/v3/lease/keepalive" else out
+
+    async def grant(self, ttl_s: int) -> int:
+        out = await self.call("/v3/lease/grant", {"TTL": ttl_s})
+        if out.get("error") or "ID" not in out:
+            raise EtcdUnavailable(f"etcd refused a lease: {out.get('error')}")
+        return int(out["ID"])
+
+    async def keepalive(self, lease: int) -> int:
+        """The lease's renewed TTL; 0 when etcd no longer knows it (it expired: grant a new one)."""
+        out = await self.call("/v3/lease/keepalive", {"ID": str(lease)})
+        return int(out.get("TTL", 0))
+
+    async def revoke(self, lease: int) -> None:
+        await self.call("/v3/lease/revoke", {"ID": str(lease)})
+
+    async def put(self, key: str, value: bytes, lease: int = 0) -> None:
+        body: dict[str, Any] = {"key": _b64(key), "value": base64.b64encode(value).decode()}
+        if lease:
+            body["lease"] = str(lease)
+        await self.call("/v3/kv/put", body)
+
+    async def delete(self, key: str) -> None:
+        await self.call("/v3/kv/deleterange", {"key": _b64(key)})
+
+    async def get_prefix(self, prefix: str) -> tuple[int, dict[str, bytes]]:
+        """Every key under ``prefix`` and the store's revision at that moment."""
+        out = await self.call("/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))})
+        revision = int(out.get("header", {}).get("revision", 0))
+        kvs = {_unb64(kv["key"]).decode(): _unb64(kv.get("value", "")) for kv in out.get("kvs", [])}
+        return revision, kvs
+
+    async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[WatchEvent]:
+        """Changes under ``prefix`` from ``start_revision`` on, until the stream breaks
+        (``EtcdUnavailable``). A compacted start revision also ends it: the caller lists again."""
+        create = {
+            "key": _b64(prefix),
+            "range_end": _b64(prefix_end(prefix)),
+            "start_revision": start_revision,
+        }
+        url = self.target.base_url + "/v3/watch"
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.timeout_s, sock_connect=self.timeout_s)
+        try:
+            async with self._http().post(
+                url, data=json.dumps({"create_request": create}), timeout=timeout
+            ) as resp:
+                if resp.status != 200:
+                    raise EtcdUnavailable(f"etcd watch: HTTP {resp.status}")
+                while True:
+                    line = await resp.content.readline()
+                    if not line:
+                        raise EtcdUnavailable("etcd closed the watch stream")
+                    if len(line) > _MAX_LINE:
+                        raise EtcdUnavailable("etcd watch: line too long")
+                    for event in _events(json.loads(line)):
+                        yield event
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            raise EtcdUnavailable(
+                f"etcd watch at {self.target.base_url}: {type(exc).__name__} {exc}"
+            ) from exc
+
+
+def _events(message: Any) -> list[WatchEvent]:
+    """One line of the watch stream as events (``EtcdUnavailable`` for an error or a cancelled watch)."""
+    if not isinstance(message, dict) or message.get("error"):
+        detail = message.get("error") if isinstance(message, dict) else message
+        raise EtcdUnavailable(f"etcd watch error: {str(detail)[:200]}")
+    result = message.get("result", {})
+    if result.get("canceled") or result.get("compact_revision"):
+        raise EtcdUnavailable(f"etcd cancelled the watch: {result.get('cancel_reason', 'compacted')}")
+    out = []
+    for ev in result.get("events", []):
+        kv = ev.get("kv", {})
+        key = _unb64(kv.get("key", "")).decode()
+        value = None if ev.get("type") == "DELETE" else _unb64(kv.get("value", ""))
+        out.append(WatchEvent(key, value, int(kv.get("mod_revision", 0))))
+    return out

