@@ -25,9 +25,9 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvwire.connector import ConsumerEvent, ConsumerEventKind, ProducerEvent, ProducerOutcome
-from kvwire.demo.procs import free_port
 from kvwire.integrations.vllm.params import KvRole, Op, OpKind, settings_from_extra
 from kvwire.integrations.vllm.worker import Finished, RankPlace, WorkerSide
+from kvwire.testing.procs import free_port
 
 # The tiny Llama below: 2 layers, 2 KV heads of 16 (hidden 64 / 4 heads), float32 KV, 16-token blocks.
 

@@ -18,10 +18,10 @@ from collections.abc import Sequence
 # (command path, module, help). Nested commands are written "bench transfer".
 COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("demo", "kvwire.demo.cli", "run P, D and the router on localhost and check the answers"),
-    ("serve prefill", "kvwire.engine.serve", "run a prefill engine server"),
-    ("serve decode", "kvwire.engine.serve", "run a decode engine server"),
-    ("serve colocated", "kvwire.engine.serve", "run a colocated (prefill and decode) engine server"),
-    ("serve router", "kvwire.router.cli", "run the OpenAI-compatible router"),
+    ("serve prefill", "kvwire.serve", "run a prefill engine server"),
+    ("serve decode", "kvwire.serve", "run a decode engine server"),
+    ("serve colocated", "kvwire.serve", "run a colocated (prefill and decode) engine server"),
+    ("serve router", "kvwire.serve", "run the OpenAI-compatible router"),
     ("bench transfer", "kvwire.bench.transfer", "raw NIXL WRITE and kvwire push against np.copyto"),
     ("bench descriptors", "kvwire.bench.descriptors", "descriptor counts and post times"),
     ("bench handshake", "kvwire.bench.handshake", "notif-only vs full handshakes; a dead peer among many"),

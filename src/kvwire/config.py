@@ -26,8 +26,13 @@ from pathlib import Path
 from kvwire.errors import ConfigError
 from kvwire.protocol.messages import TransferMode
 
-# The transport backends' one enum (DemoConfig and the command modules name it from here too).
-from kvwire.transport.factory import Backend as Backend
+
+class Backend(enum.Enum):
+    """The transport backends (``kvwire.transport.factory`` creates their agents)."""
+
+    NIXL = "nixl"
+    INPROC = "inproc"
+
 
 ENV_SECRET = "KVWIRE_SECRET"
 ENV_SIDE_CHANNEL_HOST = "KVWIRE_SIDE_CHANNEL_HOST"

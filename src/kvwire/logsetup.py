@@ -6,6 +6,7 @@ log it with ``extra=transfer_extra(tid)``.
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import math
@@ -14,7 +15,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvwire.options import LogFormat
+
+class LogFormat(enum.Enum):
+    TEXT = "text"
+    JSON = "json"
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 # Loggers that print a line per connection or per request at debug/info: an operator asks for them.
 _HTTP_LOGGERS = ("httpx", "httpcore", "aiohttp", "uvicorn.access", "uvicorn.error", "hpack")

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from kvwire.protocol.messages import FailReason, TransferMode
-from kvwire.transport.base import PeerMode
+from kvwire.protocol.types import PeerMode
 
 # Seconds. Transfers on one host run from ~0.1 ms (one small block) to seconds (GBs over TCP).
 _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

@@ -27,6 +27,8 @@ from typing import Any
 import msgspec
 
 from kvwire.errors import ConfigError
+from kvwire.logsetup import LOG_LEVELS
+from kvwire.logsetup import LogFormat as LogFormat
 
 
 class Command(enum.Enum):
@@ -44,14 +46,6 @@ CONNECTED = frozenset({P, D})
 EVERY = frozenset(Command)
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
-
-
-class LogFormat(enum.Enum):
-    TEXT = "text"
-    JSON = "json"
-
-
-LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass(frozen=True)
@@ -163,21 +157,17 @@ def load_file(path: Path) -> dict[str, Any]:
     return data
 
 
-def all_option_names() -> frozenset[str]:
-    """The option names of every role (a config file may hold any of them)."""
-    # Imported here, not at the top: the option tables import their roles' modules, which import this one.
-    from kvwire.engine.options import engine_options
-    from kvwire.router.cli import router_options
-
-    return frozenset(o.name for o in (*engine_options(), *router_options()))
-
-
 def file_values(
-    data: Mapping[str, Any], options: Sequence[Option], command: Command, path: Path
+    data: Mapping[str, Any],
+    options: Sequence[Option],
+    command: Command,
+    path: Path,
+    every_name: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
-    """The file's values for ``command``: top-level keys, then its own ``[role]`` table over them."""
+    """The file's values for ``command``: top-level keys, then its own ``[role]`` table over them.
+    A key in ``every_name`` (another role's options) is skipped, any other unknown key is an error."""
     known = {o.name: o for o in options}
-    everyone = all_option_names()
+    everyone = every_name | known.keys()
     roles = {c.value for c in Command}
     merged: dict[str, Any] = {}
     for scope in (data, data.get(command.value) or {}):
@@ -204,13 +194,15 @@ def resolve(
     options: Sequence[Option],
     command: Command,
     environ: Mapping[str, str],
+    every_name: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
-    """Every option of ``command``, from the first source that sets it (flag > env > file > default)."""
+    """Every option of ``command``, from the first source that sets it (flag > env > file > default).
+    ``every_name``: the option names of every role (``kvwire.serve``), which a shared config file may hold."""
     path_text = getattr(args, "config", None) or environ.get("KVWIRE_CONFIG") or None
     from_file: dict[str, Any] = {}
     if path_text:
         path = Path(path_text)
-        from_file = file_values(load_file(path), options, command, path)
+        from_file = file_values(load_file(path), options, command, path, every_name)
     values: dict[str, Any] = {}
     for opt in options:
         if command not in opt.commands:

@@ -8,11 +8,11 @@ from typing import TypeVar
 import numpy as np
 
 from kvwire.connector import ConnectorConfig, Consumer, ConsumerEvent, Producer, ProducerEvent, RemoteEngine
-from kvwire.demo.procs import free_port
 from kvwire.handshake.loop import BackgroundLoop
 from kvwire.kv.cache import KVCache
 from kvwire.kv.spec import KVSpec
 from kvwire.testing.engines import EngineSetup, build_engine, wait_for
+from kvwire.testing.procs import free_port
 from kvwire.transport.inproc import InprocAgent, InprocFabric
 
 T = TypeVar("T")
@@ -49,7 +49,7 @@ class Cluster:
         self.d: EngineSetup = build_engine(f"d{n}", spec, tp=d_tp, num_blocks=num_blocks, fabric=self.fabric)
         self.consumer = Consumer(self.d.engine, self.d.ranks, d_config or config, loop=self.loop)
         self.consumer.start()
-        self.p_port = free_port()  # below the ephemeral range: restarts rebind it (see demo.procs)
+        self.p_port = free_port()  # below the ephemeral range: restarts rebind it (see testing.procs)
         self.p: EngineSetup
         self.producer: Producer
         self._old: list[tuple[Producer, EngineSetup]] = []

@@ -42,7 +42,7 @@ _TABLE = "kvwire_ucx_block"
 
 
 def _engine(group: Any, role: str) -> Any:
-    from kvwire.demo.procs import free_port
+    from kvwire.testing.procs import free_port
 
     port = free_port()
     args = ["serve", role, "--host", "127.0.0.1", "--port", str(port), "--preset", "tiny"]
@@ -100,7 +100,7 @@ def _load(client: Any, router_url: str) -> list[tuple[float, int]]:
 def _drive(bad_host: str, bad_http: int, bad_side: int, attacking: bool) -> None:
     import httpx
 
-    from kvwire.demo.procs import ServerGroup, free_port
+    from kvwire.testing.procs import ServerGroup, free_port
 
     with tempfile.TemporaryDirectory() as tmp, ServerGroup(Path(tmp)) as group, httpx.Client() as client:
         p, d = _engine(group, "prefill"), _engine(group, "decode")
@@ -149,8 +149,8 @@ def _drive(bad_host: str, bad_http: int, bad_side: int, attacking: bool) -> None
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
 if __name__ != "__main__":
-    from kvwire.demo.procs import free_port
     from kvwire.testing.netns import NetnsPair, Side, unavailable_reason
+    from kvwire.testing.procs import free_port
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,13 @@ import openai
 import pytest
 
 from kvwire.config import RouterConfig
-from kvwire.demo.procs import free_port
 from kvwire.engine.config import EngineConfig, Role, preset
 from kvwire.engine.connector_hooks import ConnectorSettings, attach_connector
 from kvwire.engine.engine import Engine
 from kvwire.engine.server import EngineServer, Identity
 from kvwire.router.app import create_app
 from kvwire.testing.fake_engines import ServerThread
+from kvwire.testing.procs import free_port
 
 TINY = preset("tiny")
 

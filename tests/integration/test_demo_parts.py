@@ -12,10 +12,10 @@ import pytest
 from rich.console import Console
 
 from kvwire.demo import report
-from kvwire.demo.procs import ServerFailed, ServerGroup, free_port
 from kvwire.demo.workload import Result, make_prompts, prompt_lengths
 from kvwire.metrics import HandshakeStats, KvMetrics, TransferStats
 from kvwire.protocol.messages import TransferMode
+from kvwire.testing.procs import ServerFailed, ServerGroup, free_port
 from kvwire.transport.base import PeerMode
 
 

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kvwire.demo.procs import Server, ServerGroup, free_port, server_env
 from kvwire.testing.etcd import EtcdServer
+from kvwire.testing.procs import Server, ServerGroup, free_port, server_env
 
 pytestmark = pytest.mark.nixl
 

@@ -7,11 +7,11 @@ import asyncio
 import json
 
 from kvwire.config import RouterConfig
-from kvwire.demo.procs import free_port
 from kvwire.router.app import Router
 from kvwire.router.engines import EngineState
 from kvwire.router.openai_api import ApiKind
 from kvwire.testing.fake_engines import FakeCluster, ServerThread, fake_engine_app, fake_tokens
+from kvwire.testing.procs import free_port
 
 
 def test_discovery_refused_engine_is_skipped_not_failed() -> None:

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvwire.demo.procs import free_port
 from kvwire.engine.config import EngineConfig, preset
 from kvwire.engine.engine import Engine
+from kvwire.testing.procs import free_port
 
 pytestmark = pytest.mark.nixl
 

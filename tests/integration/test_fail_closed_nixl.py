@@ -13,9 +13,9 @@ import httpx
 import pytest
 from test_engine_server_procs import start, wait_healthy
 
-from kvwire.demo.procs import free_port
 from kvwire.engine.config import EngineConfig, preset
 from kvwire.engine.engine import Engine
+from kvwire.testing.procs import free_port
 
 pytestmark = pytest.mark.nixl
 PROMPT = "fail closed over NIXL " * 20

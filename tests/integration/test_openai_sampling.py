@@ -18,7 +18,6 @@ import openai
 import pytest
 
 from kvwire.config import RouterConfig
-from kvwire.demo.procs import free_port
 from kvwire.engine.config import EngineConfig, Role, preset
 from kvwire.engine.engine import Engine
 from kvwire.engine.loopback import LoopbackHub
@@ -27,6 +26,7 @@ from kvwire.engine.server import EngineServer, Identity
 from kvwire.engine.tokenizer import ByteTokenizer
 from kvwire.router.app import create_app
 from kvwire.testing.fake_engines import ServerThread
+from kvwire.testing.procs import free_port
 
 TINY = preset("tiny")
 MODEL = Model(TINY, seed=0)

@@ -9,10 +9,10 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from kvwire.demo.procs import free_port
 from kvwire.integrations.vllm.params import KvRole, OpKind, settings_from_extra
 from kvwire.integrations.vllm.scheduler import LocalEngine, SchedulerSide
 from kvwire.integrations.vllm.worker import Finished, RankPlace, WorkerSide
+from kvwire.testing.procs import free_port
 
 pytestmark = pytest.mark.nixl
 

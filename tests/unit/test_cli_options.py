@@ -12,11 +12,12 @@ import pytest
 
 from kvwire.cli import build_parser
 from kvwire.connector import ConnectorConfig
-from kvwire.engine.options import connector_config, engine_options
+from kvwire.engine.options import connector_config
 from kvwire.errors import ConfigError
-from kvwire.options import Command, resolve
+from kvwire.options import Command
 from kvwire.protocol.messages import TransferMode
-from kvwire.router.cli import config_from_values, router_options
+from kvwire.router.cli import config_from_values
+from kvwire.serve import values_for
 
 ROLES = ("prefill", "decode", "colocated", "router")
 PREFILL_ONLY = ("--pp", "--kv-lease-duration-s", "--tombstone-s", "--max-early-registrations")
@@ -66,8 +67,7 @@ def test_every_connector_knob_is_a_flag_of_the_engines() -> None:
 
 def _values(role: str, argv: list[str], environ: dict[str, str] | None = None) -> dict[str, object]:
     args = build_parser(["serve", role, *argv]).parse_args(["serve", role, *argv])
-    options = router_options() if role == "router" else engine_options()
-    return resolve(args, options, Command(role), environ or {})
+    return values_for(args, Command(role), environ or {})
 
 
 def test_precedence_is_flag_then_environment_then_file_then_default(tmp_path: Path) -> None:

@@ -150,13 +150,14 @@ def test_discovery_router_options_need_no_urls() -> None:
     import argparse
 
     from kvwire.errors import ConfigError
-    from kvwire.options import Command, resolve
-    from kvwire.router.cli import add_arguments, config_from_values, router_options
+    from kvwire.options import Command
+    from kvwire.router.cli import config_from_values
+    from kvwire.serve import add_arguments_for, values_for
 
     def config(*argv: str) -> RouterConfig:
         parser = argparse.ArgumentParser()
-        add_arguments(parser)
-        values = resolve(parser.parse_args(list(argv)), router_options(), Command.ROUTER, {})
+        add_arguments_for(parser, "serve router")
+        values = values_for(parser.parse_args(list(argv)), Command.ROUTER, {})
         return config_from_values(values)
 
     cfg = config("--discovery", "etcd://127.0.0.1:2379/f", "--policy", "prefix_aware")

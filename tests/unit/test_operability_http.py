@@ -15,7 +15,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvwire.config import RouterConfig
-from kvwire.demo.procs import free_port
 from kvwire.engine.config import EngineConfig, Role, preset
 from kvwire.engine.engine import Engine
 from kvwire.engine.server import EngineServer, Identity, http_error
@@ -30,6 +29,7 @@ from kvwire.router.openai_api import ErrorType, engine_error_kind
 from kvwire.router.policy import Load
 from kvwire.testing.fake_engines import ServerThread
 from kvwire.testing.http_fakes import Seen, scripted_app
+from kvwire.testing.procs import free_port
 
 pytestmark = pytest.mark.anyio
 

@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 
 from kvwire.config import Disaggregation, RouterConfig
-from kvwire.demo.procs import free_port
 from kvwire.errors import ConfigError
 from kvwire.router.app import Router
 from kvwire.router.openai_api import ApiKind
@@ -25,6 +24,7 @@ from kvwire.router.policy import (
     prompt_tokens,
 )
 from kvwire.testing.http_fakes import Seen, scripted_app, serving_here
+from kvwire.testing.procs import free_port
 
 pytestmark = pytest.mark.anyio
 P, D = "http://p:1", "http://d:2"

@@ -9,12 +9,12 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from kvwire.demo.procs import free_port
 from kvwire.router import http, legs
 from kvwire.router.http import EngineClient
 from kvwire.router.legs import _DRAIN_LIMIT, DecodeStream, LegError, post_completion
 from kvwire.router.openai_api import ErrorType
 from kvwire.router.policy import Role
+from kvwire.testing.procs import free_port
 
 pytestmark = pytest.mark.anyio
 

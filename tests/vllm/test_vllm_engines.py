@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvwire.demo.procs import Server, ServerGroup, free_port
+from kvwire.testing.procs import Server, ServerGroup, free_port
 from kvwire.testing.tiny_llama import prompt_of
 from kvwire.testing.vllm_servers import (
     VllmEngine,

@@ -52,10 +52,10 @@ from kvwire.bench.serving import (
     serving_metrics,
     timed_wave,
 )
-from kvwire.demo.procs import Server, ServerGroup, free_port, server_env
 from kvwire.demo.report import percentile
 from kvwire.demo.workload import Result, make_prompt
 from kvwire.protocol.messages import TransferMode
+from kvwire.testing.procs import Server, ServerGroup, free_port, server_env
 
 GOAL_RATIO = 1.10
 GOAL_TOKENS = 4096

@@ -39,9 +39,9 @@ from kvwire.bench.serving import (
     timed_wave,
 )
 from kvwire.config import LOCAL_PREFILL_MAX_TOKENS, Disaggregation
-from kvwire.demo.procs import Server, ServerGroup, free_port, server_env
 from kvwire.demo.workload import make_prompt
 from kvwire.protocol.messages import TransferMode
+from kvwire.testing.procs import Server, ServerGroup, free_port, server_env
 
 SHORT_TOKENS = (16, 128)
 LONG_TOKENS = (1024, 2048)

@@ -45,8 +45,8 @@ from kvwire.bench.fleet_load import (
     reference_answers,
     shared_prefix_prompts,
 )
-from kvwire.demo.procs import ServerGroup, server_env
 from kvwire.testing.etcd import EtcdServer
+from kvwire.testing.procs import ServerGroup, server_env
 
 POLICIES = ("round_robin", "prefix_aware")
 _MAIN = "round_robin"  # the scenarios' router

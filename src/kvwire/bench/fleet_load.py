@@ -17,10 +17,10 @@ from typing import Any
 
 import httpx
 
-from kvwire.demo.procs import Server, ServerGroup, free_port
 from kvwire.demo.report import percentile
 from kvwire.demo.workload import RequestFailed, stream_completion
 from kvwire.testing.etcd import EtcdServer
+from kvwire.testing.procs import Server, ServerGroup, free_port
 
 MODEL = "kvwire-tiny"
 _POLL_S = 0.02

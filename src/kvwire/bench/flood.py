@@ -72,9 +72,9 @@ from kvwire.bench.flood_rogue import (
     outsider_fetch,
     rss_mb,
 )
-from kvwire.demo.procs import Server, ServerGroup, free_port, kvwire_command, server_env
 from kvwire.demo.report import percentile
 from kvwire.demo.workload import make_prompt
+from kvwire.testing.procs import Server, ServerGroup, free_port, kvwire_command, server_env
 
 MODES = ("open", "secret")
 PHASES = ("baseline", "during", "after")

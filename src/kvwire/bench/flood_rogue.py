@@ -16,7 +16,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvwire.demo.procs import free_port
+from kvwire.testing.procs import free_port
 
 PRESET = "tiny"
 SEED = 0

@@ -28,8 +28,8 @@ import httpx
 
 from kvwire.bench.common import envelope, print_table, write_json
 from kvwire.bench.vllm_legs import Answer, ConnectorKind, PDTarget, colocated, disaggregated
-from kvwire.demo.procs import Server, ServerGroup, free_port
 from kvwire.demo.report import percentile
+from kvwire.testing.procs import Server, ServerGroup, free_port
 from kvwire.testing.tiny_llama import prompt_of
 from kvwire.testing.vllm_servers import (
     VllmEngine,

@@ -14,21 +14,31 @@ from __future__ import annotations
 
 import collections
 import enum
-import logging
 import math
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 from kvwire.core.config import ConnectorConfig
 from kvwire.core.events import ConnectorStats
 from kvwire.core.io import Action, Emit, Input, NotifIn, Send, Tick
+from kvwire.core.types import EngineInfo
 from kvwire.errors import ProtocolError
-from kvwire.handshake.types import EngineInfo
 from kvwire.kv.mapping import RankLayout
 from kvwire.protocol.codec import decode_notif
 from kvwire.protocol.messages import Notification
 from kvwire.protocol.ranks import RankKey
 
-log = logging.getLogger("kvwire.connector")
+if TYPE_CHECKING:
+    import logging
+
+
+def core_log() -> logging.Logger:
+    """The cores' logger. ``logging`` is imported at the first line logged, not with the core: it loads
+    ``threading``, and a core imports without I/O or threads (``tests/unit/test_core_imports.py``)."""
+    import logging
+
+    return logging.getLogger("kvwire.connector")
+
 
 # How often the timers (fences, leases, liveness) are checked while something is live: their bounds are
 # seconds, so 20 ms of lateness is noise, and each check walks the live requests (checking at every
@@ -213,10 +223,10 @@ class CoreBase:
         return Refused(self.role, reason, detail)
 
     def _log_info(self, fmt: str, *args: object) -> None:
-        log.info("%s: " + fmt, self.role, *args)
+        core_log().info("%s: " + fmt, self.role, *args)
 
     def _log_warning(self, fmt: str, *args: object) -> None:
-        log.warning("%s: " + fmt, self.role, *args)
+        core_log().warning("%s: " + fmt, self.role, *args)
 
     def _heartbeat_due(self, now: float) -> bool:
         if now < self._next_heartbeat:

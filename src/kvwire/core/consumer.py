@@ -32,6 +32,7 @@ from kvwire.core.io import (
     StartHandshake,
     TouchPeer,
 )
+from kvwire.core.types import EngineInfo, PeerRank
 from kvwire.errors import (
     BlockRangeError,
     IllegalTransition,
@@ -39,7 +40,6 @@ from kvwire.errors import (
     TransferIdReused,
     UnexpectedSender,
 )
-from kvwire.handshake.types import EngineInfo, PeerRank
 from kvwire.kv.digest import DigestScope, common_layers, p_layers, pair_heads, payload_bytes
 from kvwire.kv.mapping import HeadSlice, source_ranks
 from kvwire.protocol.messages import (
@@ -55,7 +55,7 @@ from kvwire.protocol.messages import (
 from kvwire.protocol.ranks import RankEnd, RankKey
 from kvwire.protocol.states import ConsumerRequest, ConsumerState
 from kvwire.protocol.states import ConsumerTrigger as CT
-from kvwire.transport.base import PeerMode
+from kvwire.protocol.types import PeerMode
 
 _DRAINING = (ConsumerState.FAILING, ConsumerState.CANCELLING)
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 from kvwire.core.consumer import ConsumerCore
 from kvwire.core.consumer_records import Link, LocalPart, Request
 from kvwire.core.io import Input, Outcome, PostRead, Release, XferEnded
+from kvwire.core.types import PeerRank
 from kvwire.errors import BlockRangeError, IllegalTransition, LayoutError
-from kvwire.handshake.types import PeerRank
 from kvwire.kv.descriptors import plan_transfer
 from kvwire.protocol.messages import Done, Failed, FailReason, Notification
 from kvwire.protocol.states import ConsumerState
 from kvwire.protocol.states import ConsumerTrigger as CT
-from kvwire.transport.base import PeerMode
+from kvwire.protocol.types import PeerMode
 
 
 class PullConsumerCore(ConsumerCore):

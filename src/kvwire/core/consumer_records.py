@@ -8,7 +8,7 @@ import zlib
 from dataclasses import dataclass, field
 
 from kvwire.core.io import RemoteEngine
-from kvwire.handshake.types import PeerRank
+from kvwire.core.types import PeerRank
 from kvwire.protocol.messages import FailReason
 from kvwire.protocol.ranks import RankKey
 from kvwire.protocol.states import ConsumerRequest

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvwire.handshake.types import PeerRank
+from kvwire.core.types import PeerRank
 from kvwire.kv.digest import DigestScope
 from kvwire.protocol.messages import Failed, FailReason, Notification
 from kvwire.protocol.ranks import RankKey
-from kvwire.transport.base import PeerMode
+from kvwire.protocol.types import PeerMode
 
 # --- inputs -------------------------------------------------------------------------------------------
 

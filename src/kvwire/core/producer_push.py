@@ -23,7 +23,7 @@ import math
 
 import msgspec
 
-from kvwire.core.base import DropReason, log
+from kvwire.core.base import DropReason, core_log
 from kvwire.core.events import ProducerOutcome
 from kvwire.core.io import (
     Digest,
@@ -65,7 +65,7 @@ from kvwire.protocol.messages import Cancel, Done, Failed, FailReason, Heartbeat
 from kvwire.protocol.ranks import RankKey
 from kvwire.protocol.states import FAIL_REASONS, ProducerState
 from kvwire.protocol.states import ProducerTrigger as PT
-from kvwire.transport.base import PeerMode
+from kvwire.protocol.types import PeerMode
 
 
 class PushProducerCore(ProducerCore):
@@ -260,8 +260,8 @@ class PushProducerCore(ProducerCore):
         otherwise wait for its liveness timeout and call a busy P dead. The driver's Reporter sends it only
         with a secret (else the address is unauthenticated), one at a time per address."""
         self.stats.dropped_notifs[DropReason.OVERLOAD.value] += 1
-        log.debug("%s: push_reg %s from %s dropped: %d registrations wait for prefill",
-                  self.role, msg.transfer_id, sender, self._early)  # fmt: skip
+        core_log().debug("%s: push_reg %s from %s dropped: %d registrations wait for prefill",
+                         self.role, msg.transfer_id, sender, self._early)  # fmt: skip
         self._report(key, msg, self._replies.failed(msg.transfer_id, key, FailReason.OVERLOADED))
 
     def _report(self, key: RankKey, msg: PushReg, failed: Failed) -> None:

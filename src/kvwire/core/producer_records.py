@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from kvwire.core.events import ProducerOutcome
+from kvwire.core.types import EngineInfo, PeerRank
 from kvwire.errors import BlockRangeError, LayoutError
-from kvwire.handshake.types import EngineInfo, PeerRank
 from kvwire.kv.mapping import tp_peers
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.messages import CancelAck, Failed, FailReason, Heartbeat, Notification, PushReg

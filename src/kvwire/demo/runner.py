@@ -23,9 +23,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kvwire.config import DemoConfig
 from kvwire.demo import report
-from kvwire.demo.procs import Server, ServerGroup, free_port, server_env
 from kvwire.demo.workload import Result, make_prompts, stream_completion
 from kvwire.errors import KvwireError
+from kvwire.testing.procs import Server, ServerGroup, free_port, server_env
 
 _MAX_SHOWN_ERRORS = 5
 

@@ -12,7 +12,7 @@ import enum
 from typing import Any
 
 from kvwire.config import Backend
-from kvwire.connector import ConnectorConfig
+from kvwire.core.config import ConnectorConfig
 from kvwire.engine.config import PRESETS
 from kvwire.options import CONNECTED, ENGINES, Command, Option, discovery_option, logging_options
 from kvwire.protocol.messages import TransferMode

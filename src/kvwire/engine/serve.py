@@ -11,7 +11,6 @@ socket, then the engine and its connector: a misconfiguration ends the process w
 
 from __future__ import annotations
 
-import argparse
 import errno
 import logging
 import signal
@@ -20,18 +19,17 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvwire.config import EnvConfig, env_config, process_environ
+from kvwire.config import EnvConfig, env_config
 from kvwire.connector import LoadFailurePolicy
 from kvwire.discovery.etcd import parse_target
 from kvwire.engine.config import EngineConfig, Role, preset
 from kvwire.engine.connector_hooks import ConnectorMetrics, ConnectorSettings, attach_connector
 from kvwire.engine.engine import Engine
-from kvwire.engine.options import connector_config, engine_options
+from kvwire.engine.options import connector_config
 from kvwire.engine.server import EngineServer, Identity
 from kvwire.errors import ConfigError, KvwireError
 from kvwire.handshake.manager import stalled_reason
-from kvwire.logsetup import configure
-from kvwire.options import Command, LogFormat, add_options, resolve
+from kvwire.logsetup import LogFormat, configure
 from kvwire.protocol.messages import TransferMode
 from kvwire.startup import bind_tcp, check_exposure, fail, in_use_message
 from kvwire.transport.base import new_incarnation
@@ -40,11 +38,6 @@ if TYPE_CHECKING:
     from kvwire.engine.fleet import Fleet
 
 log = logging.getLogger("kvwire.serve")
-
-
-def add_arguments_for(parser: argparse.ArgumentParser, path: str) -> None:
-    """The flags of one engine role only (decode's help shows no prefill-only flag)."""
-    add_options(parser, engine_options(), Command(path.split()[-1]))
 
 
 @dataclass(frozen=True)
@@ -175,13 +168,12 @@ def _fleet(values: dict[str, Any], started: Started, env: EnvConfig) -> Fleet | 
     return fleet
 
 
-def run(args: argparse.Namespace) -> int:
+def run_engine(values: dict[str, Any], role: Role) -> int:
+    """Serve one engine with its resolved options (``kvwire.serve`` resolves them) until a signal."""
     import uvicorn
 
-    role = Role(str(args._path).split()[-1])
     prog = f"kvwire serve {role.value}"
     try:
-        values = resolve(args, engine_options(), Command(role.value), process_environ())
         env = env_config()
         configure(values["log_level"], LogFormat(values["log_format"]), values["log_http"])
         started = start(values, role, env)

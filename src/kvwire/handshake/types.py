@@ -6,12 +6,11 @@ import enum
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from kvwire.core.types import EngineInfo as EngineInfo
+from kvwire.core.types import PeerRank as PeerRank
 from kvwire.errors import ConfigError
 from kvwire.kv.cache import KVCache
-from kvwire.kv.mapping import RankLayout
 from kvwire.kv.regions import CacheMemory
-from kvwire.kv.spec import KVSpec
-from kvwire.protocol.messages import TransferMode
 from kvwire.transport.base import Agent, PeerMode
 
 
@@ -29,43 +28,6 @@ class LocalRank:
         if not isinstance(self.cache, KVCache):
             raise ConfigError(f"rank pp{self.pp_rank}/tp{self.tp_rank} holds engine memory, not a KVCache")
         return self.cache
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """This engine: identity (the incarnation changes at every start) and the geometry peers must match."""
-
-    engine_id: str
-    incarnation: str
-    model_id: str
-    spec: KVSpec
-    tp_size: int
-    pp_size: int
-    transfer_mode: TransferMode
-
-
-@dataclass(frozen=True)
-class PeerRank:
-    """One remote (pp, tp) rank as loaded into ONE local agent.
-
-    ``agent_name`` is the remote agent's name in the local agent (for ``send_notif`` and ``post``);
-    ``layout`` is None when the peer is loaded notif-only (its memory is not addressable).
-    ``clock_offset_s`` is the peer's clock minus ours, from the lowest-RTT sample.
-    """
-
-    engine_id: str
-    incarnation: str
-    host: str
-    port: int
-    tp_size: int
-    tp_rank: int
-    pp_size: int
-    pp_rank: int
-    agent_name: str
-    mode: PeerMode
-    layout: RankLayout | None
-    num_blocks: int
-    clock_offset_s: float
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ import numpy as np
 
 from kvwire.errors import LayoutError
 from kvwire.kv.spec import KVSpec, RegionKind
-from kvwire.transport.base import MemKind
+from kvwire.protocol.types import MemKind
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,7 @@ import numpy as np
 from kvwire.errors import BlockRangeError, LayoutError
 from kvwire.kv.mapping import HeadSlice, RankLayout, pair_slices
 from kvwire.kv.spec import KVSpec, Layout
-from kvwire.transport.base import Desc
+from kvwire.protocol.types import Desc
 
 _I64 = np.int64
 # P blocks moved at most, for the pure-Python planner (its cost grows with the units; numpy's is flat).

@@ -25,7 +25,7 @@ import numpy as np
 from kvwire.kv.mapping import HeadSlice, layer_window, pair_slices
 from kvwire.kv.regions import CacheMemory
 from kvwire.kv.spec import KVSpec, Layout
-from kvwire.transport.base import MemKind
+from kvwire.protocol.types import MemKind
 
 DIGEST_BYTES = 4
 

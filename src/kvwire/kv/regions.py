@@ -22,7 +22,7 @@ import numpy as np
 from kvwire.errors import LayoutError
 from kvwire.kv.cache import MemoryBuffer, RegionInfo
 from kvwire.kv.spec import KVSpec, RegionKind
-from kvwire.transport.base import MemKind
+from kvwire.protocol.types import MemKind
 
 
 class CacheMemory(Protocol):

@@ -7,7 +7,6 @@ process that holds its port for one of its engines.
 
 from __future__ import annotations
 
-import argparse
 import logging
 from typing import Any
 
@@ -17,13 +16,12 @@ from kvwire.config import (
     EngineKind,
     Policy,
     RouterConfig,
-    process_environ,
     split_urls,
 )
 from kvwire.discovery.etcd import parse_target
 from kvwire.errors import ConfigError, KvwireError
-from kvwire.logsetup import configure
-from kvwire.options import Command, LogFormat, Option, add_options, discovery_option, logging_options, resolve
+from kvwire.logsetup import LogFormat, configure
+from kvwire.options import Command, Option, discovery_option, logging_options
 from kvwire.protocol.messages import TransferMode
 from kvwire.startup import bind_tcp, fail
 
@@ -81,10 +79,6 @@ def router_options() -> list[Option]:
     ]  # fmt: skip
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_options(parser, router_options(), Command.ROUTER)
-
-
 def config_from_values(values: dict[str, Any]) -> RouterConfig:
     for name in ("prefill", "decode"):
         if not values[name] and not values["discovery"]:
@@ -139,9 +133,9 @@ def _disaggregation(config: RouterConfig) -> str:
     return f"disaggregation conditional (local prefill up to {config.local_prefill_max_tokens} tokens)"
 
 
-def run(args: argparse.Namespace) -> int:
+def run_router(values: dict[str, Any]) -> int:
+    """Serve the router with its resolved options (``kvwire.serve`` resolves them) until a signal."""
     try:
-        values = resolve(args, router_options(), Command.ROUTER, process_environ())
         configure(values["log_level"], LogFormat(values["log_format"]), values["log_http"])
         config = config_from_values(values)
         sock = bind_tcp(config.host, config.port, "HTTP", "stop it or pass another --port")

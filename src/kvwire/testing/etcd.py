@@ -18,7 +18,7 @@ from types import TracebackType
 
 import httpx
 
-from kvwire.demo.procs import free_port
+from kvwire.testing.procs import free_port
 
 _READY_TIMEOUT_S = 20.0
 

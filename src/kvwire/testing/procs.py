@@ -1,4 +1,5 @@
-"""Server processes for the demo: start, wait for ``/health``, and always stop (SIGTERM, then SIGKILL).
+"""Server processes for the demo, the benches, chaos and the tests: start, wait for ``/health``, and always
+stop (SIGTERM, then SIGKILL).
 
 Every child runs in its own session so that a stop also reaches anything it spawned, and its output goes
 to a log file whose tail is shown when it fails.
