@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from connector_env import Pair
 
-from kvwire.connector._base import DEEP_IDLE_S, FIRST_BUSY_POLL_S, ConnectorBase
+from kvwire.connector._base import ConnectorBase
+from kvwire.connector.cadence import DEEP_IDLE_S, FIRST_BUSY_POLL_S
 from kvwire.connector.timeline import Stage
 from kvwire.kv.spec import KVSpec
 from kvwire.testing.engines import wait_for

@@ -27,7 +27,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
+from kvwire.connector.cadence import Cadence
 from kvwire.connector.reports import UNDELIVERED, Reporter, as_notification
+from kvwire.connector.setup import checked_setup
 from kvwire.connector.timeline import Stage, Timeline
 from kvwire.core.base import CoreBase, DropReason, Feeder, Refused
 from kvwire.core.config import ConnectorConfig
@@ -78,32 +80,14 @@ from kvwire.protocol.codec import decode_notif, encode_notif
 from kvwire.protocol.messages import Done, FailReason, PushReg, ReportFailed
 from kvwire.protocol.ranks import RankKey
 from kvwire.protocol.seal import NotifGate
-from kvwire.transport.base import MemKind, Registration, XferHandle, XferOp, XferStatus
+from kvwire.transport.base import Registration, XferHandle, XferOp, XferStatus
 
 log = logging.getLogger("kvwire.connector")
 
 E = TypeVar("E")
 
-_HOT_TICKS = 4  # ticks at the busy rate after any activity (see ConnectorBase._interval)
-# The tick interval when nothing is live (no request, transfer or handshake): what an idle engine costs.
-# Nothing then waits on a peer's notification: D's push_reg reaches a P that is prefilling that request,
-# and P's request_finished wakes the loop, which drains it then; D expects nothing before its engine's
-# request_allocated, which wakes the loop too. So the interval only bounds how late the timers run.
-DEEP_IDLE_S = 0.5
-# ...but only this long after the last activity. P gets D's push_reg while it prefills, and a P deep
-# asleep drains it only when its request_finished wakes it, which puts the push_reg's handling (about a
-# millisecond) on the request's path; under traffic the loop stays at ``idle_poll_interval_s``.
-ACTIVE_GRACE_S = 2.0
-# The first poll after a post: NIXL's UCX backend needs a few progress calls to finish a WRITE and send its
-# notification (data, then the notification from the status check that sees the data done), so each poll
-# interval is paid several times. Polling 50 us after a post, doubling up to ``poll_interval_s``, finishes
-# a small write in ~0.2 ms instead of ~1.5 ms at the same number of ticks; a long one soon polls at the
-# usual rate.
-FIRST_BUSY_POLL_S = 0.00005
 _TIMER_RESOLUTION_S = 0.001  # asyncio's call_later cannot wait less (see _on_tick)
-_RAMP_TICKS = 4  # 50, 100, 200, 400 us: the ticks before the busy rate after activity
 _START_TIMEOUT_S = 10.0
-_WILDCARDS = ("0.0.0.0", "::", "")
 
 
 def _refusal(exc: BaseException) -> FailReason:
@@ -114,36 +98,6 @@ def _refusal(exc: BaseException) -> FailReason:
     if isinstance(exc, Unauthorized):
         return FailReason.UNAUTHORIZED
     return FailReason.HANDSHAKE_FAILED
-
-
-def _checked_setup(
-    engine: EngineInfo,
-    config: ConnectorConfig,
-    ranks: Sequence[LocalRank],
-    host: str,
-    advertise_host: str | None,
-) -> tuple[dict[RankKey, LocalRank], str]:
-    """The local ranks by (pp, tp), and the address peers dial; ConfigError naming the fix otherwise."""
-    if config.mode is not engine.transfer_mode:
-        raise ConfigError(f"config mode {config.mode.value} != engine's {engine.transfer_mode.value}")
-    by_key = {(r.pp_rank, r.tp_rank): r for r in ranks}
-    if not ranks or len(by_key) != len(ranks):
-        raise ConfigError("a connector needs at least one local rank, each (pp, tp) once")
-    in_device = [key for key, r in by_key.items() if r.cache.mem_kind is not MemKind.DRAM]
-    if config.kv_digest_sample > 0 and in_device:
-        # The digest reads host memory (kv/digest.py): every sampled request would fail digest_mismatch.
-        raise ConfigError(
-            f"kv_digest_sample={config.kv_digest_sample} but the KV of ranks {in_device} is in device "
-            "memory, which the digest cannot read: set kv_digest_sample to 0 (done's reg_nonce and nbytes "
-            "still check every transfer)"
-        )
-    advertised = advertise_host or host
-    if advertised in _WILDCARDS:
-        raise ConfigError(
-            f"side channel bound to {host!r} (every interface) but no address to advertise: set "
-            "KVWIRE_SIDE_CHANNEL_HOST (or advertise_host) to the address peers should dial"
-        )
-    return by_key, advertised
 
 
 class ConnectorBase(Generic[E]):
@@ -168,7 +122,7 @@ class ConnectorBase(Generic[E]):
     ) -> None:
         self.engine = engine
         self.config = config or ConnectorConfig()
-        self.ranks, self.host = _checked_setup(engine, self.config, ranks, host, advertise_host)
+        self.ranks, self.host = checked_setup(engine, self.config, ranks, host, advertise_host)
         # Where the side channel binds, and the address peers are told to dial (a push_reg's host): they
         # differ when binding every interface (0.0.0.0), which no peer can dial.
         self._bind_host = host
@@ -211,8 +165,7 @@ class ConnectorBase(Generic[E]):
         self._next: asyncio.Handle | None = None
         self._woken = False
         self._ticking = False
-        self._quiet = 0  # ticks since the last activity (adaptive polling, see _interval)
-        self._active_at = -ACTIVE_GRACE_S  # when the last activity was seen (see idle)
+        self._cadence = Cadence(self.config)  # when the next tick runs (adaptive polling)
         self._broken: set[RankKey] = set()
 
     def _make_core(self, layouts: dict[RankKey, RankLayout], num_blocks: int) -> CoreBase:
@@ -396,7 +349,7 @@ class ConnectorBase(Generic[E]):
 
     def _send(self, action: Send) -> bool:
         """Send one notification; False (logged) when the transport refuses."""
-        self._quiet = 0  # an answer may follow
+        self._cadence.activity()  # an answer may follow
         try:
             agent, peer = self.ranks[action.key].agent, action.peer
             agent.send_notif(peer, self._gate.outgoing(agent.name, peer, encode_notif(action.msg)))
@@ -535,36 +488,19 @@ class ConnectorBase(Generic[E]):
     def idle(self, now: float) -> bool:
         """Nothing live (no transfer posted, no handshake running, no request whose timers are due soon)
         and no activity for ``ACTIVE_GRACE_S``."""
-        if self._handles or self._tasks or now - self._active_at < ACTIVE_GRACE_S:
+        if self._handles or self._tasks or self._cadence.in_grace(now):
             return False
         return not self.core.live
 
     def _interval(self, now: float) -> float:
-        """After any activity (an engine call, a notification out, a post, a transfer's end; a notification
-        in counts only for the idle grace) from ``FIRST_BUSY_POLL_S`` doubling to ``poll_interval_s``, which
-        holds while transfers are live and for ``_HOT_TICKS`` more ticks, then doubling back to the idle
-        interval, or to ``DEEP_IDLE_S`` when nothing is live. A peer's answer usually follows soon after
-        activity, and NIXL has no descriptor to wait on: this catches it without polling fast all the
-        time."""
-        cfg = self.config
-        if self._quiet == 0:
-            self._active_at = now  # something happened since the last tick
-        self._quiet += 1
-        ramp = FIRST_BUSY_POLL_S * (1 << min(self._quiet - 1, 16))
-        if self.core.busy or ramp < cfg.poll_interval_s:
-            return min(cfg.poll_interval_s, ramp)
-        if self._quiet <= _HOT_TICKS + _RAMP_TICKS:
-            return cfg.poll_interval_s
-        backoff = cfg.poll_interval_s * (1 << min(self._quiet - _HOT_TICKS - _RAMP_TICKS, 16))
-        if not self.idle(now):
-            return min(cfg.idle_poll_interval_s, backoff)
-        cap = max(cfg.idle_poll_interval_s, DEEP_IDLE_S)
-        return max(0.0, min(cap, backoff, self.core.wake_at() - now))
+        """How long until the next tick (``Cadence.interval``)."""
+        core = self.core
+        return self._cadence.interval(now, core.busy, lambda: self.idle(now), core.wake_at)
 
     def _wake(self) -> None:
         """Run the next tick as soon as the loop is free (loop thread only): work that just started (an
         engine call, a posted transfer) is polled at once instead of after an idle interval."""
-        self._quiet = 0
+        self._cadence.activity()
         nxt = self._next
         if nxt is None or self._woken:
             return  # ticking now (the next interval is short after activity) or already woken
@@ -589,7 +525,7 @@ class ConnectorBase(Generic[E]):
                 for sealed in msgs:
                     # Not activity: what it calls for (a send, a post) starts the fast polls. A ramp per
                     # arrival took the GIL from the prefill of the request D had just registered.
-                    self._active_at = now
+                    self._cadence.heard(now)
                     try:  # one message, whatever it holds, never costs the rest of the batch
                         self._take_notif(now, key, sender, sealed)
                     except Exception as exc:
@@ -616,7 +552,7 @@ class ConnectorBase(Generic[E]):
                 state = XferStatus.FAILED
             if state is XferStatus.IN_PROGRESS:
                 continue
-            self._quiet = 0  # the peer's answer (or the next write) usually follows
+            self._cadence.activity()  # the peer's answer (or the next write) usually follows
             self.timeline.mark(transfer_id, Stage.WRITE_DONE, time.monotonic())
             reason = handle.failed_reason if isinstance(handle.failed_reason, str) else ""
             self._apply(now, XferEnded(token, state is XferStatus.DONE, reason))

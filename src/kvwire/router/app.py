@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +31,7 @@ from kvwire.logsetup import transfer_extra
 from kvwire.metrics import CONTENT_TYPE, KvMetrics, MetricRole, Outcome
 from kvwire.protocol.messages import TransferMode
 from kvwire.router import openai_api as api
+from kvwire.router.answers import OUTCOME_OF, Latency, event_tokens, unary_latency
 from kvwire.router.engines import EngineRegistry, HealthInfo, pair_problem
 from kvwire.router.fleet import FleetDiscovery
 from kvwire.router.http import EngineClient
@@ -65,15 +66,6 @@ _PICK_TRIES = 3
 # UTF-8 bytes per prompt token, to size a text prompt: exact for kvwire's byte-level engines; for vLLM's
 # tokenizers, which the router does not load, a rough average for English text.
 _BYTES_PER_TOKEN = {EngineKind.KVWIRE: 1.0, EngineKind.VLLM: 4.0}
-_OUTCOME = {
-    ErrorType.INVALID_REQUEST: Outcome.BAD_REQUEST,
-    ErrorType.NOT_FOUND: Outcome.BAD_REQUEST,
-    ErrorType.ENGINE_ERROR: Outcome.ENGINE_ERROR,
-    ErrorType.INTERNAL: Outcome.ENGINE_ERROR,
-    ErrorType.UNAVAILABLE: Outcome.UNAVAILABLE,
-    ErrorType.TIMEOUT: Outcome.TIMEOUT,
-    ErrorType.MISCONFIGURED: Outcome.ENGINE_ERROR,
-}
 
 
 @dataclass
@@ -85,38 +77,6 @@ class _Trace:
 
 def error_response(exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
-
-
-@dataclass(frozen=True)
-class Latency:
-    """What the client saw of one answered request: time to its first token and the gaps between tokens."""
-
-    ttft_s: float | None = None
-    token_gaps_s: tuple[float, ...] = ()
-
-
-def unary_latency(result: Mapping[str, Any], sent_s: float, total_s: float) -> Latency:
-    """A non-streamed answer's latencies: D's own time to first token (its ``timings``) after the router
-    sent D's leg, and the rest of the request spread evenly over the other tokens."""
-    timings = result.get("timings")
-    ttft_ms = timings.get("ttft_ms") if isinstance(timings, dict) else None
-    ttft_s = min(sent_s + ttft_ms / 1e3, total_s) if isinstance(ttft_ms, int | float) else total_s
-    usage = result.get("usage")
-    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    if not isinstance(tokens, int) or tokens < 2:
-        return Latency(ttft_s)
-    gap = (total_s - ttft_s) / (tokens - 1)
-    return Latency(ttft_s, (gap,) * (tokens - 1))
-
-
-def _event_tokens(event: Mapping[str, Any]) -> int:
-    """Output tokens in one engine SSE event (kvwire sends their ids; otherwise one per text chunk)."""
-    choices = event.get("choices")
-    choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
-    ids = choice.get("token_ids")
-    if isinstance(ids, list):
-        return len(ids)
-    return 1 if choice.get("text") or choice.get("delta") else 0
 
 
 class Router:
@@ -208,7 +168,7 @@ class Router:
                 log.exception("router error")
                 # The exception's text stays in the log: it may name internal addresses.
                 exc = ApiError(ErrorType.INTERNAL, f"router error ({type(exc).__name__}): see the router log")
-            self._record(_OUTCOME[exc.kind], start)
+            self._record(OUTCOME_OF[exc.kind], start)
             where = f" ({exc.url})" if isinstance(exc, LegError) else ""
             level = logging.WARNING if exc.status >= 500 else logging.DEBUG
             tid = transfer_extra(trace.transfer_id)
@@ -519,10 +479,10 @@ class Router:
             ended = Outcome.OK
             async for event in self._rest(stream, req.max_tokens + _EXTRA_EVENTS, deadline):
                 if isinstance(event, ApiError):
-                    ended = _OUTCOME[event.kind]
+                    ended = OUTCOME_OF[event.kind]
                     yield api.sse(event.body())
                     break
-                if tokens := _event_tokens(event):
+                if tokens := event_tokens(event):
                     now = time.monotonic()
                     gaps += [(now - last_token) / tokens] * tokens
                     last_token = now
