@@ -28,6 +28,7 @@ import each other through any chain (every strongly connected component is one m
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -214,3 +215,11 @@ def test_the_checks_see_what_they_must() -> None:
         "kvwire.engine.x -> kvwire.router.y",
     ]
     assert cycles(fake) == [["kvwire.testing.a", "kvwire.testing.b", "kvwire.testing.c"]]
+
+
+def test_docs_architecture_lists_the_same_layers() -> None:
+    """docs/architecture.md's layer table says what this test checks (so the doc stays true)."""
+    doc = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
+    rows = [line.split("|") for line in doc.read_text().splitlines() if re.match(r"\| \d+ \|", line)]
+    documented = {int(cells[1]): tuple(re.findall(r"`([a-z_]+)`", cells[2])) for cells in rows}
+    assert documented == dict(enumerate(LAYERS))
