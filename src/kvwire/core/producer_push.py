@@ -179,6 +179,10 @@ class PushProducerCore(ProducerCore):
         if reg is None:
             # No registration from that D rank: nothing of ours writes for it. Remember the cancel, so a
             # push_reg arriving after it is refused, not written.
+            if (key, sender) in req.cancelled:
+                # The network's duplicate: answered once (one ending message per registration; the
+                # simulator found the second cancel_ack).
+                raise self._refuse(DropReason.DUPLICATE, f"cancel {msg.transfer_id} from {sender} again")
             req.cancelled.add((key, sender))
             self._send(key, sender, self._replies.cancel_ack(msg.transfer_id, key, wrote=False))
             return
