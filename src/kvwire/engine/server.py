@@ -85,7 +85,8 @@ _PERMANENT_KV = {
 _TRANSIENT_KV = {
     FailReason.HANDSHAKE_FAILED: "this engine could not complete its handshake with the prefill engine: it "
     "is down or unreachable, or it refused this engine (a different KVWIRE_SECRET, or a secret on one "
-    "side only; this engine's log names the cause)",
+    "side only), or the prefill engine's address is not in this engine's allowed_peers (this engine's log "
+    "names the cause)",
     FailReason.OVERLOADED: "the prefill engine had too many registrations waiting for their prefill "
     "(max_early_registrations): retry, or add prefill capacity",
     FailReason.PEER_DEAD: "the prefill engine stopped answering: it crashed or is unreachable, or it could "
