@@ -218,6 +218,26 @@ def test_p_attaches_the_digest_of_its_source_when_d_asks() -> None:
     assert isinstance(done, Done) and (done.digest, done.reg_nonce) == (b"\xaa\xbb\xcc\xdd", 7)
 
 
+def test_p_that_cannot_compute_an_asked_digest_says_so_and_writes_nothing() -> None:
+    """A P whose KV is in device memory (the harness answers None): D would otherwise get a done with no
+    digest and report digest_mismatch, blaming the transfer for a configuration problem."""
+    t = P()
+    hs = one(
+        t.from_d(0.0, msgspec.structs.replace(t.push_reg(), want_digest=True, reg_nonce=7)), StartHandshake
+    )
+    t.h.done(0.0, hs.token, t.d.peer_rank(mode=PeerMode.FULL))
+    out = t.h.at(0.25, Finished(TID, BLOCKS, TOKENS))
+    assert not [a for a in out if isinstance(a, PostWrite)]
+    assert t.failed(FailReason.DIGEST_UNAVAILABLE) in out
+    assert t.core.stats.failures[FailReason.DIGEST_UNAVAILABLE] == 1
+
+
+def test_d_fails_with_the_reason_p_gives_when_it_cannot_compute_the_digest() -> None:
+    t, _ = digest_d()
+    out = t.from_p(0.25, t.failed(FailReason.DIGEST_UNAVAILABLE))
+    assert events(out)[0] == ev(FAILED, FailReason.DIGEST_UNAVAILABLE)
+
+
 def test_sampling_is_deterministic_and_honours_its_share() -> None:
     ids = [f"req-{i}" for i in range(4000)]
     picked = [i for i in ids if sampled(i, 0.25)]

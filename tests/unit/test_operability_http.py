@@ -63,6 +63,9 @@ def test_permanent_kv_failures_are_not_503s() -> None:
     status, body, headers = http_error(KVLoadFailed("t1", "peer_dead"))  # transient: a retry may succeed
     assert (status, headers) == (503, {})
     assert "KVWIRE_SECRET" in body["error"]["message"]  # one of the causes a client cannot see otherwise
+    status, body, headers = http_error(KVLoadFailed("t1", "digest_unavailable"))  # P's KV not in host memory
+    assert (status, headers) == (500, {"x-should-retry": "false"})
+    assert "--kv-digest-sample 0" in body["error"]["message"]
     assert engine_error_kind(500, "configuration_error") is ErrorType.MISCONFIGURED
     assert engine_error_kind(401) is ErrorType.MISCONFIGURED  # an engine refused the router's key
     assert engine_error_kind(503) is ErrorType.UNAVAILABLE
