@@ -156,8 +156,10 @@ class NobodyListens(PeerUnreachable):
     """Connection refused: no process listens at the peer's side-channel address (gone, or not started)."""
 
 
-class PeerNotAllowed(Unauthorized):
-    """The address is not in ``allowed_peers``: the engine does not dial it."""
+class PeerNotAllowed(HandshakeError):
+    """The address is not in ``allowed_peers``: the engine does not dial it. Not ``Unauthorized``: no
+    credential was refused, and a request failing on it is ``handshake_failed`` (its message names
+    ``allowed_peers``), not a "set the same KVWIRE_SECRET" configuration error."""
 
 
 class CircuitOpen(HandshakeError):

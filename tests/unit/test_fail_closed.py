@@ -19,7 +19,7 @@ from cores_env import BLOCKS, CFG, D_BLOCKS, FAILED, READY, RELEASED, TID, TOKEN
 
 from kvwire.core.base import DropReason, Refused
 from kvwire.core.consumer_records import UsedIds, sampled
-from kvwire.core.io import Allocated, Digest, Finished, PostWrite, RemoteEngine, StartHandshake
+from kvwire.core.io import Allocated, Digest, Finished, PostWrite, RemoteEngine, Send, StartHandshake
 from kvwire.errors import TransferIdReused
 from kvwire.kv.cache import KVCache
 from kvwire.kv.descriptors import plan_transfer
@@ -173,6 +173,36 @@ def test_d_whose_memory_cannot_be_read_fails_closed_when_it_asked_for_a_digest()
     assert events(out)[0] == ev(FAILED, FailReason.DIGEST_MISMATCH)
 
 
+def test_d_checks_the_digest_of_a_done_that_arrives_while_another_rank_registers() -> None:
+    """P TP2: rank 0's push_reg went out while rank 1's handshake is pending (D still REGISTERING); a
+    done from rank 0 then may not skip the digest (it did: the request went READY on a wrong digest)."""
+    p2 = TestEngine.build("P", tp=2, port=5000)
+    t = D(DIGEST_CFG)
+    remote = RemoteEngine("P", "127.0.0.1", 5000, tp_size=2)
+    hs0, hs1 = only(t.h.at(0.0, Allocated(TID, tuple(D_BLOCKS), TOKENS, 0, remote)), StartHandshake)
+    reg = one(t.h.done(0.0, hs0.token, p2.peer_rank(hs0.remote, PeerMode.NOTIF_ONLY)), Send)
+    assert isinstance(reg.msg, PushReg) and reg.msg.want_digest
+    asked: list[Digest] = []
+
+    def digest(action: Digest) -> bytes:
+        asked.append(action)
+        return b"\x00\x00\x00\x00"
+
+    t.h.digest = digest
+    spec = t.d.info.spec
+    half = TOKENS * spec.num_layers * len(spec.kinds) * spec.head_bytes  # each P rank holds one of 2 heads
+    done = Done(
+        transfer_id=TID, engine_id="P", incarnation="P-life1", tp_rank=0, pp_rank=0, num_blocks=2,
+        reg_nonce=reg.msg.reg_nonce, nbytes=half, digest=b"\xde\xad\xbe\xef",
+    )  # fmt: skip
+    out = t.h.at(0.25, p2.notif(done, rank=(0, 0)))
+    assert len(asked) == 1 and asked[0].scope.heads == ((0, 1),)
+    # rank 1 was never registered with P: nothing to drain, the blocks are released at once
+    assert events(out) == [ev(FAILED, FailReason.DIGEST_MISMATCH), ev(RELEASED, FailReason.DIGEST_MISMATCH)]
+    t.h.done(0.5, hs1.token, p2.peer_rank(hs1.remote, PeerMode.NOTIF_ONLY))
+    assert ev(READY) not in events(t.h.log)
+
+
 def test_p_attaches_the_digest_of_its_source_when_d_asks() -> None:
     t = P()
     t.h.digest = lambda a: b"\xaa\xbb\xcc\xdd"
@@ -186,6 +216,26 @@ def test_p_attaches_the_digest_of_its_source_when_d_asks() -> None:
     assert d.scope == DigestScope(range(0, 2), ((0, 2),), BLOCKS, 0, TOKENS)
     done = decode_notif(w.notif)
     assert isinstance(done, Done) and (done.digest, done.reg_nonce) == (b"\xaa\xbb\xcc\xdd", 7)
+
+
+def test_p_that_cannot_compute_an_asked_digest_says_so_and_writes_nothing() -> None:
+    """A P whose KV is in device memory (the harness answers None): D would otherwise get a done with no
+    digest and report digest_mismatch, blaming the transfer for a configuration problem."""
+    t = P()
+    hs = one(
+        t.from_d(0.0, msgspec.structs.replace(t.push_reg(), want_digest=True, reg_nonce=7)), StartHandshake
+    )
+    t.h.done(0.0, hs.token, t.d.peer_rank(mode=PeerMode.FULL))
+    out = t.h.at(0.25, Finished(TID, BLOCKS, TOKENS))
+    assert not [a for a in out if isinstance(a, PostWrite)]
+    assert t.failed(FailReason.DIGEST_UNAVAILABLE) in out
+    assert t.core.stats.failures[FailReason.DIGEST_UNAVAILABLE] == 1
+
+
+def test_d_fails_with_the_reason_p_gives_when_it_cannot_compute_the_digest() -> None:
+    t, _ = digest_d()
+    out = t.from_p(0.25, t.failed(FailReason.DIGEST_UNAVAILABLE))
+    assert events(out)[0] == ev(FAILED, FailReason.DIGEST_UNAVAILABLE)
 
 
 def test_sampling_is_deterministic_and_honours_its_share() -> None:

@@ -102,3 +102,42 @@ def test_a_refused_connection_does_not_trip_it_and_success_clears_it() -> None:
         await mgr.close()
 
     _run(body())
+
+
+def test_a_trip_does_not_hold_a_caller_after_another_incarnation() -> None:
+    clock = Clock()
+    b = CircuitBreaker(base_s=1.0, max_s=30.0, clock=clock)
+    for _ in range(5):
+        b.failed("h", 1, "P-life1")  # 16 s
+    for life in ("P-life1", None):  # the same life, or a caller that does not know: held
+        with pytest.raises(CircuitOpen, match="5 handshake"):
+            b.check("h", 1, life)
+    b.check("h", 1, "P-life2")  # the peer restarted there: not held
+    assert b.failed("h", 1, "P-life2") == 1.0  # the new life's own failure starts a fresh window
+    with pytest.raises(CircuitOpen, match="1 handshake"):
+        b.check("h", 1, "P-life2")
+    b.check("h", 1, "P-life1")
+
+
+def test_a_peer_restarted_on_a_tripped_address_is_handshaken_at_once() -> None:
+    """The old life timed out and tripped the address for 30 s; the new life, named by the caller, is
+    dialled (and served) at once instead of failing CircuitOpen until the window ends."""
+
+    async def body() -> None:
+        fabric = InprocFabric()
+        d_info, d_ranks = build_registered_engine("D", SPEC, 16, fabric.create_agent)
+        p_info, p_ranks = build_registered_engine("P", SPEC, 8, fabric.create_agent, incarnation="P-life2")
+        breaker = CircuitBreaker(base_s=30.0, clock=Clock())
+        mgr = HandshakeManager(d_info, d_ranks[0], timeout_s=0.3, retries=0, clock_samples=1, breaker=breaker)
+        async with SilentListener() as silent:  # the old life hangs
+            port = silent.port
+            with pytest.raises(HandshakeTimeout):
+                await mgr.ensure(HOST, port, 0, 0, PeerMode.NOTIF_ONLY, incarnation="P-life1")
+        with pytest.raises(CircuitOpen):
+            await mgr.ensure(HOST, port, 0, 0, PeerMode.NOTIF_ONLY, incarnation="P-life1")
+        async with SideChannelServer(p_info, p_ranks, port=port):
+            peer = await mgr.ensure(HOST, port, 0, 0, PeerMode.NOTIF_ONLY, incarnation="P-life2")
+        assert peer.incarnation == "P-life2" and not breaker.is_open(HOST, port)
+        await mgr.close()
+
+    _run(body())

@@ -22,7 +22,7 @@ from kvwire.errors import KVLoadFailed
 from kvwire.logsetup import Throttle, configure, transfer_extra
 from kvwire.metrics import KvMetrics, MetricRole, posts_transfers
 from kvwire.options import LogFormat
-from kvwire.protocol.messages import TransferMode
+from kvwire.protocol.messages import FailReason, TransferMode
 from kvwire.router.app import create_app
 from kvwire.router.engines import HealthInfo, pair_problem
 from kvwire.router.openai_api import ErrorType, engine_error_kind
@@ -63,6 +63,9 @@ def test_permanent_kv_failures_are_not_503s() -> None:
     status, body, headers = http_error(KVLoadFailed("t1", "peer_dead"))  # transient: a retry may succeed
     assert (status, headers) == (503, {})
     assert "KVWIRE_SECRET" in body["error"]["message"]  # one of the causes a client cannot see otherwise
+    status, body, headers = http_error(KVLoadFailed("t1", "digest_unavailable"))  # P's KV not in host memory
+    assert (status, headers) == (500, {"x-should-retry": "false"})
+    assert "--kv-digest-sample 0" in body["error"]["message"]
     assert engine_error_kind(500, "configuration_error") is ErrorType.MISCONFIGURED
     assert engine_error_kind(401) is ErrorType.MISCONFIGURED  # an engine refused the router's key
     assert engine_error_kind(503) is ErrorType.UNAVAILABLE
@@ -266,6 +269,37 @@ async def test_secret_on_prefill_only_is_a_permanent_error_naming_the_secret() -
         assert r.headers.get("x-should-retry") == "false"
         assert "unauthorized" in r.json()["error"]["message"]
         assert "KVWIRE_SECRET" in r.json()["error"]["message"]
+    finally:
+        d.stop()
+        for hooks in (d_hooks, p_hooks):
+            hooks.close()
+
+
+async def test_a_peer_outside_allowed_peers_is_handshake_failed_naming_allowed_peers() -> None:
+    """D's allowed_peers leaves P's address out: D never dials it. That is handshake_failed (a 503 naming
+    allowed_peers), not unauthorized (a 500 telling the operator to fix KVWIRE_SECRET, which is fine)."""
+    from kvwire.connector import ConnectorConfig
+    from kvwire.engine.connector_hooks import ConnectorSettings, attach_connector
+
+    tiny = preset("tiny")
+    p_eng = Engine(EngineConfig(tiny, role=Role.PREFILL, num_blocks=32))
+    p_hooks = attach_connector(p_eng, ConnectorSettings("p-far", "i1", "m", backend="inproc"))
+    d_eng = Engine(EngineConfig(tiny, role=Role.DECODE, num_blocks=32))
+    cfg = ConnectorConfig(handshake_retries=0, allowed_peers="10.0.0.0/8")
+    d_hooks = attach_connector(d_eng, ConnectorSettings("d-near", "i1", "m", backend="inproc", config=cfg))
+    d = EngineServer(d_eng, Identity(Role.DECODE, "d-near", "i1", mode=TransferMode.PUSH))
+    d.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=d.app), base_url="http://d") as dc:
+            params = {
+                "do_remote_prefill": True, "transfer_id": "t-far", "remote_engine_id": "p-far",
+                "remote_host": "127.0.0.1", "remote_port": p_hooks.connector.port,
+            }  # fmt: skip
+            r = await dc.post("/v1/completions", json={"prompt": "x", "kv_transfer_params": params})
+        assert r.status_code == 503, r.text
+        message = r.json()["error"]["message"]
+        assert "handshake_failed" in message and "allowed_peers" in message
+        assert d_hooks.connector.stats.failures[FailReason.HANDSHAKE_FAILED] == 1
     finally:
         d.stop()
         for hooks in (d_hooks, p_hooks):

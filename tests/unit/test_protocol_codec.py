@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 
@@ -14,7 +16,7 @@ from kvwire.protocol.codec import (
     encode_notif,
     parse_frame_header,
 )
-from kvwire.protocol.limits import MAX_DEPTH, MAX_NOTIF_BYTES, nesting_depth
+from kvwire.protocol.limits import MAX_DEPTH, MAX_NOTIF_BYTES, MAX_WALK_ITEMS, nesting_depth
 from kvwire.protocol.messages import (
     MAX_FRAME_BYTES,
     NOTIF_MAGIC,
@@ -333,3 +335,35 @@ def test_nesting_depth_matches_the_structure() -> None:
 def test_an_oversized_notification_is_refused_before_decoding() -> None:
     with pytest.raises(MalformedMessage, match="over the"):
         decode_notif(NOTIF_MAGIC + b"\xc4" + bytes(MAX_NOTIF_BYTES))
+
+
+def _flat_array_body(size: int) -> bytes:
+    """``{"type": [nil, nil, ...]}`` of exactly ``size`` bytes: a valid msgpack map that fails the typed
+    decode and holds about one item per byte."""
+    head = b"\x81\xa4type\xdd"
+    count = size - len(head) - 4
+    return head + count.to_bytes(4, "big") + b"\xc0" * count
+
+
+def test_the_shape_walk_stops_after_its_item_budget() -> None:
+    flat = msgspec.msgpack.encode([None] * (MAX_WALK_ITEMS + 1))
+    assert nesting_depth(flat) is None
+    assert nesting_depth(msgspec.msgpack.encode([None] * (MAX_WALK_ITEMS - 2))) == 1
+    # The depth limit still wins when it is met first.
+    assert nesting_depth(_nested(10**6)) == MAX_DEPTH + 1
+
+
+def test_huge_flat_bodies_are_refused_without_walking_them() -> None:
+    """Both decoders run on the event loop before authentication: a 16 MiB frame of 16 million nils took
+    about 4 s of pure-Python walking (a 4 MiB notification about 2 s); now about 15 ms each here. The
+    bound leaves a 30x margin on a slow, shared machine."""
+    frame = _flat_array_body(MAX_FRAME_BYTES)
+    start = time.perf_counter()
+    with pytest.raises(MalformedMessage, match="not explained"):
+        FrameDecoder().feed(len(frame).to_bytes(4, "big") + frame)
+    assert time.perf_counter() - start < 0.5
+    notif = NOTIF_MAGIC + _flat_array_body(MAX_NOTIF_BYTES)
+    start = time.perf_counter()
+    with pytest.raises(MalformedMessage, match="not explained"):
+        decode_notif(notif)
+    assert time.perf_counter() - start < 0.5

@@ -18,10 +18,23 @@ from kvwire.handshake.loop import BackgroundLoop
 from kvwire.handshake.server import SideChannelServer
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.auth import SignedRequest
-from kvwire.protocol.messages import Ack, ErrorCode, ErrorReply, GetMetadata, Metadata, ReportFailed
+from kvwire.protocol.messages import (
+    Ack,
+    Done,
+    ErrorCode,
+    ErrorReply,
+    GetMetadata,
+    Metadata,
+    Notification,
+    PushReg,
+    ReportFailed,
+)
+from kvwire.protocol.seal import NotifGate
 from kvwire.testing.handshake_env import build_registered_engine
 from kvwire.testing.protocol_conformance import Result, Role, Status, Target, run_checks
+from kvwire.testing.protocol_conformance.notif_checks import KitDecode, _check_from_p
 from kvwire.testing.protocol_conformance.side_checks import SIDE_CHECKS, documented_compat_hash
+from kvwire.testing.protocol_conformance.wire import CheckFailed
 from kvwire.transport.inproc import InprocFabric
 
 SPEC = KVSpec(num_layers=2, kv_heads=2, head_dim=8, block_size=4)
@@ -171,3 +184,29 @@ def test_the_documented_compat_hash_is_kvwires_fused_or_not(fused: bool) -> None
     md = SideChannelServer(info, ranks).answer(GetMetadata(pp_rank=0, tp_rank=0))
     assert isinstance(md, Metadata) and md.compat is not None and md.compat.kv_fused is fused
     assert documented_compat_hash(md) == md.compat_hash
+
+
+def test_the_kits_push_regs_carry_fresh_nonzero_reg_nonces_and_a_done_is_held_to_them() -> None:
+    """§3: D never gives reg_nonce 0 (a P checking it may refuse the kit's push_regs), and a done must
+    echo it and state nbytes (the kit cannot make P send one, but judges one that comes)."""
+    fabric = InprocFabric()
+    p_info, p_ranks = build_registered_engine("p", SPEC, 8, fabric.create_agent)
+    md = SideChannelServer(p_info, p_ranks).answer(GetMetadata(pp_rank=0, tp_rank=0))
+    assert isinstance(md, Metadata)
+    info, ranks = build_registered_engine("kit", SPEC, 8, fabric.create_agent)
+    kit = KitDecode(ranks[0], SideChannelServer(info, ranks), "127.0.0.1", NotifGate(None), md)
+    sent: list[Notification] = []
+    kit.send = sent.append  # type: ignore[method-assign]
+    for tid in ("t1", "t2"):
+        kit.push_reg(tid)
+    nonces = [m.reg_nonce for m in sent if isinstance(m, PushReg)]
+    assert len(set(nonces)) == 2 and 0 not in nonces and nonces == [kit.nonces["t1"], kit.nonces["t2"]]
+    ids = {"engine_id": md.engine_id, "incarnation": md.incarnation, "tp_rank": 0, "pp_rank": 0}
+    good = Done(transfer_id="t1", num_blocks=2, reg_nonce=nonces[0], nbytes=64, **ids)  # type: ignore[arg-type]
+    _check_from_p(kit, good)
+    for bad in (
+        msgspec.structs.replace(good, reg_nonce=nonces[1]),
+        msgspec.structs.replace(good, nbytes=None),
+    ):
+        with pytest.raises(CheckFailed, match="reg_nonce echoed"):
+            _check_from_p(kit, bad)

@@ -455,9 +455,10 @@ class PushConsumerCore(ConsumerCore):
             self._log_warning("%s: done from %s refused: %s", req.transfer_id, link.src, problem)
             self._rank_done(now, req, part, src, FailReason.BAD_DONE)
             return
+        # REGISTERING too: with several P ranks, one's done may come before the last push_reg is out.
         verify = (
             link.want_digest
-            and part.machine.state is ConsumerState.WAITING
+            and part.machine.state in (ConsumerState.REGISTERING, ConsumerState.WAITING)
             and src in part.machine.ranks.pending
         )
         if not verify:

@@ -238,6 +238,11 @@ class PushProducerCore(ProducerCore):
             self._on_xfer_ended(now, inp)
         elif isinstance(inp, Digested):
             req, reg, plan, done = self._digesting.pop(inp.token)
+            if inp.digest is None:  # KV not in host memory: say so, not a digestless done D calls a mismatch
+                reg.posting = False
+                self._fail(req, reg, PT.WRITE_FAILED, FailReason.DIGEST_UNAVAILABLE)
+                self._settle(now, req)
+                return
             self.stats.digests += 1
             self._post_write(req, reg, plan, msgspec.structs.replace(done, digest=inp.digest))
         else:

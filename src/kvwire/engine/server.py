@@ -79,13 +79,16 @@ _PERMANENT_KV = {
     "says why): check that both run the same kvwire version and --preset",
     FailReason.SHORT_REGISTRATION: "the prefill engine prefilled more tokens than this engine registered: "
     "send both legs the same prompt",
+    FailReason.DIGEST_UNAVAILABLE: "this engine asked for a KV digest (kv_digest_sample) and the prefill "
+    "engine cannot compute one (its KV is in device memory): set --kv-digest-sample 0 on this engine",
 }
 # KV load failures a retry may cure, with what else can cause them: D cannot tell a P that is down from
 # one that refuses it, so the client's message names both (the engines' logs say which it was).
 _TRANSIENT_KV = {
     FailReason.HANDSHAKE_FAILED: "this engine could not complete its handshake with the prefill engine: it "
     "is down or unreachable, or it refused this engine (a different KVWIRE_SECRET, or a secret on one "
-    "side only; this engine's log names the cause)",
+    "side only), or the prefill engine's address is not in this engine's allowed_peers (this engine's log "
+    "names the cause)",
     FailReason.OVERLOADED: "the prefill engine had too many registrations waiting for their prefill "
     "(max_early_registrations): retry, or add prefill capacity",
     FailReason.PEER_DEAD: "the prefill engine stopped answering: it crashed or is unreachable, or it could "
@@ -95,7 +98,7 @@ _TRANSIENT_KV = {
     "broken message (this engine's log names the field)",
     FailReason.DIGEST_MISMATCH: "the KV that arrived does not match the prefill engine's digest of it, so "
     "it was not used: if it repeats, the transfer corrupts data or the prefill engine sends no digest "
-    "(its KV in device memory: set --kv-digest-sample 0)",
+    "(an older prefill engine with its KV in device memory: set --kv-digest-sample 0)",
 }
 RETRY_HEADER = "x-should-retry"
 

@@ -10,6 +10,10 @@ circuit, another failure opens it again for twice as long (up to ``max_s``).
 Only network failures trip it (timeouts, an unreachable side channel, a load the transport refused): a peer
 that answers and refuses (incompatible, unauthorized, no such rank) answers fast anyway. The table is
 bounded (``max_entries``, least recently failed evicted first), so naming many addresses cannot grow it.
+
+A trip remembers the peer incarnation the failed handshake was after, when it was known. A caller that
+names another incarnation (the peer restarted on the same address, or another engine took it) is not
+held by it: its handshake goes ahead, and a failure of it opens a fresh window for the new life.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ DEFAULT_MAX_ENTRIES = 1024
 class _Trip:
     failures: int
     until: float
+    incarnation: str | None = None  # the life the failed handshakes were after, when known
 
 
 class CircuitBreaker:
@@ -50,10 +55,11 @@ class CircuitBreaker:
         self.fast_failures = 0  # handshakes refused at once while a circuit was open
         self.evicted = 0  # entries dropped to keep the table bounded
 
-    def check(self, host: str, port: int) -> None:
-        """Raise ``CircuitOpen`` while ``host:port``'s window lasts; else return (a probe, if it had one)."""
+    def check(self, host: str, port: int, incarnation: str | None = None) -> None:
+        """Raise ``CircuitOpen`` while ``host:port``'s window lasts; else return (a probe, if it had one).
+        A caller after a known ``incarnation`` other than the one that tripped it is let through."""
         trip = self._trips.get((host, port))
-        if trip is None:
+        if trip is None or _another_life(trip, incarnation):
             return
         left = trip.until - self._clock()
         if left > 0:
@@ -63,13 +69,15 @@ class CircuitBreaker:
                 f"not tried again for {left:.1f} s"
             )
 
-    def failed(self, host: str, port: int) -> float:
-        """A handshake with ``host:port`` failed on the network: open (or reopen) its circuit; the window."""
+    def failed(self, host: str, port: int, incarnation: str | None = None) -> float:
+        """A handshake with ``host:port`` (after ``incarnation``, when known) failed on the network: open
+        (or reopen) its circuit; the window. Another life's failures do not lengthen it."""
         key = (host, port)
         trip = self._trips.pop(key, None)
-        failures = 1 if trip is None else trip.failures + 1
+        failures = 1 if trip is None or _another_life(trip, incarnation) else trip.failures + 1
         window = min(self.base_s * float(1 << min(failures - 1, 30)), self.max_s)
-        self._trips[key] = _Trip(failures, self._clock() + window)
+        kept = incarnation if incarnation is not None or trip is None else trip.incarnation
+        self._trips[key] = _Trip(failures, self._clock() + window, kept)
         self.opened += 1
         while len(self._trips) > self.max_entries:
             self._trips.popitem(last=False)
@@ -85,3 +93,7 @@ class CircuitBreaker:
 
     def __len__(self) -> int:
         return len(self._trips)
+
+
+def _another_life(trip: _Trip, incarnation: str | None) -> bool:
+    return None not in (trip.incarnation, incarnation) and trip.incarnation != incarnation

@@ -205,9 +205,12 @@ class HandshakeManager:
                 return self._checked(cached, engine_id)
             task = self._inflight.get(addr)
             if task is None:
-                self.breaker.check(host, port)  # CircuitOpen: counted by the breaker, not logged per call
+                # The life asked for, else the cached one: a trip by another life does not hold it.
+                life = incarnation if incarnation is not None or cached is None else cached.incarnation
+                self.breaker.check(host, port, life)  # CircuitOpen: counted by the breaker, not logged
                 want = mode if cached is None or fresh else max_mode(mode, cached.mode)
-                task = asyncio.create_task(self._handshake(addr, want, cached if fresh else None, cached))
+                handshake = self._handshake(addr, want, cached if fresh else None, cached, life)
+                task = asyncio.create_task(handshake)
                 self._inflight[addr] = task
                 task.add_done_callback(functools.partial(self._done, addr))
             elif peer is None:
@@ -325,10 +328,16 @@ class HandshakeManager:
         return peer
 
     async def _handshake(
-        self, addr: PeerAddress, mode: PeerMode, base: PeerRank | None, stale: PeerRank | None
+        self,
+        addr: PeerAddress,
+        mode: PeerMode,
+        base: PeerRank | None,
+        stale: PeerRank | None,
+        life: str | None = None,
     ) -> PeerRank:
         """Fetch, add the agent, prepare. ``base`` is a notif-only entry to upgrade; ``stale`` any entry
-        the answer may replace."""
+        the answer may replace; ``life`` the incarnation sought, if known (a network failure trips the
+        breaker for it)."""
         steps = _Steps()
         upgrade = base is not None and base.mode is PeerMode.NOTIF_ONLY and mode is PeerMode.FULL
         machine = self._machine(addr)
@@ -361,7 +370,7 @@ class HandshakeManager:
             if isinstance(exc, KvwireError):
                 self._log_failure(addr, mode, steps, exc)
                 if _trips_breaker(exc):
-                    self.breaker.failed(addr.host, addr.port)
+                    self.breaker.failed(addr.host, addr.port, life)
             raise
         self.breaker.succeeded(addr.host, addr.port)
         offset = base.clock_offset_s if upgrade and base is not None else fetched.clock_offset_s

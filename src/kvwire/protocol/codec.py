@@ -21,7 +21,7 @@ from kvwire.errors import (
     UnknownMessageType,
     VersionMismatch,
 )
-from kvwire.protocol.limits import MAX_DEPTH, MAX_NOTIF_BYTES, nesting_depth
+from kvwire.protocol.limits import MAX_DEPTH, MAX_NOTIF_BYTES, MAX_WALK_ITEMS, nesting_depth
 from kvwire.protocol.messages import (
     MAX_FRAME_BYTES,
     NOTIF_MAGIC,
@@ -71,20 +71,24 @@ _ENVELOPE_DECODER = msgspec.msgpack.Decoder(_Envelope)
 _DECODE_ERRORS = (msgspec.MsgspecError, ValueError, TypeError, OverflowError, RecursionError, MemoryError)
 
 
-def _too_deep(body: bytes, channel: str) -> MalformedMessage | None:
+def _unwalkable(body: bytes, channel: str) -> MalformedMessage | None:
     """Refuses a body nested deeper than any message, before an untyped decode walks it (the typed
-    decoders fail early on a wrong shape; the fallbacks that explain a failure would not)."""
+    decoders fail early on a wrong shape; the fallbacks that explain a failure would not). A body with
+    too many items to walk cheaply is refused unexplained: the walk runs on the loop, unauthenticated."""
     depth = nesting_depth(body)
+    if depth is None:
+        return MalformedMessage(
+            f"{channel}: not a valid message, and over {MAX_WALK_ITEMS} items "
+            f"({len(body)} bytes): not explained"
+        )
     if depth > MAX_DEPTH:
         return MalformedMessage(f"{channel}: nested deeper than {MAX_DEPTH} levels")
     return None
 
 
 def _explain(body: bytes, known: frozenset[str], channel: str, err: Exception) -> ProtocolError:
-    """Pick the most specific error for a body that did not decode as a message."""
-    too_deep = _too_deep(body, channel)
-    if too_deep is not None:
-        return too_deep
+    """Pick the most specific error for a body that did not decode as a message (and that
+    ``_unwalkable`` accepted: the untyped decodes below rely on its bounds)."""
     try:
         env = _ENVELOPE_DECODER.decode(body)
     except _DECODE_ERRORS:
@@ -126,6 +130,9 @@ def decode_notif(data: bytes | bytearray | memoryview) -> Notification:
     try:
         msg = _NOTIF_DECODER.decode(body)
     except _DECODE_ERRORS as err:
+        refused = _unwalkable(body, "notification")  # once, before either untyped decode below
+        if refused is not None:
+            raise refused from None
         failed = _failed_with_unknown_reason(body)
         if failed is None:
             raise _explain(body, NOTIF_TYPES, "notification", err) from None
@@ -136,9 +143,8 @@ def decode_notif(data: bytes | bytearray | memoryview) -> Notification:
 
 def _failed_with_unknown_reason(body: bytes) -> Failed | None:
     """A ``failed`` whose reason this version does not know, as ``FailReason.UNKNOWN``: the peer still
-    ended its registration, and dropping the message would leave D waiting for liveness."""
-    if _too_deep(body, "notification") is not None:
-        return None
+    ended its registration, and dropping the message would leave D waiting for liveness. ``body`` has
+    passed ``_unwalkable``."""
     try:
         raw = msgspec.msgpack.decode(body)
     except _DECODE_ERRORS:
@@ -190,7 +196,8 @@ def decode_side(body: bytes | bytearray | memoryview) -> SideMessage:
     try:
         msg = _SIDE_DECODER.decode(body)
     except _DECODE_ERRORS as err:
-        raise _explain(bytes(body), SIDE_TYPES, "side channel", err) from None
+        raw = bytes(body)
+        raise (_unwalkable(raw, "side channel") or _explain(raw, SIDE_TYPES, "side channel", err)) from None
     _check_version(msg, "side channel")
     return msg
 

@@ -4,7 +4,9 @@ msgspec guards its recursion with the interpreter's recursion limit: a deeply ne
 one-element arrays is 5,000 levels) raises ``RecursionError`` part-way through a decode, wherever the caller
 happens to be on the stack, and an interpreter whose limit was raised (some engines do) may overflow the C
 stack instead. ``nesting_depth`` walks the msgpack encoding without recursing and without building objects,
-so a body can be refused as malformed by its shape alone, in time linear in its number of items.
+so a body can be refused as malformed by its shape alone. The walk is pure Python (about 0.2 us an item),
+and it runs on the event loop before any authentication, so it stops after ``MAX_WALK_ITEMS`` items: a
+16 MiB frame of 16 million nils would otherwise hold the loop for seconds.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from __future__ import annotations
 MAX_DEPTH = 32
 # A notification carries ids, never KV: a push_reg for a million-token prompt is a few hundred KB.
 MAX_NOTIF_BYTES = 4 * 1024 * 1024
+# Items the shape walk reads before giving up (about 15 ms). It only runs on bodies that already failed the
+# typed decode, to explain why; a body with more items than this is refused as malformed unexplained.
+MAX_WALK_ITEMS = 1 << 16
 
 
 def _fixed_sizes() -> tuple[int, ...]:
@@ -51,15 +56,19 @@ _LENGTH_PREFIXED = {
 _CONTAINERS = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}
 
 
-def nesting_depth(body: bytes, limit: int = MAX_DEPTH) -> int:
+def nesting_depth(body: bytes, limit: int = MAX_DEPTH, max_items: int = MAX_WALK_ITEMS) -> int | None:
     """The deepest container nesting of the msgpack items in ``body``, counting only up to ``limit + 1``
-    (the walk stops as soon as ``limit`` is exceeded, so a caller compares the result with ``limit``).
+    (the walk stops as soon as ``limit`` is exceeded, so a caller compares the result with ``limit``);
+    None when the walk met more than ``max_items`` items first (its cost, not the body, is then the limit).
 
     Truncated or invalid bytes end the walk early with the depth seen so far: judging them is the typed
     decoder's job, this only makes sure that decoder never meets more than ``limit`` levels."""
     pending: list[int] = []  # items still to read in each open container, innermost last
-    pos, end, deepest = 0, len(body), 0
+    pos, end, deepest, budget = 0, len(body), 0, max_items
     while pos < end:
+        budget -= 1
+        if budget < 0:
+            return None
         b = body[pos]
         size = _SIZE[b]
         pos += 1

@@ -6,6 +6,12 @@ channel, which P dials for its full handshake (signed for the kit's address unde
 sends ``push_reg``/``cancel`` for transfers P never prefills and checks P's answers and their timing:
 exactly one ending message per registration, the fence, and a ``report_failed`` on the kit's side channel
 when P finds the kit incompatible. Notifications are sealed and checked as §4 says under a secret.
+
+Each ``push_reg`` carries a fresh non-zero ``reg_nonce``, as §3 says D's do. P's fail-closed rules that
+need its prefill (``failed``/``short_registration`` for a push_reg that does not cover the prompt, a
+``done`` that echoes ``reg_nonce`` and states ``nbytes``) are not checked: P decides them when its prefill
+of the transfer ends, and the kit, speaking only to the side channel and NIXL, cannot make P prefill
+anything (that takes P's serving API). A ``done`` that reaches the kit all the same is held to them.
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ class KitDecode:
     inbox: list[Arrival] = field(default_factory=list)
     reports: list[ReportFailed] = field(default_factory=list)
     live: set[str] = field(default_factory=set)  # transfers P may hold for the kit (heartbeats name them)
+    nonces: dict[str, int] = field(default_factory=dict)  # each push_reg's reg_nonce, by transfer
     bad: list[str] = field(default_factory=list)  # what P sent that does not verify or decode
     _beat_at: float = 0.0
 
@@ -85,7 +92,9 @@ class KitDecode:
             block_ids=[0, 1],
             num_tokens=2 * kv.block_size,
             fence_ms=fence_ms,
+            reg_nonce=_reg_nonce(),
         )
+        self.nonces[tid] = reg.reg_nonce
         self.live.add(tid)
         self.send(reg)
 
@@ -178,6 +187,11 @@ async def _kit(ctx: Context) -> KitDecode:
     return kit
 
 
+def _reg_nonce() -> int:
+    """Non-zero (§3: D never gives 0) and below 2**63, so any msgpack decoder takes it as an int."""
+    return int.from_bytes(new_nonce()[:8], "big") >> 1 or 1
+
+
 def _tid() -> str:
     return f"kvwire-conformance-{new_nonce().hex()}"
 
@@ -188,6 +202,8 @@ def _check_from_p(kit: KitDecode, msg: Notification) -> None:
         raise CheckFailed(f"{type(msg).__name__} names {msg.engine_id}/{msg.incarnation}, not the target")
     if isinstance(msg, Ending) and (msg.pp_rank, msg.tp_rank) != (p.pp_rank, p.tp_rank):
         raise CheckFailed(f"{type(msg).__name__} from rank {(msg.pp_rank, msg.tp_rank)}, not the target's")
+    if isinstance(msg, Done) and (msg.reg_nonce != kit.nonces.get(msg.transfer_id) or msg.nbytes is None):
+        raise CheckFailed(f"done {msg}: §3 wants the push_reg's reg_nonce echoed and nbytes stated")
 
 
 async def push_reg_handshake(ctx: Context) -> str:
