@@ -5,6 +5,7 @@ under the prefix. Run them with ``-k "etcd or discovery"``."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -89,6 +90,43 @@ def test_etcd_registration_watch_and_deregistration(etcd: EtcdServer) -> None:
         await until(lambda: view.records[key].draining, "the draining mark")
         await reg.close()  # revoking the lease deletes the record now, not after the TTL
         took = await until(lambda: not view.records, "the deregistration", timeout_s=1.0)
+        watcher.stop()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await watcher.client.close()
+
+    run(body)
+
+
+def test_etcd_an_unchanged_record_is_not_rewritten(etcd: EtcdServer) -> None:
+    """Renewals of a record that did not change (its ``updated`` stamp aside) are keepalives alone: no etcd
+    revision, no watch event, no re-sync of every router's view. A change is put at once."""
+
+    async def body() -> None:
+        target = parse_target(etcd.url + "/t6")
+        current = [record()]
+        reg = Registrar(EtcdClient(target), lambda: msgspec.structs.replace(current[0], updated=time.time()),
+                        ttl_s=3, interval_s=0.05)  # fmt: skip
+        renewals = [0]
+        keepalive = reg.client.keepalive
+
+        async def counted(lease: int) -> int:
+            renewals[0] += 1
+            return await keepalive(lease)
+
+        reg.client.keepalive = counted  # type: ignore[method-assign]
+        view = View()
+        watcher = FleetWatcher(EtcdClient(target), view)
+        task = asyncio.create_task(watcher.run())
+        reg.start()
+        await until(lambda: view.urls() == {"http://127.0.0.1:8100"}, "the registration")
+        calls, seen = view.calls, renewals[0]
+        await until(lambda: renewals[0] >= seen + 5, "five renewals")
+        assert reg.puts == 1 and view.calls == calls
+        current[0] = record(running=4)
+        await until(lambda: any(r.load.running == 4 for r in view.records.values()), "the load update")
+        assert reg.puts == 2 and view.calls == calls + 1
+        await reg.close()
         watcher.stop()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -53,3 +53,11 @@ def test_cpu_per_request_divides_each_process_delta_by_the_requests() -> None:
     per = cpu_per_request({"router": 1.0, "prefill": 2.0}, {"router": 1.3, "prefill": 2.9}, 100)
     assert per == pytest.approx({"router": 3.0, "prefill": 9.0})
     assert cpu_per_request({"d": 0.0}, {"d": 0.5}, 0) == {"d": 500.0}  # no division by zero
+
+
+def test_fleet_bench_asks_for_the_model_of_its_preset() -> None:
+    """The engines serve ``kvwire-{preset}`` (and refuse other names): the fleet bench must ask for it."""
+    from kvwire.bench.fleet_load import FleetSetup
+
+    assert FleetSetup().model == "kvwire-tiny"
+    assert FleetSetup(preset="kv-heavy").model == "kvwire-kv-heavy"

@@ -3,9 +3,13 @@ drain, new life), the prefix index, and the prefix-aware score. ``-k "etcd or di
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import json
+
 import pytest
 
-from kvwire.config import Policy, RouterConfig
+from kvwire.config import EngineKind, Policy, RouterConfig
 from kvwire.discovery.record import EngineRecord, FleetRole, RecordLoad
 from kvwire.router.engines import EngineRegistry, HealthInfo
 from kvwire.router.fleet import health_info
@@ -58,6 +62,51 @@ def test_discovery_new_life_is_healthy_and_its_prefix_index_empty() -> None:
     assert reg.prefix.size(P1) == 0  # the new life's cache is empty
 
 
+def test_discovery_vllm_identity_follows_the_record_through_health_polls() -> None:
+    """A vLLM engine restarted on the same URL: its new record's identity holds, and /health (which says
+    nothing of kvwire) only refreshes health and the served name; it never brings back the old life."""
+    reg = EngineRegistry(_Canned(), [], [], 1.0, EngineKind.VLLM)
+    life1 = dataclasses.replace(info(Role.PREFILL, "life1"), side_channel_port=5600, model="compat-id")
+    life2 = dataclasses.replace(info(Role.PREFILL, "life2"), side_channel_port=5700, model="compat-id")
+    reg.sync({(Role.PREFILL, P1): life1}, {})
+    reg.sync({(Role.PREFILL, P1): life2}, {})
+    state = reg.get(P1)
+    reg.prefix.record(P1, block_hashes("x" * 64))
+    asyncio.run(reg.check(state))
+    assert state.healthy and state.info is not None
+    assert (state.info.incarnation, state.info.side_channel_port) == ("life2", 5700)
+    assert state.info.model == "served-name"  # /v1/models', not the record's compat id
+    assert reg.prefix.size(P1) == 4  # no "new life" seen by the poll: the index stays
+    reg.sync({(Role.PREFILL, P1): life2}, {})  # the same life's record again keeps the served name
+    assert state.info.model == "served-name" and reg.models() == {"served-name"}
+
+
+class _Canned(EngineClient):
+    """A vLLM engine's /health and /v1/models, without sockets."""
+
+    def __init__(self) -> None:
+        super().__init__(1.0, 1.0, None)
+
+    async def get(self, url: str, timeout_s: float, api_key: bool = False) -> tuple[int, bytes]:
+        body = {"data": [{"id": "served-name"}]} if url.endswith("/v1/models") else {}
+        return 200, json.dumps(body).encode()
+
+
+def test_discovery_departure_and_role_change_keep_counts_sane() -> None:
+    reg = registry()
+    reg.sync({(Role.PREFILL, P1): info(Role.PREFILL)}, {})
+    reg.begin(P1)
+    reg.sync({(Role.DECODE, P1): info(Role.DECODE)}, {})  # the same URL comes back as a decode engine
+    reg.end(P1)  # the request sent to it as P ends
+    assert reg.get(P1).inflight == 0 and reg.get(P1).role is Role.DECODE
+    reg.sync({}, {})  # it leaves: a late leg's bookkeeping neither raises nor re-creates its index
+    reg.begin(P1)
+    reg.end(P1)
+    reg.prefix_sent(P1, block_hashes("y" * 64))
+    assert reg.prefix.size(P1) == 0 and not reg.in_view(P1)
+    assert asyncio.run(reg.info_of(P1)) is None
+
+
 def test_discovery_block_hashes_chain_and_index_is_bounded() -> None:
     a = block_hashes("s" * 40 + "tail-a")
     b = block_hashes("s" * 40 + "tail-b")
@@ -67,8 +116,8 @@ def test_discovery_block_hashes_chain_and_index_is_bounded() -> None:
     assert block_hashes([1, 2, 3] * 16) == block_hashes([1, 2, 3] * 16)
     index = PrefixIndex(capacity=4)
     index.record(P1, block_hashes("q" * 16 * 6))
-    assert index.size(P1) == 4  # LRU: only the last 4 blocks kept
-    assert index.overlap(P1, block_hashes("q" * 16 * 6)) == 0  # the first blocks were evicted
+    assert index.size(P1) == 4  # bounded: 4 blocks kept
+    assert index.overlap(P1, block_hashes("q" * 16 * 6)) == 4  # the head 4: the tail was evicted
     index.record(P2, a)
     assert index.overlap(P2, b) == 2 and index.overlap(P2, block_hashes("z" * 64)) == 0
 
@@ -109,12 +158,33 @@ def test_discovery_prefix_index_overlaps_every_engine_at_once() -> None:
     index.record(D1, block_hashes("b" * 64))
     assert index.overlaps(long_a) == {P1: 8, P2: 3}
     assert index.overlaps(block_hashes("c" * 64)) == {}
-    index.set_capacity(P1, 2)  # the engine's cache is 2 blocks: the oldest go
-    assert index.size(P1) == 2 and index.overlaps(long_a) == {P2: 3}
+    index.set_capacity(P1, 2)  # the engine's cache is 2 blocks: the tail goes, the head stays
+    assert index.size(P1) == 2 and index.overlaps(long_a) == {P1: 2, P2: 3}
     index.forget(P2)  # its holders go with it
-    assert index.overlaps(long_a) == {} and index._holders.keys() == set(block_hashes("b" * 64)) | set(
-        long_a[6:]
-    )
+    assert index.overlaps(long_a) == {P1: 2}
+    assert index._holders.keys() == set(block_hashes("b" * 64)) | set(long_a[:2])
+
+
+def test_discovery_prefix_index_evicts_the_tail_of_a_prompt_first() -> None:
+    """A lookup needs block 0: at capacity the least recent prompt loses its tail, not its head."""
+    index = PrefixIndex(capacity=8)
+    a, b = block_hashes("a" * 16 * 6), block_hashes("b" * 16 * 6)
+    index.record(P1, a)
+    index.record(P1, b)
+    assert index.size(P1) == 8
+    assert index.overlap(P1, b) == 6  # the most recent prompt whole
+    assert index.overlap(P1, a) == 2  # the older one still matches on its head
+    index.record(P1, a[:1])  # a shared head used again is kept over the others' tails
+    index.record(P1, block_hashes("c" * 16 * 7))
+    assert index.overlap(P1, a) == 1
+
+
+def test_discovery_token_ids_of_any_size_hash() -> None:
+    """A client's token id is not the router's to judge: any int hashes (the engine refuses what it must)."""
+    big = block_hashes([2**32] * 16)
+    assert len(big) == 1 and big != block_hashes([0] * 16)
+    assert block_hashes([2**70, 1] * 8) != block_hashes([2**6, 1] * 8)
+    assert block_hashes([1, 23] * 8) != block_hashes([12, 3] * 8)  # ids are delimited
 
 
 def test_discovery_target_and_record_parsing() -> None:

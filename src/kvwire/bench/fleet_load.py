@@ -19,10 +19,10 @@ import httpx
 
 from kvwire.demo.report import percentile
 from kvwire.demo.workload import RequestFailed, stream_completion
+from kvwire.engine.config import PRESETS
 from kvwire.testing.etcd import EtcdServer
 from kvwire.testing.procs import Server, ServerGroup, free_port
 
-MODEL = "kvwire-tiny"
 _POLL_S = 0.02
 
 
@@ -38,6 +38,11 @@ class FleetSetup:
     rate: float = 20.0  # requests per second at most (a steady load, not a flood the 2 cores drown in)
     request_timeout_s: float = 30.0
     startup_timeout_s: float = 120.0
+
+    @property
+    def model(self) -> str:
+        """The name the engines serve (``serve``: ``kvwire-{preset}``), so any preset is asked for."""
+        return f"kvwire-{PRESETS[self.preset].name}"
 
 
 class FleetProcs:
@@ -179,7 +184,7 @@ class Load:
                 s = self.setup
                 try:
                     got = stream_completion(
-                        client, self.url, MODEL, prompt, s.max_tokens, s.request_timeout_s
+                        client, self.url, s.model, prompt, s.max_tokens, s.request_timeout_s
                     )
                 except (RequestFailed, httpx.HTTPError) as exc:
                     with self._lock:
@@ -211,7 +216,9 @@ class Load:
 def reference_answers(colocated: Server, prompts: Sequence[str], setup: FleetSetup) -> dict[str, list[int]]:
     with httpx.Client() as client:
         args = (setup.max_tokens, setup.request_timeout_s)
-        return {p: stream_completion(client, colocated.url, MODEL, p, *args).token_ids for p in set(prompts)}
+        return {
+            p: stream_completion(client, colocated.url, setup.model, p, *args).token_ids for p in set(prompts)
+        }
 
 
 def plain_prompts(n: int, seed: int) -> list[str]:

@@ -30,6 +30,11 @@ class EtcdUnavailable(KvwireError):
     """etcd did not answer, or answered with an error (the caller keeps its last state and retries)."""
 
 
+class WatchIdle(EtcdUnavailable):
+    """The watch stream said nothing for ``watch_idle_s``: etcd may be gone without a word (power loss, a
+    partition dropping packets), or only quiet. The caller lists again, which tells the two apart."""
+
+
 @dataclass(frozen=True)
 class EtcdTarget:
     """Where the fleet lives: ``etcd://HOST:PORT[/prefix]``."""
@@ -83,9 +88,11 @@ class WatchEvent:
 class EtcdClient:
     """One session to one etcd endpoint. Not thread-safe: use it from one event loop."""
 
-    def __init__(self, target: EtcdTarget, timeout_s: float = 2.0) -> None:
+    def __init__(self, target: EtcdTarget, timeout_s: float = 2.0, watch_idle_s: float = 30.0) -> None:
         self.target = target
         self.timeout_s = timeout_s
+        # A watch line (event or progress notification) at least this often, or the stream counts as lost.
+        self.watch_idle_s = watch_idle_s
         self._session: aiohttp.ClientSession | None = None
 
     def _http(self) -> aiohttp.ClientSession:
@@ -150,6 +157,9 @@ class EtcdClient:
             "key": _b64(prefix),
             "range_end": _b64(prefix_end(prefix)),
             "start_revision": start_revision,
+            # A server run with --experimental-watch-progress-notify-interval below watch_idle_s keeps a
+            # quiet stream alive; without it a quiet fleet costs one listing per watch_idle_s.
+            "progress_notify": True,
         }
         url = self.target.base_url + "/v3/watch"
         timeout = aiohttp.ClientTimeout(total=None, connect=self.timeout_s, sock_connect=self.timeout_s)
@@ -160,7 +170,11 @@ class EtcdClient:
                 if resp.status != 200:
                     raise EtcdUnavailable(f"etcd watch: HTTP {resp.status}")
                 while True:
-                    line = await resp.content.readline()
+                    try:
+                        async with asyncio.timeout(self.watch_idle_s):
+                            line = await resp.content.readline()
+                    except TimeoutError:
+                        raise WatchIdle(f"etcd watch: nothing for {self.watch_idle_s:g} s") from None
                     if not line:
                         raise EtcdUnavailable("etcd closed the watch stream")
                     if len(line) > _MAX_LINE:

@@ -44,6 +44,8 @@ class Registrar:
         self.registrations = 0  # leases granted and records written: 1 + one per etcd loss of the lease
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._written: EngineRecord | None = None  # the last record put, ``updated`` zeroed
+        self.puts = 0
 
     @property
     def key(self) -> str:
@@ -53,15 +55,26 @@ class Registrar:
     def start(self) -> None:
         self._task = asyncio.create_task(self.run())
 
-    def _record(self) -> bytes:
+    def _record(self) -> EngineRecord:
         rec = self.snapshot()
         if self.draining and not rec.draining:
             rec = _with_draining(rec)
-        return encode(rec)
+        return rec
+
+    async def _put(self, force: bool) -> None:
+        """Put the record, unless only its ``updated`` stamp changed since the last put: each put is an
+        etcd revision and one event for every router watching (the keepalive alone keeps the lease)."""
+        rec = self._record()
+        content = msgspec.structs.replace(rec, updated=0.0)
+        if not force and content == self._written:
+            return
+        await self.client.put(self.key, encode(rec), self.lease)
+        self._written = content
+        self.puts += 1
 
     async def _register(self) -> None:
         self.lease = await self.client.grant(self.ttl_s)
-        await self.client.put(self.key, self._record(), self.lease)
+        await self._put(force=True)
         self.registrations += 1
         self.registered.set()
         log.info(
@@ -78,7 +91,7 @@ class Registrar:
                 log.warning("etcd lost this engine's lease %x: registering again", self.lease)
             await self._register()
             return
-        await self.client.put(self.key, self._record(), self.lease)
+        await self._put(force=False)
         self.registered.set()
 
     async def run(self) -> None:
@@ -105,7 +118,7 @@ class Registrar:
         self.draining = True
         if self.lease:
             with contextlib.suppress(EtcdUnavailable):
-                await self.client.put(self.key, self._record(), self.lease)
+                await self._put(force=True)
 
     async def close(self) -> None:
         """Stop renewing and delete the record (revoking the lease); etcd being away is not an error."""

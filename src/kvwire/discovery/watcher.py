@@ -16,7 +16,9 @@ import contextlib
 import logging
 from collections.abc import Callable, Mapping
 
-from kvwire.discovery.etcd import EtcdClient, EtcdUnavailable
+import msgspec
+
+from kvwire.discovery.etcd import EtcdClient, EtcdUnavailable, WatchIdle
 from kvwire.discovery.record import EngineRecord, decode, engine_key, engines_prefix
 
 log = logging.getLogger(__name__)
@@ -59,15 +61,20 @@ class FleetWatcher:
             return None
         return rec
 
-    def _set(self, key: str, raw: bytes | None) -> None:
+    def _set(self, key: str, raw: bytes | None) -> bool:
+        """Apply one key's value; whether the view changed (beyond the record's ``updated`` stamp)."""
+        old = self.records.get(key)
         if raw is None:
             self.records.pop(key, None)
-            return
+            return old is not None
         rec = self._accept(key, raw)
         if rec is None:
             self.records.pop(key, None)
-        elif key in self.records or len(self.records) < MAX_ENGINES:
-            self.records[key] = rec
+            return old is not None
+        if old is None and len(self.records) >= MAX_ENGINES:
+            return False
+        self.records[key] = rec
+        return old is None or msgspec.structs.replace(old, updated=rec.updated) != rec
 
     async def _list(self) -> int:
         revision, kvs = await self.client.get_prefix(self.prefix)
@@ -83,13 +90,18 @@ class FleetWatcher:
     async def _follow(self) -> None:
         revision = await self._list()
         async for event in self.client.watch(self.prefix, revision + 1):
-            self._set(event.key, event.value)
-            self.on_change(dict(self.records))
+            # on_change re-syncs the router's whole view: only when a record said something new.
+            if self._set(event.key, event.value):
+                self.on_change(dict(self.records))
 
     async def run(self) -> None:
         while not self._stop.is_set():
             try:
                 await self._follow()
+            except WatchIdle as exc:
+                # Quiet or gone: list again at once. A listing that fails clears synced below.
+                log.debug("%s: listing again", exc)
+                continue
             except EtcdUnavailable as exc:
                 if self.synced.is_set():
                     log.warning(

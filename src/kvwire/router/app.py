@@ -39,6 +39,7 @@ from kvwire.router.legs import (
     DecodeStream,
     LegError,
     decode_body,
+    left_fleet,
     post_completion,
     prefill_body,
     pull_params,
@@ -149,6 +150,7 @@ class Router:
         return (200 if status == "ok" else 503), body
 
     def render_metrics(self) -> bytes:
+        self._healthy_gauge.clear()  # engines that left the fleet lose their series
         for role, states in self.registry.engines.items():
             for e in states:
                 labels = {"role": "router", "model_name": self.config.model, "engine_role": role.value}
@@ -262,6 +264,9 @@ class Router:
     async def _pair_info(self, p_url: str, d_url: str) -> HealthInfo:
         """P's identity for D's leg, once P and D are known to be able to work together."""
         info = await self.registry.info_of(p_url)
+        for role, url in ((Role.PREFILL, p_url), (Role.DECODE, d_url)):
+            if not self.registry.in_view(url):
+                raise left_fleet(role, url)  # it left while we awaited: pick again
         if info is None:
             log.warning("prefill engine %s is not healthy", p_url)
             raise ApiError(ErrorType.UNAVAILABLE, "the chosen prefill engine is not healthy")

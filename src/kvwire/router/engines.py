@@ -199,7 +199,7 @@ class EngineRegistry:
         if state.static is None:
             return HealthInfo.parse(json_object(body))
         # vLLM: healthy when /health is 200; its served model names come from /v1/models.
-        status, body = await self._client.get(f"{state.url}/v1/models", self._timeout_s)
+        status, body = await self._client.get(f"{state.url}/v1/models", self._timeout_s, api_key=True)
         if status != 200:
             raise ValueError(f"/v1/models answered {status}")
         names = [str(m["id"]) for m in json_object(body).get("data", [])]
@@ -260,34 +260,50 @@ class EngineRegistry:
         if state is not None:
             await self.check(state)
 
+    def in_view(self, url: str) -> bool:
+        """Whether the engine is still in the fleet (a discovered one may leave while a request awaits)."""
+        state = self._by_url.get(url)
+        return state is not None and state in self.engines[state.role]
+
     async def info_of(self, url: str) -> HealthInfo | None:
-        state = self._by_url[url]
+        state = self._by_url.get(url)
+        if state is None:
+            return None  # it left the fleet while the request was being placed
         if state.info is None:
             await self.check(state)
         return state.info if state.healthy else None
 
+    # The counts below tolerate a URL already forgotten: the engine left the fleet, and the request that
+    # ends on it has nothing left to count.
     def begin(self, *urls: str) -> None:
         """Count a request this router sent to these engines (least-loaded picks see it at once)."""
-        for url in urls:
-            state = self._by_url[url]
+        for state in filter(None, map(self._by_url.get, urls)):
             state.inflight += 1
             state.sent += 1
 
     def end(self, *urls: str) -> None:
         for url in urls:
-            self._by_url[url].inflight -= 1
-            self._drop_if_gone(url)
+            state = self._by_url.get(url)
+            if state is not None:
+                state.inflight -= 1
+                self._drop_if_gone(url)
 
     def prefill_begin(self, url: str, tokens: int) -> None:
         """A prompt of ``tokens`` was sent to this engine to prefill (conditional routing compares them)."""
-        self._by_url[url].prefill_tokens += tokens
+        state = self._by_url.get(url)
+        if state is not None:
+            state.prefill_tokens += tokens
 
     def prefill_end(self, url: str, tokens: int) -> None:
-        self._by_url[url].prefill_tokens -= tokens
-        self._drop_if_gone(url)
+        state = self._by_url.get(url)
+        if state is not None:
+            state.prefill_tokens -= tokens
+            self._drop_if_gone(url)
 
     def prefix_sent(self, url: str, hashes: list[bytes]) -> None:
         """A prompt goes to P ``url``: count the blocks it was believed to hold, then record them there."""
+        if not self.in_view(url):
+            return  # it left the fleet (its index was forgotten): recording would leak its entries
         self.prefix_blocks["hit"] += self.prefix.overlap(url, hashes)
         self.prefix_blocks["total"] += len(hashes)
         self.prefix.record(url, hashes)
@@ -303,9 +319,14 @@ class EngineRegistry:
         for (role, url), info in found.items():
             state = self._by_url.get(url)
             if state is None or state.role is not role:
-                state = self._by_url[url] = EngineState(url, role, discovered=True)
-                if self.kind is EngineKind.VLLM:
-                    state.static = info
+                state = self._by_url[url] = self._discovered(url, role, state)
+            if self.kind is EngineKind.VLLM:
+                # A vLLM engine's identity is its record's, every life of it: its /health says nothing of
+                # it, so a poll must not bring back the static of a previous life. Keep the served model
+                # name /v1/models gave (the record's is the compat id) while the life is the same.
+                state.static = info
+                if state.info is not None and state.info.incarnation == info.incarnation:
+                    info = dataclasses.replace(info, model=state.info.model)
             if state not in self.engines[role]:
                 self.engines[role].append(state)
             if state.info is None or state.info.incarnation != info.incarnation:
@@ -322,6 +343,15 @@ class EngineRegistry:
                 state.healthy = False
                 self.prefix.forget(state.url)
                 self._drop_if_gone(state.url)
+
+    @staticmethod
+    def _discovered(url: str, role: Role, old: EngineState | None) -> EngineState:
+        """A discovered engine's state; one that changed role keeps its counts of requests in flight,
+        which end (by URL) on the new state."""
+        state = EngineState(url, role, discovered=True)
+        if old is not None:
+            state.inflight, state.prefill_tokens = old.inflight, old.prefill_tokens
+        return state
 
     def _size_prefix(self, state: EngineState) -> None:
         if state.role is Role.PREFILL and state.info is not None and state.info.kv_tokens > 0:

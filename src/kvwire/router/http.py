@@ -68,7 +68,12 @@ class EngineClient:
     ) -> None:
         # No total timeout here: the router bounds each request as a whole; this bounds each wait.
         self._timeout = aiohttp.ClientTimeout(sock_connect=connect_timeout_s, sock_read=read_timeout_s)
-        self._headers = {**bearer(api_key), **router_token_header(router_token), **_JSON}
+        # The router token goes with legs only: a health poll or model list needs none, and the fewer
+        # requests carry it, the fewer places it can leak to (any URL etcd names is polled). The API key
+        # goes with the model list too (vLLM's /v1/models asks for it).
+        self._headers = dict(_JSON)
+        self._leg_headers = {**bearer(api_key), **router_token_header(router_token)}
+        self._get_headers = bearer(api_key)
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
 
@@ -82,12 +87,14 @@ class EngineClient:
 
     def post(self, url: str, body: Mapping[str, object]) -> aiohttp.client._RequestContextManager:
         """POST ``body`` as JSON; use as ``async with client.post(...) as resp``."""
-        return self.session().post(url, data=msgspec.json.encode(body))
+        return self.session().post(url, data=msgspec.json.encode(body), headers=self._leg_headers)
 
-    async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
-        """A small GET (health, model list): its status and body, within ``timeout_s`` in all."""
+    async def get(self, url: str, timeout_s: float, api_key: bool = False) -> tuple[int, bytes]:
+        """A small GET (health, model list): its status and body, within ``timeout_s`` in all.
+        ``api_key``: send the API key (``/v1/...``; ``/health`` is open)."""
         timeout = aiohttp.ClientTimeout(total=timeout_s)
-        async with self.session().get(url, timeout=timeout) as resp:
+        headers = self._get_headers if api_key else None
+        async with self.session().get(url, timeout=timeout, headers=headers) as resp:
             return resp.status, await read_bounded(resp, SMALL_BODY_LIMIT)
 
     async def close(self) -> None:

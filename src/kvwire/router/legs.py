@@ -51,6 +51,14 @@ class LegError(ApiError):
         self.refused = False
 
 
+def left_fleet(role: Role, url: str) -> LegError:
+    """The picked engine left the fleet before its leg was sent: as a refused connection, the request
+    is picked again (``Router._route``)."""
+    exc = LegError(role, url, ErrorType.UNAVAILABLE, "left the fleet", unreachable=True)
+    exc.refused = True
+    return exc
+
+
 def prefill_body(base: Mapping[str, Any], transfer_id: str) -> dict[str, Any]:
     body = dict(base)
     params = KvTransferParams(do_remote_decode=True, transfer_id=transfer_id)

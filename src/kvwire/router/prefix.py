@@ -8,7 +8,7 @@ choosing P it asks, for every P at once, how many leading blocks of the new prom
 (``overlaps``).
 
 Each engine's entries are an LRU bounded at its capacity: the KV blocks the engine says it has (its etcd
-record or ``/health``: ``free_blocks`` when idle), else ``DEFAULT_CAPACITY``; an engine evicts too, and
+record or ``/health``: ``kv_blocks`` × ``block_size``), else ``DEFAULT_CAPACITY``; an engine evicts too, and
 the router must not grow without bound. A block's holders are also indexed by hash, so a lookup costs
 the prompt's blocks times the engines that hold them, not times the fleet. A new life of an engine (new
 incarnation) starts with an empty index. This is llm-d's and Dynamo's "approximate" mode: it needs
@@ -29,14 +29,21 @@ MAX_BLOCKS_PER_PROMPT = 8192  # a longer prompt is matched on its first 128k tok
 
 def block_hashes(prompt: str | Sequence[int], block_tokens: int = BLOCK_TOKENS) -> list[bytes]:
     """Chained hashes of the prompt's whole blocks (a partial last block is never cached)."""
+    n = min(len(prompt) // block_tokens, MAX_BLOCKS_PER_PROMPT)
     if isinstance(prompt, str):
-        data, unit = prompt.encode(), block_tokens
+        data = prompt.encode()
+        n = min(len(data) // block_tokens, MAX_BLOCKS_PER_PROMPT)
+        blocks = [data[i * block_tokens : (i + 1) * block_tokens] for i in range(n)]
     else:
-        data, unit = b"".join(int(t).to_bytes(4, "little") for t in prompt), block_tokens * 4
+        # Token ids as hex, comma-separated: any int a client sends hashes (no fixed width to overflow,
+        # no decimal digit limit); the engine, not the router, judges whether the id is in its vocabulary.
+        blocks = [
+            b",".join(b"%x" % t for t in prompt[i * block_tokens : (i + 1) * block_tokens]) for i in range(n)
+        ]
     out: list[bytes] = []
     prev = b""
-    for start in range(0, min(len(data) // unit, MAX_BLOCKS_PER_PROMPT) * unit, unit):
-        prev = hashlib.blake2b(prev + data[start : start + unit], digest_size=12).digest()
+    for block in blocks:
+        prev = hashlib.blake2b(prev + block, digest_size=12).digest()
         out.append(prev)
     return out
 
@@ -76,7 +83,9 @@ class PrefixIndex:
 
     def record(self, url: str, hashes: Sequence[bytes]) -> None:
         held = self._engines.setdefault(url, OrderedDict())
-        for h in hashes:
+        # Tail first, so a prompt's head block is its most recent entry and eviction takes the tail: a
+        # lookup needs block 0, and a chain without its head would be dead weight.
+        for h in reversed(hashes):
             if h in held:
                 held.move_to_end(h)
             else:
