@@ -11,10 +11,10 @@ from collections.abc import Mapping
 import pytest
 from aiohttp import web
 
-from kvwire.demo.procs import free_port
 from kvwire.discovery.etcd import EtcdClient, parse_target
 from kvwire.discovery.record import EngineRecord
 from kvwire.discovery.watcher import FleetWatcher
+from kvwire.testing.procs import free_port
 
 pytestmark = pytest.mark.anyio
 

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 from kvwire.config import RouterConfig
-from kvwire.demo.procs import free_port
 from kvwire.discovery.record import EngineRecord, FleetRole
 from kvwire.router.app import Router
 from kvwire.router.engines import HealthInfo
@@ -19,6 +18,7 @@ from kvwire.router.fleet import health_info
 from kvwire.router.openai_api import ApiKind
 from kvwire.router.policy import Role
 from kvwire.testing.http_fakes import Seen, scripted_app, serving_here
+from kvwire.testing.procs import free_port
 
 pytestmark = pytest.mark.anyio
 
