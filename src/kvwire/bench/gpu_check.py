@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
 import numpy as np
 
+from kvwire.bench.cases import Case, buffer_bytes, layout
 from kvwire.bench.common import envelope, gbps, median_seconds, print_table, write_json
 from kvwire.errors import TransferFailed
 from kvwire.testing.buffer_peer import pattern
@@ -38,25 +38,14 @@ POLL_LIMIT_S = 60.0
 NOTIF_WAIT_S = 30.0
 
 
-@dataclass(frozen=True, slots=True)
-class Case:
-    name: str
-    blocks: int
-    block: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.blocks * self.block
-
-
 # A 70B-class request's KV is a few GiB in thousands of 16-128 KiB blocks; the contiguous case is NIXL's best.
 CUDA_CASES = (
-    Case("1x1GiB", 1, 1 << 30),
-    Case("8192x64KiB", 8192, 64 << 10),
-    Case("4096x16KiB", 4096, 16 << 10),
+    Case("1x1GiB", 1, 1 << 30, False),
+    Case("8192x64KiB", 8192, 64 << 10, True),
+    Case("4096x16KiB", 4096, 16 << 10, True),
 )
-CPU_CASES = (Case("1x64MiB", 1, 64 << 20), Case("1024x16KiB", 1024, 16 << 10))
-SMALL_CASES = (Case("1x1MiB", 1, 1 << 20), Case("64x4KiB", 64, 4 << 10))
+CPU_CASES = (Case("1x64MiB", 1, 64 << 20, False), Case("1024x16KiB", 1024, 16 << 10, True))
+SMALL_CASES = (Case("1x1MiB", 1, 1 << 20, False), Case("64x4KiB", 64, 4 << 10, True))
 
 
 class DeviceBuffer:
@@ -264,14 +253,6 @@ def pick_device(asked: str) -> str:
     return "cuda" if has_gpu else "cpu"
 
 
-def _layout(case: Case, size: int, rng: np.random.Generator) -> tuple[list[int], list[int]]:
-    """P's blocks (the first ones) and the D blocks they land in (scattered over a buffer twice as big)."""
-    if case.blocks == 1:
-        return [0], [0]
-    dst = rng.choice(size // case.block, size=case.blocks, replace=False)
-    return list(range(case.blocks)), [int(i) for i in dst]
-
-
 def _row(case: Case, op: str, check: dict[str, int], kv_s: float, raw_s: float) -> dict[str, Any]:
     return {
         "case": case.name, "op": op, "bytes": case.nbytes, "blocks": case.blocks, "block_bytes": case.block,
@@ -282,7 +263,7 @@ def _row(case: Case, op: str, check: dict[str, int], kv_s: float, raw_s: float) 
 
 def run_check(device: str, cases: tuple[Case, ...], reps: int) -> list[dict[str, Any]]:
     """Push and pull every case between this process (P) and a child (D); bytes compared on the device."""
-    size = max(c.nbytes * (1 if c.blocks == 1 else 2) for c in cases)
+    size = buffer_bytes(cases)
     rng = np.random.default_rng(SEED)
     p = Side("p", device, size)
     d = _DChild(device, size)
@@ -294,7 +275,9 @@ def run_check(device: str, cases: tuple[Case, ...], reps: int) -> list[dict[str,
         p.load(d_md)
         d.call("load", metadata=p_md)
         for case in cases:
-            src, dst = _layout(case, size, rng)
+            # P's first blocks, landing scattered over D's buffer (twice as big) or contiguous at 0.
+            lay = layout(case, size, rng)
+            src, dst = [int(i) for i in lay.src_idx], [int(i) for i in lay.dst_idx]
             # push: P writes into D, notification attached; D checks only after the notification arrived.
             d.call("zero")
             p.transfer(

@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from kvwire.bench.cases import Case, Layout, buffer_bytes, layout
 from kvwire.bench.common import bar_plot, envelope, gbps, median_seconds, print_table, write_json
 from kvwire.bench.kvrequest import request_for
 from kvwire.bench.transfer_kv import run_kv_cases
@@ -27,18 +27,6 @@ from kvwire.transport import Desc, XferOp, make_agent_name, new_incarnation
 
 SEED = 3
 POLL_LIMIT_S = 30.0
-
-
-@dataclass(frozen=True, slots=True)
-class Case:
-    name: str
-    blocks: int
-    block: int
-    scattered: bool
-
-    @property
-    def nbytes(self) -> int:
-        return self.blocks * self.block
 
 
 FULL_CASES = (
@@ -53,26 +41,6 @@ SMALL_CASES = (
     Case("1MiB", 1, 1 << 20, False),
     Case("256x4KiB-scattered", 256, 4 << 10, True),
 )
-
-
-def buffer_bytes(cases: Sequence[Case]) -> int:
-    """One buffer size for P's source and D's target that fits every case (a scatter spans 2x)."""
-    return max(c.nbytes * (2 if c.scattered else 1) for c in cases)
-
-
-@dataclass(slots=True)
-class Layout:
-    """Which blocks move for one case: indices into P's and D's buffers cut into ``case.block`` blocks."""
-
-    src_idx: np.ndarray
-    dst_idx: np.ndarray
-
-
-def layout(case: Case, dst_bytes: int, rng: np.random.Generator) -> Layout:
-    if not case.scattered:
-        return Layout(np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64))
-    n_dst = dst_bytes // case.block
-    return Layout(np.arange(case.blocks), rng.choice(n_dst, size=case.blocks, replace=False))
 
 
 class RawNixlWriter:
