@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from kvwire.bench.cases import Case, buffer_bytes, layout
+from kvwire.bench.cases import Case, buffer_bytes, layout, repost_raw
 from kvwire.bench.common import envelope, gbps, median_seconds, print_table, write_json
 from kvwire.errors import TransferFailed
 from kvwire.testing.buffer_peer import pattern
@@ -197,16 +197,8 @@ class Side:
         idx = np.arange(len(local_idx), dtype=np.int32)
         xfer = raw.make_prepped_xfer(op, local, idx, rem, idx, b"")
 
-        def once() -> None:
-            state = raw.transfer(xfer)
-            deadline = time.monotonic() + POLL_LIMIT_S
-            while state == "PROC" and time.monotonic() < deadline:
-                state = raw.check_xfer_state(xfer)
-            if state != "DONE":
-                raise TransferFailed(f"raw NIXL {op} ended {state}")
-
         try:
-            return median_seconds(once, reps)
+            return median_seconds(lambda: repost_raw(raw, xfer, f"raw NIXL {op}", POLL_LIMIT_S), reps)
         finally:
             raw.release_xfer_handle(xfer)
             raw.release_dlist_handle(local)

@@ -11,13 +11,12 @@ each case after it is timed.
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from kvwire.bench.cases import Case, Layout, buffer_bytes, layout
+from kvwire.bench.cases import Case, Layout, buffer_bytes, layout, repost_raw
 from kvwire.bench.common import bar_plot, envelope, gbps, median_seconds, print_table, write_json
 from kvwire.bench.kvrequest import request_for
 from kvwire.bench.transfer_kv import run_kv_cases
@@ -72,16 +71,9 @@ class RawNixlWriter:
             b"",
         )
 
-        def once() -> None:
-            state = raw.transfer(xfer)
-            deadline = time.monotonic() + POLL_LIMIT_S
-            while state == "PROC" and time.monotonic() < deadline:
-                state = raw.check_xfer_state(xfer)
-            if state != "DONE":
-                raise TransferFailed(f"{case.name}: NIXL WRITE ended {state}")
-
         try:
-            return median_seconds(once, reps)
+            what = f"{case.name}: NIXL WRITE"
+            return median_seconds(lambda: repost_raw(raw, xfer, what, POLL_LIMIT_S), reps)
         finally:
             raw.release_xfer_handle(xfer)
             a.release_dlist(local)

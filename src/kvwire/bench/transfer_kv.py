@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from kvwire.bench.cases import repost_raw
 from kvwire.bench.common import gbps
 from kvwire.bench.kvrequest import (
     Assignment,
@@ -108,12 +109,7 @@ class _RawRepost:
         self.handle = self.raw.initialize_xfer(XferOp.WRITE.value, local, remote, peer, b"")
 
     def __call__(self) -> None:
-        state = self.raw.transfer(self.handle)
-        deadline = time.monotonic() + POLL_LIMIT_S
-        while state == "PROC" and time.monotonic() < deadline:
-            state = self.raw.check_xfer_state(self.handle)
-        if state != "DONE":
-            raise TransferFailed(f"raw NIXL WRITE ended {state}")
+        repost_raw(self.raw, self.handle, "raw NIXL WRITE", POLL_LIMIT_S)
 
     def close(self) -> None:
         self.raw.release_xfer_handle(self.handle)
