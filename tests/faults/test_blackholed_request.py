@@ -149,18 +149,15 @@ def _drive(bad_host: str, bad_http: int, bad_side: int, attacking: bool) -> None
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
 if __name__ != "__main__":
-    from kvwire.testing.netns import NetnsPair, Side, unavailable_reason
+    from netns_env import netns_pair
+
+    from kvwire.testing.netns import NetnsPair, Side
     from kvwire.testing.procs import free_port
 
 
 @pytest.fixture(scope="module")
 def net() -> Iterator[NetnsPair]:
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"network namespaces unavailable: {reason}")
-    pytest.importorskip("nixl._api", reason="the NIXL backend is not installed")
-    with NetnsPair() as pair:
-        yield pair
+    yield from netns_pair(nixl=True)
 
 
 def _env(side: Side, extra: dict[str, str]) -> dict[str, str]:

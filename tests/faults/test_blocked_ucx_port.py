@@ -215,17 +215,14 @@ def _child(argv: list[str]) -> None:
 pytestmark = pytest.mark.nixl
 
 if __name__ != "__main__":
-    from kvwire.testing.netns import NetnsPair, Side, unavailable_reason
+    from netns_env import netns_pair
+
+    from kvwire.testing.netns import NetnsPair, Side
 
 
 @pytest.fixture(scope="module")
 def net() -> Iterator[NetnsPair]:
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"network namespaces unavailable: {reason}")
-    pytest.importorskip("nixl._api", reason="the NIXL backend is not installed")
-    with NetnsPair() as pair:
-        yield pair
+    yield from netns_pair(nixl=True)
 
 
 def _env(side: Side, conn_nb: str | None = "n") -> dict[str, str]:

@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import IO, Any
 
 import pytest
+from netns_env import netns_pair
 
 from kvwire.testing import connnet
 from kvwire.testing.faultnet import FaultWorker
-from kvwire.testing.netns import NetnsPair, Side, unavailable_reason
+from kvwire.testing.netns import NetnsPair, Side
 
 pytestmark = pytest.mark.nixl
 
@@ -41,11 +42,7 @@ _tid = iter(range(10_000))
 
 @pytest.fixture(scope="module")
 def net() -> Iterator[NetnsPair]:
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"network namespaces unavailable: {reason}")
-    with NetnsPair() as pair:
-        yield pair
+    yield from netns_pair(nixl=False)
 
 
 def _env(side: Side) -> dict[str, str]:

@@ -109,19 +109,9 @@ class ServerGroup:
         """Start ``argv`` as server ``name``; ``env`` adds to the group's environment for this one."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         server = Server(name, list(argv), port, self.log_dir / f"{name}.log")
-        server._log = server.log_path.open("wb")
-        server.proc = subprocess.Popen(
-            server.argv,
-            stdin=subprocess.DEVNULL,
-            stdout=server._log,
-            stderr=subprocess.STDOUT,
-            env={**self._env, **(env or {})},
-            start_new_session=True,
-        )
         server.env = env or {}
         self.servers.append(server)
-        self._write_index()
-        return server
+        return self._launch(server, "wb")
 
     def kill(self, server: Server, timeout_s: float = 10.0) -> None:
         """SIGKILL ``server`` (and anything it spawned) and reap it: a crash, not a shutdown."""
@@ -139,7 +129,12 @@ class ServerGroup:
             self.kill(server)
         if server._log is not None:
             server._log.close()
-        server._log = server.log_path.open("ab")
+        return self._launch(server, "ab")
+
+    def _launch(self, server: Server, log_mode: str) -> Server:
+        """Run ``server``'s command line in a session of its own, its output into its log (``wb``: a new
+        log, ``ab``: appended to, for a restart), and list it in ``servers.json``."""
+        server._log = server.log_path.open(log_mode)
         server.proc = subprocess.Popen(
             server.argv,
             stdin=subprocess.DEVNULL,
