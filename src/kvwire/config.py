@@ -22,16 +22,15 @@ import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NewType
 
 from kvwire.errors import ConfigError
 from kvwire.protocol.messages import TransferMode
 
-
-class Backend(enum.Enum):
-    """The transport backends (``kvwire.transport.factory`` creates their agents)."""
-
-    NIXL = "nixl"
-    INPROC = "inproc"
+# A transport's name (``--backend``): ``kvwire.transport.registry`` resolves it to the transport and
+# refuses an unknown one; ``registry.names()`` lists them.
+Backend = NewType("Backend", str)
+DEFAULT_BACKEND = Backend("nixl")
 
 
 ENV_SECRET = "KVWIRE_SECRET"
@@ -191,7 +190,7 @@ class DemoConfig:
     d_tp: int = 1
     p_pp: int = 1
     mode: TransferMode = TransferMode.PUSH
-    backend: Backend = Backend.NIXL
+    backend: Backend = DEFAULT_BACKEND
     preset: str = "tiny"
     requests: int = 32
     min_prompt_tokens: int = 16

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from kvwire.testing.conformance import BUILTIN_BACKENDS, CHECKS, check_backend, run_check
-from kvwire.transport.factory import AgentFactory
 from kvwire.transport.inproc import InprocFabric, InprocFaults
+from kvwire.transport.registry import AgentFactory
 
 BACKENDS = [pytest.param("inproc"), pytest.param("nixl", marks=pytest.mark.nixl)]
 

@@ -15,8 +15,8 @@ from kvwire.errors import (
     TransferFailed,
 )
 from kvwire.transport import Desc, XferHandle, XferOp, XferStatus, array_desc
-from kvwire.transport.factory import Backend, create_agent
 from kvwire.transport.inproc import InprocAgent, InprocFabric, InprocFaults
+from kvwire.transport.registry import create_agent
 
 BLOCK = 1024
 
@@ -201,7 +201,7 @@ def test_release_in_flight_cancels() -> None:
 
 def test_factory() -> None:
     fabric = InprocFabric()
-    agent = create_agent(Backend.INPROC, "x", fabric=fabric)
+    agent = create_agent("inproc", "x", fabric=fabric)
     assert isinstance(agent, InprocAgent) and agent.fabric is fabric
     assert isinstance(create_agent("inproc", "factory-default"), InprocAgent)
     with pytest.raises(ConfigError):

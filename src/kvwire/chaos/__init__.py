@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvwire.config import Backend
+from kvwire.config import DEFAULT_BACKEND, Backend
+from kvwire.transport.registry import names as transport_names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-prompt-tokens", type=int, default=64)
     a("--distinct-prompts", type=int, default=64, help="prompts cycled over (default: %(default)s)")
     a("--preset", default="tiny")
-    a("--backend", choices=[b.value for b in Backend], default=Backend.NIXL.value)
+    a("--backend", choices=transport_names(), default=DEFAULT_BACKEND)
     a("--request-timeout", type=float, default=30.0, help="seconds per request at the client")
     a("--kv-lease-s", type=float, default=10.0, help="P's lease on blocks D never registered")
     a("--min-down-s", type=float, default=0.2, help="shortest time a killed peer stays dead")

@@ -7,7 +7,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvwire.config import Backend
+from kvwire.config import DEFAULT_BACKEND, Backend
 from kvwire.errors import ConfigError
 
 # Kills land once this fraction of the requests has been sent: late enough that traffic is flowing,
@@ -36,7 +36,7 @@ class ChaosConfig:
     # Requests cycle over this many prompts, whose reference answers are computed in-process first.
     distinct_prompts: int = 64
     preset: str = "tiny"
-    backend: Backend = Backend.NIXL
+    backend: Backend = DEFAULT_BACKEND
     request_timeout_s: float = 30.0
     # P's lease: how long P keeps blocks for a D that never registers (a D killed before it did).
     kv_lease_s: float = 10.0

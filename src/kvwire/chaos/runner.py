@@ -49,7 +49,7 @@ class Cluster:
 def _engine_args(cfg: ChaosConfig, role: str, port: int) -> list[str]:
     args = [
         "serve", role, "--host", "127.0.0.1", "--port", str(port), "--preset", cfg.preset,
-        "--seed", str(cfg.seed), "--backend", cfg.backend.value, "--mode", "push",
+        "--seed", str(cfg.seed), "--backend", cfg.backend, "--mode", "push",
         "--side-channel-port", str(free_port()),
     ]  # fmt: skip
     if role == "prefill":
@@ -272,7 +272,7 @@ def _run(cfg: ChaosConfig, console: Console, group: ServerGroup, log_dir: Path) 
     references = reference_answers(cfg, prompts)
     plan = plan_kills(cfg)
     console.print(
-        f"starting prefill, decode and the router ({cfg.backend.value}); {cfg.requests} requests, "
+        f"starting prefill, decode and the router ({cfg.backend}); {cfg.requests} requests, "
         f"concurrency {cfg.concurrency}, {len(plan)} kills (seed {cfg.seed}); logs in {log_dir}"
     )
     cluster = start_cluster(cfg, group)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvwire.config import Backend, DemoConfig
+from kvwire.config import DEFAULT_BACKEND, Backend, DemoConfig
 from kvwire.errors import ConfigError
 from kvwire.protocol.messages import TransferMode
+from kvwire.transport.registry import names as transport_names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--d-tp", type=int, default=1, metavar="N", help="TP size of each decode engine")
     add("--p-pp", type=int, default=1, metavar="N", help="PP size of each prefill engine")
     add("--mode", choices=[m.value for m in TransferMode], default="push", help="KV transfer mode")
-    add("--backend", choices=[b.value for b in Backend], default="nixl", help="transfer backend")
+    add("--backend", choices=transport_names(), default=DEFAULT_BACKEND, help="transfer backend")
     add("--preset", default="tiny", help="model preset: tiny or kv-heavy (default: %(default)s)")
     add("--requests", type=int, default=32, metavar="N", help="requests to send (default: %(default)s)")
     add(

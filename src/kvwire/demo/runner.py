@@ -51,7 +51,7 @@ def _engine_args(cfg: DemoConfig, role: str, port: int, tp: int) -> list[str]:
     if role != "colocated":  # the colocated engine has no connector: no backend, side channel or mode
         args += [
             "--backend",
-            cfg.backend.value,
+            cfg.backend,
             "--side-channel-port",
             str(free_port()),
             "--mode",
@@ -139,7 +139,7 @@ def _run(cfg: DemoConfig, console: Console, group: ServerGroup, log_dir: Path) -
     console.print(
         f"starting {cfg.prefill} prefill (tp={cfg.p_tp}, pp={cfg.p_pp}), "
         f"{cfg.decode} decode (tp={cfg.d_tp}), "
-        f"a colocated reference and the router; {cfg.mode.value} mode, {cfg.backend.value} backend; "
+        f"a colocated reference and the router; {cfg.mode.value} mode, {cfg.backend} backend; "
         f"logs in {log_dir}" + ("" if cfg.log_dir else " (kept if the demo fails)")
     )
     cluster = start_cluster(cfg, group)

@@ -23,7 +23,7 @@ from kvwire.kv_params import KvTransferParams
 from kvwire.metrics import HandshakeStats, KvMetrics, TransferStats
 from kvwire.protocol.messages import TransferMode
 from kvwire.transport.base import Agent, PeerMode, make_agent_name
-from kvwire.transport.factory import create_agent
+from kvwire.transport.registry import create_agent
 
 
 def remote_engine(params: KvTransferParams | None) -> RemoteEngine:

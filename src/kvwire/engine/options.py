@@ -11,11 +11,12 @@ import dataclasses
 import enum
 from typing import Any
 
-from kvwire.config import Backend
+from kvwire.config import DEFAULT_BACKEND
 from kvwire.core.config import ConnectorConfig
 from kvwire.engine.config import PRESETS
 from kvwire.options import CONNECTED, ENGINES, Command, Option, discovery_option, logging_options
 from kvwire.protocol.messages import TransferMode
+from kvwire.transport.registry import names as transport_names
 
 P, D, C = Command.PREFILL, Command.DECODE, Command.COLOCATED
 
@@ -84,8 +85,8 @@ def engine_options() -> list[Option]:
         Option("tp", int, 1, "tensor-parallel size (KV heads sharded over ranks)", ENGINES),
         Option("pp", int, 1, "pipeline-parallel size (the decode side has none)", frozenset({P, C})),
         Option(
-            "backend", str, Backend.NIXL.value, "transfer backend (inproc: one process, tests)", CONNECTED,
-            tuple(b.value for b in Backend),
+            "backend", str, DEFAULT_BACKEND, "transfer backend (inproc: one process, tests)", CONNECTED,
+            transport_names(),
         ),
         Option(
             "mode", str, TransferMode.PUSH.value, "KV transfer mode: P pushes, or D pulls (P, D and the "

@@ -38,11 +38,8 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 import random
-import threading
 import time
-import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -507,41 +504,16 @@ class HandshakeManager:
         )
 
 
-_spare_lock = threading.Lock()
-_spare: list[Agent] = []  # the process's throwaway agent for warm_up, created once
-
-
-def _spare_metadata() -> bytes:
-    from kvwire.transport.nixl import NixlAgent  # NIXL's modules load only where NIXL agents exist
-
-    with _spare_lock:
-        if not _spare:
-            # Creating an agent costs 100+ ms: one per process, kept (idle) for the connectors started later.
-            _spare.append(NixlAgent(f"kvwire-warmup/{os.getpid()}/{uuid.uuid4().hex[:12]}"))
-        return _spare[0].metadata()
-
-
 def warm_up(agents: Sequence[Agent]) -> float:
-    """Pay NIXL's one-off cost of a local agent's first ``add_remote_agent`` now; returns the seconds spent.
-
-    UCX sets up a worker's first endpoint lazily, in the agent's first load of a remote agent: that load
-    costs 10-30 ms where later ones cost about 1 ms, and without this it lands in the first request's
-    handshake (D's notif-only one with P). Each NIXL agent loads, then unloads, the metadata of a
-    throwaway agent (one per process). Other backends have no such cost and are skipped. Best effort: a
-    failure is logged, never raised.
-    """
-    from kvwire.transport.nixl import NixlAgent
-
-    targets = [a for a in agents if isinstance(a, NixlAgent)]
-    if not targets:
-        return 0.0
+    """Have each agent pay its transport's one-off first-load cost now (``Agent.warm_up``; NIXL's: UCX's
+    first endpoint, 10-30 ms that would land in the first request's handshake); returns the seconds
+    spent. Best effort: a failure is logged, never raised."""
     t0 = time.perf_counter()
-    try:
-        metadata = _spare_metadata()
-        for agent in targets:
-            agent.remove_peer(agent.add_peer(metadata))
-    except TransportError as exc:
-        log.debug("agent warm-up failed: %s", exc)
+    for agent in agents:
+        try:
+            agent.warm_up()
+        except TransportError as exc:
+            log.debug("agent warm-up failed: %s", exc)
     return time.perf_counter() - t0
 
 

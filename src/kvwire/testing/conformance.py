@@ -14,10 +14,10 @@ or one test per check, so a report names the check that failed::
     def test_my_backend(name: str) -> None:
         run_check(name, lambda: MyFabric().create_agent)
 
-``BUILTIN_BACKENDS`` holds the makers of ``inproc`` and ``nixl`` (both agents in this one process, which
-NIXL supports). A check is ``check(a, b)``: ``a`` initiates (P-like), ``b`` is the remote (D-like); it
-fails by raising (``AssertionError`` or ``pytest.fail``). Waits are bounded loops that fail with a
-message, never assertions on time.
+``BUILTIN_BACKENDS`` holds the makers of the registered transports (``inproc`` and ``nixl``; both agents
+in this one process, which NIXL supports). A check is ``check(a, b)``: ``a`` initiates (P-like), ``b`` is
+the remote (D-like); it fails by raising (``AssertionError`` or ``pytest.fail``). Waits are bounded loops
+that fail with a message, never assertions on time.
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ from kvwire.errors import (
     TransportError,
 )
 from kvwire.testing.buffer_peer import pattern
+from kvwire.transport import registry
 from kvwire.transport.base import (
-    Agent,
     Desc,
+    FullAgent,
     PeerMode,
     XferHandle,
     XferOp,
@@ -50,29 +51,22 @@ from kvwire.transport.base import (
     make_agent_name,
     new_incarnation,
 )
-from kvwire.transport.factory import AgentFactory
+from kvwire.transport.registry import FullAgentFactory
 
-BackendMaker = Callable[[], AgentFactory]
-Check = Callable[[Agent, Agent], None]
+BackendMaker = Callable[[], FullAgentFactory]
+Check = Callable[[FullAgent, FullAgent], None]
 
 WAIT_S = 10.0
 BLOCK = 4096
 
 
-def _inproc() -> AgentFactory:
-    from kvwire.transport.inproc import InprocFabric
-
-    return InprocFabric().create_agent
-
-
-def _nixl() -> AgentFactory:
-    # Imported on use: the inproc checks must run where NIXL is not installed.
-    from kvwire.transport.nixl import NixlAgent
-
-    return NixlAgent
+def _maker(name: str) -> BackendMaker:
+    # Looked up on use: the inproc checks must run where NIXL is not installed.
+    return lambda: registry.lookup(name).conformance_factory()
 
 
-BUILTIN_BACKENDS: dict[str, BackendMaker] = {"inproc": _inproc, "nixl": _nixl}
+# Every registered transport's maker (``kvwire.transport.registry``): a transport added there is checked.
+BUILTIN_BACKENDS: dict[str, BackendMaker] = {name: _maker(name) for name in registry.BUILTIN}
 
 
 def run_check(check: str | Check, make_backend: BackendMaker) -> None:
@@ -102,7 +96,7 @@ def check_backend(make_backend: BackendMaker, *, skip: Iterable[str] = ()) -> No
             run_check(fn, make_backend)
 
 
-def wait_done(agent: Agent, handle: XferHandle, *others: Agent) -> XferStatus:
+def wait_done(agent: FullAgent, handle: XferHandle, *others: FullAgent) -> XferStatus:
     """Poll until the transfer leaves IN_PROGRESS (bounded); ``others`` are progressed meanwhile."""
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
@@ -115,7 +109,7 @@ def wait_done(agent: Agent, handle: XferHandle, *others: Agent) -> XferStatus:
     raise AssertionError(f"transfer still in progress after {WAIT_S} s")
 
 
-def wait_notifs(receiver: Agent, sender: Agent, count: int) -> list[bytes]:
+def wait_notifs(receiver: FullAgent, sender: FullAgent, count: int) -> list[bytes]:
     """Collect ``count`` notifications from ``sender`` at ``receiver`` (bounded), progressing both."""
     got: list[bytes] = []
     deadline = time.monotonic() + WAIT_S
@@ -133,11 +127,11 @@ def blocks(array: np.ndarray, block: int = BLOCK) -> list[Desc]:
     return [Desc(base.addr + i * block, block) for i in range(base.length // block)]
 
 
-def connect_full(a: Agent, b: Agent) -> None:
+def connect_full(a: FullAgent, b: FullAgent) -> None:
     assert a.add_peer(b.metadata()) == b.name
 
 
-def check_registration(a: Agent, b: Agent) -> None:
+def check_registration(a: FullAgent, b: FullAgent) -> None:
     buf = np.zeros(8 * BLOCK, dtype=np.uint8)
     reg = a.register(buf)
     assert (reg.addr, reg.length) == (buf.ctypes.data, buf.nbytes)
@@ -158,7 +152,7 @@ def check_registration(a: Agent, b: Agent) -> None:
         a.deregister(reg)
 
 
-def check_metadata_round_trip(a: Agent, b: Agent) -> None:
+def check_metadata_round_trip(a: FullAgent, b: FullAgent) -> None:
     b.register(np.zeros(BLOCK, dtype=np.uint8))
     full, conn = b.metadata(), b.conn_metadata()
     assert isinstance(full, bytes) and isinstance(conn, bytes) and full and conn
@@ -174,7 +168,7 @@ def check_metadata_round_trip(a: Agent, b: Agent) -> None:
         a.add_peer(b"not metadata at all")
 
 
-def check_notif_only_peer(a: Agent, b: Agent) -> None:
+def check_notif_only_peer(a: FullAgent, b: FullAgent) -> None:
     src, dst = pattern(BLOCK, 1), np.zeros(BLOCK, dtype=np.uint8)
     a.register(src)
     b.register(dst)
@@ -196,7 +190,7 @@ def check_notif_only_peer(a: Agent, b: Agent) -> None:
     assert np.array_equal(dst, src)
 
 
-def check_full_peer_write_read(a: Agent, b: Agent) -> None:
+def check_full_peer_write_read(a: FullAgent, b: FullAgent) -> None:
     nbytes = 1 << 20
     src, remote = pattern(nbytes, 2), pattern(nbytes, 3)
     expected_remote = remote.copy()
@@ -221,7 +215,7 @@ def check_full_peer_write_read(a: Agent, b: Agent) -> None:
     a.release_dlist(far)
 
 
-def check_scattered_indices(a: Agent, b: Agent) -> None:
+def check_scattered_indices(a: FullAgent, b: FullAgent) -> None:
     n_src, n_dst, n = 64, 128, 48
     src, dst = pattern(n_src * BLOCK, 5), np.zeros(n_dst * BLOCK, dtype=np.uint8)
     a.register(src)
@@ -250,7 +244,7 @@ def check_scattered_indices(a: Agent, b: Agent) -> None:
         a.release(h)
 
 
-def check_attached_notif_after_data(a: Agent, b: Agent) -> None:
+def check_attached_notif_after_data(a: FullAgent, b: FullAgent) -> None:
     nbytes = 8 << 20
     src, dst = pattern(nbytes, 7), np.zeros(nbytes, dtype=np.uint8)
     a.register(src)
@@ -270,7 +264,7 @@ def check_attached_notif_after_data(a: Agent, b: Agent) -> None:
     a.release(handle)
 
 
-def check_remove_then_transfer_fails(a: Agent, b: Agent) -> None:
+def check_remove_then_transfer_fails(a: FullAgent, b: FullAgent) -> None:
     src, dst = pattern(BLOCK, 8), np.zeros(BLOCK, dtype=np.uint8)
     a.register(src)
     b.register(dst)
@@ -300,7 +294,7 @@ def check_remove_then_transfer_fails(a: Agent, b: Agent) -> None:
     assert not dst.any() or np.array_equal(dst, src)
 
 
-def check_double_release(a: Agent, b: Agent) -> None:
+def check_double_release(a: FullAgent, b: FullAgent) -> None:
     src, dst = pattern(BLOCK, 9), np.zeros(BLOCK, dtype=np.uint8)
     a.register(src)
     b.register(dst)
@@ -319,7 +313,7 @@ def check_double_release(a: Agent, b: Agent) -> None:
     a.release_dlist(local)
 
 
-def check_close_idempotent(a: Agent, b: Agent) -> None:
+def check_close_idempotent(a: FullAgent, b: FullAgent) -> None:
     src, dst = pattern(BLOCK, 10), np.zeros(BLOCK, dtype=np.uint8)
     a.register(src)
     b.register(dst)
@@ -345,7 +339,7 @@ def block_rows(array: np.ndarray, idx: np.ndarray, block: int = BLOCK) -> np.nda
     return rows
 
 
-def check_post_array(a: Agent, b: Agent) -> None:
+def check_post_array(a: FullAgent, b: FullAgent) -> None:
     n_src, n_dst, n = 64, 128, 40
     src, dst = pattern(n_src * BLOCK, 11), np.zeros(n_dst * BLOCK, dtype=np.uint8)
     a.register(src)
@@ -371,7 +365,7 @@ def check_post_array(a: Agent, b: Agent) -> None:
     src[:] = 0
     rows_l = block_rows(src, src_idx).astype(np.uint64)
     rows_r = block_rows(dst, dst_idx).astype(np.uint64)
-    read = Agent.post_array(a, XferOp.READ, rows_l, rows_r, b.name)
+    read = FullAgent.post_array(a, XferOp.READ, rows_l, rows_r, b.name)
     assert wait_done(a, read, b) is XferStatus.DONE
     a.release(read)
     assert np.array_equal(want[src_idx], got[dst_idx])
@@ -380,7 +374,7 @@ def check_post_array(a: Agent, b: Agent) -> None:
     assert np.array_equal(descs_to_array(blocks(src)), block_rows(src, np.arange(n_src)))
 
 
-def check_post_array_errors(a: Agent, b: Agent) -> None:
+def check_post_array_errors(a: FullAgent, b: FullAgent) -> None:
     src, dst = pattern(4 * BLOCK, 13), np.zeros(8 * BLOCK, dtype=np.uint8)
     a.register(src)
     b.register(dst)

@@ -28,7 +28,7 @@ from kvwire.protocol.messages import TransferMode
 from kvwire.testing.child import CommandChild, serve_commands
 from kvwire.testing.engines import EngineSetup, build_engine, gather_tokens, random_kv, scatter_tokens
 from kvwire.testing.engines import untouched_blocks_zero as _untouched
-from kvwire.transport.base import Desc, XferOp
+from kvwire.transport.base import Desc, XferOp, as_full
 
 _CALL_TIMEOUT_S = 60.0
 
@@ -113,7 +113,7 @@ class _Host:
         out: dict[str, dict[str, str | None]] = {}
         for key, rank in self.conn.ranks.items():
             names = [p.agent_name for p in self.conn.managers[key].peers()]
-            modes = {n: (None if (m := rank.agent.peer_mode(n)) is None else m.value) for n in names}
+            modes = {n: (None if (m := as_full(rank.agent).peer_mode(n)) is None else m.value) for n in names}
             out[rank.agent.name] = modes
         return out
 
@@ -126,7 +126,9 @@ class _Host:
         rank = self._setup().ranks[0]
         local = rank.cache.regions()[0]
         try:
-            handle = rank.agent.post(XferOp.READ, [Desc(local.base_addr, length)], [Desc(addr, length)], peer)
+            handle = as_full(rank.agent).post(
+                XferOp.READ, [Desc(local.base_addr, length)], [Desc(addr, length)], peer
+            )
         except KvwireError as exc:
             return type(exc).__name__
         rank.agent.release(handle)

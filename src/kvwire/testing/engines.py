@@ -22,8 +22,8 @@ from kvwire.kv.mapping import layer_window
 from kvwire.kv.spec import KVSpec, Layout
 from kvwire.protocol.messages import TransferMode
 from kvwire.transport.base import Agent, make_agent_name, new_incarnation
-from kvwire.transport.factory import create_agent
 from kvwire.transport.inproc import InprocFabric
+from kvwire.transport.registry import create_agent
 
 
 @dataclass

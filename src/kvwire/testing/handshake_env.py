@@ -18,7 +18,7 @@ from kvwire.kv.mapping import layer_window
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.messages import TransferMode
 from kvwire.transport.base import make_agent_name, new_incarnation
-from kvwire.transport.factory import AgentFactory
+from kvwire.transport.registry import AgentFactory
 
 
 def build_registered_engine(

@@ -1,7 +1,10 @@
 """The Agent interface: NIXL's model, typed.
 
-Both backends implement it: ``nixl`` (real NIXL, the default) and ``inproc`` (agents in one process that
-really copy bytes, with fault injection). ``kvwire.testing`` holds the conformance suite they both pass.
+``Agent`` is what the connector, the handshake and the engines use; ``FullAgent`` adds what benches and
+the conformance suite use (prepared lists, ``post`` of ``Desc`` lists). Both backends implement both:
+``nixl`` (real NIXL, the default) and ``inproc`` (agents in one process that really copy bytes, with fault
+injection); ``kvwire.transport.registry`` finds them by name, and ``kvwire.testing.conformance`` holds the
+suite they both pass.
 
 Vocabulary follows NIXL: an agent registers memory, publishes metadata, loads remote agents, prepares
 descriptor lists and posts transfers between them. Two ways to load a peer:
@@ -32,6 +35,7 @@ from kvwire.errors import (
     PeerNotFound,
     RegistrationError,
     TransferFailed,
+    TransportError,
 )
 
 # Plain values every layer uses live in ``kvwire.protocol.types`` (importing them loads no I/O); they are
@@ -154,7 +158,12 @@ def array_desc(array: np.ndarray) -> Desc:
 
 
 class Agent(abc.ABC):
-    """One transfer agent (one per engine rank)."""
+    """One transfer agent (one per engine rank): what the connector, the handshake and the engines use.
+
+    This is the whole interface a transport must implement to carry kvwire's protocol (12 abstract
+    methods; ``docs/architecture.md``'s recipe). The prepared-list calls, ``post`` of ``Desc`` lists and
+    ``peer_mode`` that benches and the conformance suite also use are ``FullAgent``'s, below.
+    """
 
     name: str
 
@@ -208,6 +217,12 @@ class Agent(abc.ABC):
         backends whose load never waits, loads inline."""
         return self.add_peer(metadata)
 
+    def warm_up(self) -> None:
+        """Pay now a one-off cost the first peer load would otherwise pay inside the first request's
+        handshake (NIXL: UCX's first endpoint). Raises ``TransportError`` on failure (the caller logs it
+        and goes on); this default, for backends with no such cost, does nothing."""
+        return None
+
     def stalled_s(self, now: float | None = None) -> float:
         """Seconds a call on this agent has been stuck past its deadline (0.0 when none is): an engine
         whose agent is held this way cannot move KV, and its ``/health`` should say so."""
@@ -218,11 +233,63 @@ class Agent(abc.ABC):
         """Calls on this agent that overran their deadline since it was created."""
         return 0
 
+    # -- transfers -----------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def post_array(
+        self,
+        op: XferOp,
+        local: np.ndarray,
+        remote: np.ndarray,
+        peer: str,
+        notif: bytes | None = None,
+        kind: MemKind = MemKind.DRAM,
+    ) -> XferHandle:
+        """Post a transfer between two ``[n, 3]`` integer arrays of (addr, length, device id) rows;
+        ``notif`` arrives after the data.
+
+        The connector's one way to move KV (``TransferPlan.src_array``): backends hand the arrays to the
+        engine without a Python loop per descriptor. Rows are validated as a whole (``check_desc_arrays``:
+        ``TransferFailed`` on bad shapes or unequal lengths). Failing to post raises (``PeerNotFound``,
+        ``NotAddressable``, ``PeerDisconnected``, ``TransferFailed``); a failure after posting shows as
+        ``XferStatus.FAILED``.
+        """
+
+    @abc.abstractmethod
+    def status(self, handle: XferHandle) -> XferStatus:
+        """Poll a transfer; an exception from the engine means FAILED (NIXL raises on a dead peer)."""
+
+    @abc.abstractmethod
+    def release(self, handle: XferHandle) -> None:
+        """Release a transfer handle; idempotent. A released handle cannot be polled again."""
+
+    # -- notifications -------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def send_notif(self, peer: str, msg: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def drain_notifs(self) -> dict[str, list[bytes]]:
+        """Notifications received since the last call, per sending agent, in arrival order."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release everything; idempotent. Any later call raises ``AgentClosed``."""
+
+    def __enter__(self) -> Agent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class FullAgent(Agent):
+    """The extension benches, the demo's transport tour and the conformance suite use on top of ``Agent``:
+    NIXL's prepared descriptor lists, ``post`` of ``Desc`` lists, ``peer_mode``, explicit ``progress``.
+    The connector uses none of it; both built-in backends implement it."""
+
     @abc.abstractmethod
     def peer_mode(self, peer: str) -> PeerMode | None:
         """How ``peer`` is loaded here, or None when it is not."""
 
-    # -- descriptor lists and transfers --------------------------------------------------------------
     @abc.abstractmethod
     def prep_local(self, descs: Sequence[Desc], kind: MemKind = MemKind.DRAM) -> DescListHandle:
         """Prepare local descriptors (each inside one registration) to be used by index."""
@@ -272,45 +339,21 @@ class Agent(abc.ABC):
         notif: bytes | None = None,
         kind: MemKind = MemKind.DRAM,
     ) -> XferHandle:
-        """``post`` with descriptors as ``[n, 3]`` integer arrays of (addr, length, device id) rows.
-
-        The fast path for requests with thousands of descriptors (``TransferPlan.src_array``): backends
-        hand the arrays to the engine without a Python loop per descriptor. Rows are validated as a whole
-        (``check_desc_arrays``: ``TransferFailed`` on bad shapes or unequal lengths); otherwise it behaves
-        and fails exactly like ``post``. This default converts to ``Desc`` lists.
-        """
+        """``Agent.post_array`` by way of ``post``: this default converts the rows to ``Desc`` lists."""
         lo, re = check_desc_arrays(local, remote)
         return self.post(op, array_to_descs(lo), array_to_descs(re), peer, notif, kind)
-
-    @abc.abstractmethod
-    def status(self, handle: XferHandle) -> XferStatus:
-        """Poll a transfer; an exception from the engine means FAILED (NIXL raises on a dead peer)."""
-
-    @abc.abstractmethod
-    def release(self, handle: XferHandle) -> None:
-        """Release a transfer handle; idempotent. A released handle cannot be polled again."""
-
-    # -- notifications -------------------------------------------------------------------------------
-    @abc.abstractmethod
-    def send_notif(self, peer: str, msg: bytes) -> None: ...
-
-    @abc.abstractmethod
-    def drain_notifs(self) -> dict[str, list[bytes]]:
-        """Notifications received since the last call, per sending agent, in arrival order."""
 
     @abc.abstractmethod
     def progress(self) -> None:
         """Make progress on pending work; the owner's loop calls this (no progress thread)."""
 
-    @abc.abstractmethod
-    def close(self) -> None:
-        """Release everything; idempotent. Any later call raises ``AgentClosed``."""
 
-    def __enter__(self) -> Agent:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+def as_full(agent: Agent) -> FullAgent:
+    """``agent`` as a ``FullAgent`` (for test kits and benches that reach past the connector's interface);
+    ``TransportError`` when its transport implements only ``Agent``."""
+    if not isinstance(agent, FullAgent):
+        raise TransportError(f"agent {agent.name} ({type(agent).__name__}) has no prepared lists or post()")
+    return agent
 
 
 @dataclass(slots=True)
@@ -324,7 +367,7 @@ class PeerEntry:
 PeerT = TypeVar("PeerT", bound=PeerEntry)
 
 
-class PeerTableAgent(Agent, Generic[PeerT]):
+class PeerTableAgent(FullAgent, Generic[PeerT]):
     """The checks both backends share: a table of loaded peers and the refusals every call makes."""
 
     _peers: dict[str, PeerT]

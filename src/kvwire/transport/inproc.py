@@ -52,6 +52,7 @@ from kvwire.transport.base import (
     descs_to_array,
 )
 from kvwire.transport.offload import CallWorker
+from kvwire.transport.registry import AgentOptions, FullAgentFactory, Transport
 
 _MD_TAG = "kvwire-inproc-v1"
 
@@ -487,3 +488,27 @@ class InprocAgent(PeerTableAgent[_Peer]):
         self._pending.clear()
         self._peers.clear()
         self._regs.clear()
+
+
+_default_fabric: InprocFabric | None = None
+_default_lock = threading.Lock()
+
+
+def default_fabric() -> InprocFabric:
+    """The process-wide fabric ``create_agent("inproc", ...)`` joins when given none."""
+    global _default_fabric
+    with _default_lock:
+        if _default_fabric is None:
+            _default_fabric = InprocFabric()
+        return _default_fabric
+
+
+def _create(name: str, options: AgentOptions) -> InprocAgent:
+    return (options.fabric or default_fabric()).create_agent(name, options.faults)
+
+
+def _fresh_factory() -> FullAgentFactory:
+    return InprocFabric().create_agent
+
+
+TRANSPORT = Transport(name="inproc", create=_create, conformance_factory=_fresh_factory)

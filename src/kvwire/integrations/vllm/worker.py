@@ -29,7 +29,7 @@ from kvwire.integrations.vllm.memory import kv_from_vllm
 from kvwire.integrations.vllm.params import KvRole, Op, OpKind, Settings, remote_engine, secret
 from kvwire.kv.regions import ExternalKV
 from kvwire.transport.base import Agent, make_agent_name
-from kvwire.transport.factory import create_agent
+from kvwire.transport.registry import create_agent
 
 log = logging.getLogger("kvwire.vllm")
 
