@@ -109,13 +109,10 @@ class Disaggregation(enum.Enum):
 LOCAL_PREFILL_MAX_TOKENS = 192
 
 
-class EngineKind(enum.Enum):
-    """What the router's engines are: kvwire's own (their ``/health`` names P's side channel), or vLLM
-    servers running KvwireConnector (P's side channel is given in its URL's fragment:
-    ``http://host:8100#engine_id=prefill-0&side_channel=10.0.0.1:5700&tp=1&pp=1``)."""
-
-    KVWIRE = "kvwire"
-    VLLM = "vllm"
+# What the router's engines are (``--engines``), by name: ``kvwire.router.dialects`` resolves it (kvwire's
+# own engines, whose ``/health`` names P's side channel; vLLM servers running KvwireConnector, whose P's
+# side channel is in its URL's fragment: ``http://host:8100#engine_id=prefill-0&side_channel=10.0.0.1:5700``).
+EngineKind = NewType("EngineKind", str)
 
 
 _LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]", "0.0.0.0", "::", "[::]"})
@@ -151,7 +148,7 @@ class RouterConfig:
     connect_timeout_s: float = 5.0
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
-    engines: EngineKind = EngineKind.KVWIRE
+    engines: EngineKind = EngineKind("kvwire")
     # The key clients of the router's /v1 API must send (None: none asked), and the key the router sends to
     # the engines (their --api-key). Kept out of repr: configs get logged.
     api_key: str | None = field(default=None, repr=False)

@@ -53,7 +53,7 @@ def test_discovery_vllm_engine_registers_for_a_vllm_router(tmp_path: Path) -> No
 
 
 async def _router_sees(target: str) -> None:
-    registry = EngineRegistry(EngineClient(1.0, 1.0, None), [], [], 1.0, EngineKind.VLLM)
+    registry = EngineRegistry(EngineClient(1.0, 1.0, None), [], [], 1.0, EngineKind("vllm"))
     fleet = FleetDiscovery(target, registry)
     await fleet.start(first_view_s=5.0)
     try:

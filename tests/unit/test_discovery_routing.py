@@ -65,7 +65,7 @@ def test_discovery_new_life_is_healthy_and_its_prefix_index_empty() -> None:
 def test_discovery_vllm_identity_follows_the_record_through_health_polls() -> None:
     """A vLLM engine restarted on the same URL: its new record's identity holds, and /health (which says
     nothing of kvwire) only refreshes health and the served name; it never brings back the old life."""
-    reg = EngineRegistry(_Canned(), [], [], 1.0, EngineKind.VLLM)
+    reg = EngineRegistry(_Canned(), [], [], 1.0, EngineKind("vllm"))
     life1 = dataclasses.replace(info(Role.PREFILL, "life1"), side_channel_port=5600, model="compat-id")
     life2 = dataclasses.replace(info(Role.PREFILL, "life2"), side_channel_port=5700, model="compat-id")
     reg.sync({(Role.PREFILL, P1): life1}, {})

@@ -7,39 +7,21 @@ role) or the Consumer (decode role), starts it (its side channel binds then) and
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvwire.connector import ConnectorConfig, Consumer, Producer, RemoteEngine
+from kvwire.connector import ConnectorConfig, Consumer, Producer
 from kvwire.engine.config import Role
 from kvwire.engine.engine import Engine
 from kvwire.engine.hooks import HookEvents, TransferRequest
-from kvwire.errors import ConfigError, InvalidRequest, TransportError
-from kvwire.handshake.types import EngineInfo, LocalRank
-from kvwire.kv_params import KvTransferParams
+from kvwire.errors import ConfigError, InvalidRequest
+from kvwire.handshake.types import EngineInfo
+from kvwire.integrations.api import Endpoint, close_all, open_ranks, remote_engine, start_connector
 from kvwire.metrics import HandshakeStats, KvMetrics, TransferStats
 from kvwire.protocol.messages import TransferMode
-from kvwire.transport.base import Agent, PeerMode, make_agent_name
-from kvwire.transport.registry import create_agent
-
-
-def remote_engine(params: KvTransferParams | None) -> RemoteEngine:
-    """The decode leg's ``kv_transfer_params`` as the consumer's ``RemoteEngine`` (one listener serves
-    every rank of a kvwire engine, so no per-rank ports)."""
-    if params is None:
-        raise InvalidRequest("a remote prefill needs kv_transfer_params", "kv_transfer_params")
-    engine_id, host, port = params.remote_address()
-    return RemoteEngine(
-        engine_id=engine_id,
-        host=host,
-        port=port,
-        tp_size=params.tp_size,
-        pp_size=params.pp_size,
-        block_ids=params.remote_block_ids or (),
-    )
+from kvwire.transport.base import Agent, PeerMode
 
 
 class _Hooks:
@@ -57,10 +39,7 @@ class _Hooks:
         if self._closed:
             return
         self._closed = True
-        self.connector.close()
-        for agent in self._agents:
-            with contextlib.suppress(TransportError):
-                agent.close()
+        close_all([self.connector], self._agents)
 
 
 class ProducerHooks(_Hooks):
@@ -87,7 +66,7 @@ class ConsumerHooks(_Hooks):
         return False
 
     def request_allocated(self, req: TransferRequest) -> None:
-        remote = remote_engine(req.params)
+        remote = remote_engine(req.params)  # one listener serves every rank of a kvwire engine
         self.connector.request_allocated(req.transfer_id, req.block_ids, req.num_tokens, 0, remote)
 
     def abort(self, transfer_id: str) -> None:
@@ -119,23 +98,15 @@ def attach_connector(engine: Engine, s: ConnectorSettings) -> ProducerHooks | Co
         raise ConfigError("a colocated engine has no KV connector")
     kv = engine.kv
     info = EngineInfo(s.engine_id, s.incarnation, s.model_id, kv.spec, kv.tp_size, kv.pp_size, s.mode)
-    agents: list[Agent] = []
-    ranks: list[LocalRank] = []
+    caches = sorted(kv.caches.items())
+    agents, ranks = open_ranks(s.backend, s.engine_id, s.incarnation, caches, s.config.handshake_timeout_s)
     try:
-        for (pp, tp), cache in sorted(kv.caches.items()):
-            name = make_agent_name(s.engine_id, s.incarnation, pp, tp)
-            agents.append(create_agent(s.backend, name, connect_timeout_s=s.config.handshake_timeout_s))
-            ranks.append(LocalRank(pp_rank=pp, tp_rank=tp, agent=agents[-1], cache=cache))
         config = dataclasses.replace(s.config, mode=s.mode)
-        cls = Producer if role is Role.PREFILL else Consumer
-        connector = cls(
-            info, ranks, config, host=s.host, port=s.port, secret=s.secret, advertise_host=s.advertise_host
-        )
-        connector.start()
+        at = Endpoint(s.host, s.port, s.advertise_host, s.secret)
+        cls: type[Producer] | type[Consumer] = Producer if role is Role.PREFILL else Consumer
+        connector: Producer | Consumer = start_connector(cls, info, ranks, config, at)
     except BaseException:
-        for agent in agents:
-            with contextlib.suppress(TransportError):
-                agent.close()
+        close_all((), agents)
         raise
     hooks: ProducerHooks | ConsumerHooks
     if isinstance(connector, Producer):

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter, Gauge
 
 from kvwire.apikey import ApiKeyMiddleware
-from kvwire.config import EngineKind, Policy, RouterConfig
+from kvwire.config import Policy, RouterConfig
 from kvwire.logsetup import transfer_extra
 from kvwire.metrics import CONTENT_TYPE, KvMetrics, MetricRole, Outcome
 from kvwire.protocol.messages import TransferMode
@@ -64,9 +64,6 @@ _EXTRA_EVENTS = 16
 _CANCEL_WAIT_S = 2.0
 # Picks per request when the picked engines refuse connections (each refusal re-checks that engine first).
 _PICK_TRIES = 3
-# UTF-8 bytes per prompt token, to size a text prompt: exact for kvwire's byte-level engines; for vLLM's
-# tokenizers, which the router does not load, a rough average for English text.
-_BYTES_PER_TOKEN = {EngineKind.KVWIRE: 1.0, EngineKind.VLLM: 4.0}
 
 
 @dataclass
@@ -236,7 +233,7 @@ class Router:
                 self.registry.end(p_url, d_url)
 
     def _tokens(self, req: ParsedRequest) -> int:
-        return prompt_tokens(req.prompt, _BYTES_PER_TOKEN[self.config.engines])
+        return prompt_tokens(req.prompt, self.registry.dialect.bytes_per_token)
 
     def _record(self, outcome: Outcome, start: float, latency: Latency | None = None) -> None:
         lat = latency or Latency()

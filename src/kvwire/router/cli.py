@@ -23,6 +23,7 @@ from kvwire.errors import ConfigError, KvwireError
 from kvwire.logsetup import LogFormat, configure
 from kvwire.options import Command, Option, discovery_option, logging_options
 from kvwire.protocol.messages import TransferMode
+from kvwire.router import dialects
 from kvwire.startup import bind_tcp, fail
 
 log = logging.getLogger("kvwire.router")
@@ -59,9 +60,8 @@ def router_options() -> list[Option]:
         Option("health_interval", float, 2.0, "seconds between engine health checks", R),
         Option("health_timeout", float, 2.0, "seconds one health check may take", R),
         Option(
-            "engines", str, EngineKind.KVWIRE.value, "kvwire engines, or vLLM servers running "
-            "KvwireConnector (then each --prefill URL ends with #engine_id=ID&side_channel=HOST:PORT"
-            "[&tp=N&pp=N], its kv_connector_extra_config's values)", R, tuple(k.value for k in EngineKind),
+            "engines", str, dialects.DEFAULT_KIND, f"what the engines are: {dialects.help_text()}", R,
+            dialects.names(),
         ),
         Option(
             "api_key", str, None, "key clients of the router's /v1 API must send (Authorization: Bearer)",
@@ -120,7 +120,7 @@ def summary(config: RouterConfig, port: int) -> str:
             f"mode {config.mode.value}",
             f"policy {config.policy.value}",
             _disaggregation(config),
-            f"engines {config.engines.value}",
+            f"engines {config.engines}",
             f"api key {'set' if config.api_key else 'not set'}",
             f"engine api key {'set' if config.engine_api_key else 'not set'}",
         ]

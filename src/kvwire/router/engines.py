@@ -11,68 +11,22 @@ import contextlib
 import dataclasses
 import logging
 import time
-import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
-from kvwire.config import EngineKind
-from kvwire.errors import ConfigError
 from kvwire.protocol.messages import TransferMode
-from kvwire.router.http import EngineClient, json_object
+from kvwire.router import dialects
+from kvwire.router.dialects import DEFAULT_KIND
+from kvwire.router.health import HealthInfo as HealthInfo
+from kvwire.router.health import split_fragment
+from kvwire.router.http import EngineClient
 from kvwire.router.policy import EngineView, Load, Role
 from kvwire.router.prefix import BLOCK_TOKENS, PrefixIndex
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class HealthInfo:
-    """The fields of an engine's ``/health`` the router needs."""
-
-    role: str
-    engine_id: str
-    incarnation: str
-    side_channel_host: str
-    side_channel_port: int
-    tp_size: int
-    pp_size: int
-    model: str
-    load: Load
-    # What must agree between P and D, when the engine says (kvwire engines do; vLLM's /health does not).
-    seed: int | None = None
-    mode: TransferMode | None = None
-    authenticated: bool | None = None  # KVWIRE_SECRET set
-    kv_tokens: int = 0  # the KV cache's size in tokens, when the engine says (sizes the prefix index)
-
-    @classmethod
-    def parse(cls, body: Mapping[str, Any]) -> HealthInfo:
-        """Raises ``KeyError``, ``TypeError`` or ``ValueError`` on a body that does not follow the API."""
-        load = body.get("load") or {}
-        info = cls(
-            role=str(body["role"]),
-            engine_id=str(body["engine_id"]),
-            incarnation=str(body.get("incarnation", "")),
-            side_channel_host=str(body["side_channel_host"]),
-            side_channel_port=int(body["side_channel_port"]),
-            tp_size=int(body.get("tp_size", 1)),
-            pp_size=int(body.get("pp_size", 1)),
-            model=str(body.get("model", "")),
-            load=Load(
-                running=int(load.get("running", 0)),
-                waiting=int(load.get("waiting", 0)),
-                free_blocks=int(load.get("free_blocks", 0)),
-            ),
-            seed=int(body["seed"]) if body.get("seed") is not None else None,
-            mode=TransferMode(body["mode"]) if body.get("mode") is not None else None,
-            authenticated=bool(body["authenticated"]) if body.get("authenticated") is not None else None,
-            kv_tokens=int(body.get("kv_blocks", 0)) * int(body.get("block_size", 0)),
-        )
-        if body.get("status", "ok") != "ok":
-            raise ValueError(f"status {body.get('status')!r}")
-        return info
 
 
 def pair_problem(p: HealthInfo, d: HealthInfo, mode: TransferMode) -> str | None:
@@ -97,39 +51,11 @@ def pair_problem(p: HealthInfo, d: HealthInfo, mode: TransferMode) -> str | None
     return None
 
 
-def split_fragment(url: str) -> tuple[str, str]:
-    base, _, fragment = url.partition("#")
-    return base, fragment
-
-
-def static_info(url: str, role: Role) -> HealthInfo:
-    """A vLLM engine's identity from its URL's fragment (vLLM's ``/health`` says nothing of kvwire):
-    ``engine_id``, ``side_channel=HOST:PORT``, ``tp``, ``pp``. A decode engine needs none of them."""
-    base, fragment = split_fragment(url)
-    q = {k: v[-1] for k, v in urllib.parse.parse_qs(fragment).items()}
-    host, port = "", 0
-    if role is Role.PREFILL:
-        if "engine_id" not in q or "side_channel" not in q:
-            raise ConfigError(
-                f"prefill engine {base}: a vLLM prefill URL ends with #engine_id=ID&side_channel=HOST:PORT "
-                "(the engine_id of its --kv-transfer-config and its side_channel_host/side_channel_port)"
-            )
-        host, _, raw_port = q["side_channel"].rpartition(":")
-        if not host or not raw_port.isdigit():
-            raise ConfigError(f"prefill engine {base}: side_channel={q['side_channel']!r} is not HOST:PORT")
-        port = int(raw_port)
-    try:
-        tp, pp = int(q.get("tp", 1)), int(q.get("pp", 1))
-    except ValueError:
-        raise ConfigError(f"engine {base}: tp and pp in the URL must be integers") from None
-    return HealthInfo(role.value, q.get("engine_id", base), "", host, port, tp, pp, "", Load())
-
-
 @dataclass
 class EngineState:
     url: str  # without the fragment: what legs are sent to
     role: Role
-    static: HealthInfo | None = None  # vLLM engines: identity from the configured URL
+    static: HealthInfo | None = None  # identity from the configured URL or record (``Dialect.static_info``)
     healthy: bool = False
     info: HealthInfo | None = None
     inflight: int = 0
@@ -169,11 +95,12 @@ class EngineRegistry:
         prefill: Sequence[str],
         decode: Sequence[str],
         timeout_s: float,
-        kind: EngineKind = EngineKind.KVWIRE,
+        kind: str = DEFAULT_KIND,
     ) -> None:
         self._client = client
         self._timeout_s = timeout_s
         self.kind = kind
+        self.dialect = dialects.lookup(kind)
         self.engines: dict[Role, list[EngineState]] = {
             role: [self._state(url, role) for url in urls]
             for role, urls in ((Role.PREFILL, prefill), (Role.DECODE, decode))
@@ -185,25 +112,10 @@ class EngineRegistry:
         self.prefix_blocks = {"hit": 0, "total": 0}
 
     def _state(self, url: str, role: Role) -> EngineState:
-        base, fragment = split_fragment(url)
-        if self.kind is EngineKind.KVWIRE:
-            if fragment:
-                raise ConfigError(f"engine URL {url}: a #fragment is only for --engines vllm")
-            return EngineState(base, role)
-        return EngineState(base, role, static_info(url, role))
+        return EngineState(split_fragment(url)[0], role, self.dialect.static_info(url, role))
 
     async def _fetch(self, state: EngineState) -> HealthInfo:
-        status, body = await self._client.get(f"{state.url}/health", self._timeout_s)
-        if status != 200:
-            raise ValueError(f"/health answered {status}")
-        if state.static is None:
-            return HealthInfo.parse(json_object(body))
-        # vLLM: healthy when /health is 200; its served model names come from /v1/models.
-        status, body = await self._client.get(f"{state.url}/v1/models", self._timeout_s, api_key=True)
-        if status != 200:
-            raise ValueError(f"/v1/models answered {status}")
-        names = [str(m["id"]) for m in json_object(body).get("data", [])]
-        return dataclasses.replace(state.static, model=names[0] if names else "")
+        return await self.dialect.fetch(self._client, state.url, state.static, self._timeout_s)
 
     def pair_problems(self, mode: TransferMode) -> list[str]:
         """Every distinct reason a healthy P and a healthy D cannot work together (for ``/health``)."""
@@ -320,10 +232,10 @@ class EngineRegistry:
             state = self._by_url.get(url)
             if state is None or state.role is not role:
                 state = self._by_url[url] = self._discovered(url, role, state)
-            if self.kind is EngineKind.VLLM:
-                # A vLLM engine's identity is its record's, every life of it: its /health says nothing of
-                # it, so a poll must not bring back the static of a previous life. Keep the served model
-                # name /v1/models gave (the record's is the compat id) while the life is the same.
+            if self.dialect.identity_from_records:
+                # Such an engine's identity (vLLM's) is its record's, every life of it: its /health says
+                # nothing of it, so a poll must not bring back the static of a previous life. Keep the served
+                # model name /v1/models gave (the record's is the compat id) while the life is the same.
                 state.static = info
                 if state.info is not None and state.info.incarnation == info.incarnation:
                     info = dataclasses.replace(info, model=state.info.model)

@@ -15,7 +15,6 @@ from typing import Any
 import msgspec
 
 from kvwire.config import env_config
-from kvwire.connector.consumer import RemoteEngine
 from kvwire.core.config import ConnectorConfig, LoadFailurePolicy
 from kvwire.errors import ConfigError
 from kvwire.kv_params import KvTransferParams, parse_kv_params
@@ -132,21 +131,6 @@ def parse_params(raw: object) -> KvTransferParams | None:
     """A request's ``kv_transfer_params`` as vLLM hands them (any client library's JSON: numbers and
     booleans may arrive as strings, so not strict); ``InvalidRequest`` when malformed."""
     return parse_kv_params(raw, strict=False)
-
-
-def remote_engine(params: KvTransferParams) -> RemoteEngine:
-    """The P engine a decode request's params designate. vLLM runs one process per rank, each with its own
-    side channel, so P's ranks listen on consecutive ports (``rank_ports``)."""
-    engine_id, host, port = params.remote_address()
-    return RemoteEngine(
-        engine_id=engine_id,
-        host=host,
-        port=port,
-        tp_size=params.tp_size,
-        pp_size=params.pp_size,
-        block_ids=params.remote_block_ids or (),
-        rank_ports=True,
-    )
 
 
 class OpKind(enum.Enum):

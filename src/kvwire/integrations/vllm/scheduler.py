@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvwire.errors import InvalidRequest
-from kvwire.integrations.vllm.params import KvRole, Op, OpKind, Settings, parse_params, remote_engine
+from kvwire.integrations.api import remote_engine
+from kvwire.integrations.vllm.params import KvRole, Op, OpKind, Settings, parse_params
 from kvwire.kv_params import KvTransferParams
 from kvwire.protocol.messages import TransferMode
 
@@ -81,7 +82,9 @@ class SchedulerSide:
             params = parse_params(raw)
             if params is None or not params.do_remote_prefill or req_id in self._loaded:
                 return 0, False
-            remote_engine(params)  # malformed remote parameters are refused here, not in a worker
+            remote_engine(
+                params, rank_ports=True
+            )  # malformed remote parameters are refused here, not in a worker
             if len(self._pending) >= _MAX_TRACKED:
                 raise InvalidRequest(f"more than {_MAX_TRACKED} requests waiting for remote KV")
         except InvalidRequest as exc:

@@ -8,7 +8,6 @@ turns the scheduler's operations into connector calls; ``finished`` turns connec
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections.abc import Iterable, Mapping
@@ -23,13 +22,20 @@ from kvwire.connector import (
     ProducerEvent,
     ProducerOutcome,
 )
-from kvwire.errors import KvwireError, TransferIdReused, TransportError
-from kvwire.handshake.types import EngineInfo, LocalRank
+from kvwire.errors import KvwireError, TransferIdReused
+from kvwire.handshake.types import EngineInfo
+from kvwire.integrations.api import (
+    ConnectorT,
+    Endpoint,
+    close_all,
+    open_ranks,
+    remote_engine,
+    start_connector,
+)
 from kvwire.integrations.vllm.memory import kv_from_vllm
-from kvwire.integrations.vllm.params import KvRole, Op, OpKind, Settings, remote_engine, secret
+from kvwire.integrations.vllm.params import KvRole, Op, OpKind, Settings, secret
 from kvwire.kv.regions import ExternalKV
-from kvwire.transport.base import Agent, make_agent_name
-from kvwire.transport.registry import create_agent
+from kvwire.transport.base import Agent
 
 log = logging.getLogger("kvwire.vllm")
 
@@ -96,36 +102,28 @@ class WorkerSide:
         )  # fmt: skip
         try:
             if self.role.produces:
-                info, ranks, port = self._parts("p", 0)
-                self.producer = Producer(info, ranks, self.settings.connector_config(), **self._net(port))
-                self.producer.on_event(self._news.set)
-                self.producer.start()
+                self.producer = self._start(Producer, 0)
             if self.role.consumes:
                 # kv_both: the consumer's side channel sits after every producer rank's.
                 offset = p.tp_size * p.pp_size if self.role.produces else 0
-                info, ranks, port = self._parts("d", offset)
-                self.consumer = Consumer(info, ranks, self.settings.connector_config(), **self._net(port))
-                self.consumer.on_event(self._news.set)
-                self.consumer.start()
+                self.consumer = self._start(Consumer, offset)
         except BaseException:
             self.close()
             raise
 
-    def _net(self, port: int) -> dict[str, Any]:
-        return {"host": self.settings.side_channel_host, "port": port, "secret": secret()}
-
-    def _parts(self, tag: str, offset: int) -> tuple[EngineInfo, list[LocalRank], int]:
+    def _start(self, cls: type[ConnectorT], offset: int) -> ConnectorT:
         p, s, kv = self.place, self.settings, self.kv
         assert kv is not None
         # Producer and consumer of one kv_both engine are two engines to their peers: distinct ids.
-        engine_id = p.engine_id if not (self.role is KvRole.BOTH and tag == "d") else f"{p.engine_id}-d"
+        engine_id = p.engine_id if cls is Producer or self.role is not KvRole.BOTH else f"{p.engine_id}-d"
         info = EngineInfo(engine_id, p.incarnation, p.model_id, kv.spec, p.tp_size, p.pp_size, s.mode)
-        name = make_agent_name(engine_id, p.incarnation, p.pp_rank, p.tp_rank)
-        agent = create_agent(s.backend, name, connect_timeout_s=s.handshake_timeout_s)
-        self._agents.append(agent)
-        rank = LocalRank(pp_rank=p.pp_rank, tp_rank=p.tp_rank, agent=agent, cache=kv)
+        agents, ranks = open_ranks(
+            s.backend, engine_id, p.incarnation, [((p.pp_rank, p.tp_rank), kv)], s.handshake_timeout_s
+        )
+        self._agents += agents
         port = s.rank_port(p.pp_rank, p.tp_rank, p.tp_size) + offset
-        return info, [rank], port
+        at = Endpoint(s.side_channel_host, port, None, secret())
+        return start_connector(cls, info, ranks, s.connector_config(), at, on_event=self._news.set)
 
     # -- per step --------------------------------------------------------------------------------------
     def apply(self, ops: Iterable[Op]) -> None:
@@ -151,7 +149,7 @@ class WorkerSide:
             self._sends[op.transfer_id] = op.req_id
             self.producer.request_finished(op.transfer_id, op.block_ids, op.num_tokens)
         elif op.kind is OpKind.LOAD and self.consumer is not None and op.remote is not None:
-            remote = remote_engine(op.remote)
+            remote = remote_engine(op.remote, rank_ports=True)  # one process, one side channel per rank
             if op.transfer_id in self._loads:  # a live request's id: the connector would refuse it too
                 raise TransferIdReused(op.transfer_id)
             self._loads[op.transfer_id] = op.req_id
@@ -207,10 +205,5 @@ class WorkerSide:
             self._done.failed_recving.add(req)
 
     def close(self) -> None:
-        for conn in (self.producer, self.consumer):
-            if conn is not None:
-                conn.close()
-        for agent in self._agents:
-            with contextlib.suppress(TransportError):
-                agent.close()
+        close_all((self.producer, self.consumer), self._agents)
         self._agents.clear()
