@@ -19,18 +19,20 @@ from typing import Any
 
 import aiohttp
 
-from kvwire.errors import ConfigError, KvwireError
+from kvwire.discovery.source import SourceUnavailable, WatchEvent
+from kvwire.discovery.source import WatchIdle as SourceWatchIdle
+from kvwire.errors import ConfigError
 
 DEFAULT_PREFIX = "/kvwire"
 # A watch line is one JSON object per event batch; a fleet's records are a few hundred bytes each.
 _MAX_LINE = 4 << 20
 
 
-class EtcdUnavailable(KvwireError):
+class EtcdUnavailable(SourceUnavailable):
     """etcd did not answer, or answered with an error (the caller keeps its last state and retries)."""
 
 
-class WatchIdle(EtcdUnavailable):
+class WatchIdle(EtcdUnavailable, SourceWatchIdle):
     """The watch stream said nothing for ``watch_idle_s``: etcd may be gone without a word (power loss, a
     partition dropping packets), or only quiet. The caller lists again, which tells the two apart."""
 
@@ -76,13 +78,6 @@ def prefix_end(prefix: str) -> str:
     """The ``range_end`` that selects every key starting with ``prefix`` (its last byte plus one)."""
     raw = prefix.encode()
     return (raw[:-1] + bytes([raw[-1] + 1])).decode()
-
-
-@dataclass(frozen=True)
-class WatchEvent:
-    key: str
-    value: bytes | None  # None: the key was deleted (or its lease expired)
-    revision: int
 
 
 class EtcdClient:
@@ -202,3 +197,8 @@ def _events(message: Any) -> list[WatchEvent]:
         value = None if ev.get("type") == "DELETE" else _unb64(kv.get("value", ""))
         out.append(WatchEvent(key, value, int(kv.get("mod_revision", 0))))
     return out
+
+
+def open_store(text: str, timeout_s: float = 2.0) -> EtcdClient:
+    """``kvwire.discovery.source``'s entry: a client of ``etcd://HOST:PORT[/prefix]``."""
+    return EtcdClient(parse_target(text), timeout_s)

@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import msgspec
 
-from kvwire.discovery.etcd import EtcdClient, EtcdUnavailable
 from kvwire.discovery.record import EngineRecord, encode, engine_key
+from kvwire.discovery.source import SourceUnavailable, Store
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 class Registrar:
     def __init__(
         self,
-        client: EtcdClient,
+        client: Store,
         snapshot: Callable[[], EngineRecord],
         ttl_s: int = 5,
         interval_s: float | None = None,
@@ -102,7 +102,7 @@ class Registrar:
                 if failing:
                     log.info("etcd at %s answers again", self.client.target)
                 failing = False
-            except EtcdUnavailable as exc:
+            except SourceUnavailable as exc:
                 if not failing:
                     log.warning("etcd unreachable, serving on and retrying: %s", exc)
                 failing = True
@@ -117,7 +117,7 @@ class Registrar:
         """Mark the record draining now (best effort: with etcd away the router's health checks see it)."""
         self.draining = True
         if self.lease:
-            with contextlib.suppress(EtcdUnavailable):
+            with contextlib.suppress(SourceUnavailable):
                 await self._put(force=True)
 
     async def close(self) -> None:
@@ -126,7 +126,7 @@ class Registrar:
         if self._task is not None:
             await self._task
         if self.lease:
-            with contextlib.suppress(EtcdUnavailable):
+            with contextlib.suppress(SourceUnavailable):
                 await self.client.revoke(self.lease)
             self.lease = 0
         await self.client.close()

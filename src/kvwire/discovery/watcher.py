@@ -18,8 +18,8 @@ from collections.abc import Callable, Mapping
 
 import msgspec
 
-from kvwire.discovery.etcd import EtcdClient, EtcdUnavailable, WatchIdle
 from kvwire.discovery.record import EngineRecord, decode, engine_key, engines_prefix
+from kvwire.discovery.source import SourceUnavailable, Store, WatchIdle
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ MAX_ENGINES = 4096
 class FleetWatcher:
     def __init__(
         self,
-        client: EtcdClient,
+        client: Store,
         on_change: Callable[[Mapping[str, EngineRecord]], None],
         retry_s: float = 0.5,
     ) -> None:
@@ -102,7 +102,7 @@ class FleetWatcher:
                 # Quiet or gone: list again at once. A listing that fails clears synced below.
                 log.debug("%s: listing again", exc)
                 continue
-            except EtcdUnavailable as exc:
+            except SourceUnavailable as exc:
                 if self.synced.is_set():
                     log.warning(
                         "etcd watch lost, keeping the last view of %d engines: %s", len(self.records), exc

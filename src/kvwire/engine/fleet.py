@@ -24,9 +24,9 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from kvwire.discovery.etcd import EtcdClient, parse_target
 from kvwire.discovery.record import EngineRecord, FleetRole, RecordLoad, SideChannel
 from kvwire.discovery.registrar import Registrar
+from kvwire.discovery.source import open_store
 from kvwire.engine.server import EngineServer
 from kvwire.protocol.compat import compat_hash
 
@@ -83,7 +83,7 @@ class Fleet:
     def __init__(self, server: EngineServer, discovery: str, url: str, ttl_s: int, drain_timeout_s: float):
         self.server = server
         self.url = url
-        client = EtcdClient(parse_target(discovery))
+        client = open_store(discovery)
         self.registrar = Registrar(client, lambda: engine_record(server, url), ttl_s)
         self.drain_timeout_s = drain_timeout_s
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvwire.config import EnvConfig, env_config
 from kvwire.connector import LoadFailurePolicy
-from kvwire.discovery.etcd import parse_target
+from kvwire.discovery.source import check_target
 from kvwire.engine.config import EngineConfig, Role, preset
 from kvwire.engine.connector_hooks import ConnectorMetrics, ConnectorSettings, attach_connector
 from kvwire.engine.engine import Engine
@@ -117,7 +117,7 @@ def build_server(values: dict[str, Any], role: Role, env: EnvConfig) -> EngineSe
 def start(values: dict[str, Any], role: Role, env: EnvConfig) -> Started:
     check_exposure(values["host"], env.secret, values["insecure"])
     if values.get("discovery"):
-        parse_target(values["discovery"])  # a bad --discovery ends start-up before anything listens
+        check_target(values["discovery"])  # a bad --discovery ends start-up before anything listens
     if role is not Role.COLOCATED:
         connector_config(values, TransferMode(values["mode"]))  # refuse bad knobs before building anything
     port = values["port"]

@@ -18,7 +18,7 @@ from kvwire.config import (
     RouterConfig,
     split_urls,
 )
-from kvwire.discovery.etcd import parse_target
+from kvwire.discovery.source import check_target
 from kvwire.errors import ConfigError, KvwireError
 from kvwire.logsetup import LogFormat, configure
 from kvwire.options import Command, Option, discovery_option, logging_options
@@ -87,7 +87,7 @@ def config_from_values(values: dict[str, Any]) -> RouterConfig:
                 "or --discovery etcd://HOST:PORT to find its engines there"
             )
     if values["discovery"]:
-        parse_target(values["discovery"])
+        check_target(values["discovery"])
     return RouterConfig(
         prefill_urls=split_urls(values["prefill"] or []),
         decode_urls=split_urls(values["decode"] or []),

@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from kvwire.discovery.etcd import EtcdClient, parse_target
 from kvwire.discovery.record import EngineRecord, FleetRole
+from kvwire.discovery.source import open_store
 from kvwire.discovery.watcher import FleetWatcher
 from kvwire.protocol.messages import TransferMode
 from kvwire.router.engines import EngineRegistry, HealthInfo
@@ -54,7 +54,7 @@ class FleetDiscovery:
 
     def __init__(self, target: str, registry: EngineRegistry, timeout_s: float = 2.0) -> None:
         self.registry = registry
-        self.client = EtcdClient(parse_target(target), timeout_s)
+        self.client = open_store(target, timeout_s)
         self.watcher = FleetWatcher(self.client, self.apply)
         self._task: asyncio.Task[None] | None = None
 

@@ -16,9 +16,9 @@ import asyncio
 import threading
 import time
 
-from kvwire.discovery.etcd import EtcdClient, parse_target
 from kvwire.discovery.record import EngineRecord, FleetRole, SideChannel
 from kvwire.discovery.registrar import Registrar
+from kvwire.discovery.source import open_store
 from kvwire.errors import ConfigError
 from kvwire.integrations.vllm.params import KvRole, Settings
 
@@ -56,7 +56,7 @@ class BackgroundRegistrar:
     """A ``Registrar`` on its own thread and event loop (the scheduler process runs no loop of ours)."""
 
     def __init__(self, target: str, record: EngineRecord, ttl_s: int) -> None:
-        self.client = EtcdClient(parse_target(target))
+        self.client = open_store(target)
         self.registrar = Registrar(self.client, lambda: record, ttl_s)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None

@@ -107,9 +107,9 @@ def settings_from_extra(extra: Mapping[str, Any] | None) -> Settings:
     where, override = "kv_connector_extra_config side_channel_host", 'set "insecure": true'
     check_exposure(s.side_channel_host, secret(), s.insecure, where, override)
     if s.discovery is not None:
-        from kvwire.discovery.etcd import parse_target  # aiohttp: loaded only when asked for
+        from kvwire.discovery.source import check_target  # a source's client: loaded only when asked for
 
-        parse_target(s.discovery)
+        check_target(s.discovery)
         if not s.discovery_url or s.discovery_ttl_s < 1:
             raise ConfigError(
                 "kv_connector_extra_config: discovery needs discovery_url and discovery_ttl_s >= 1"

@@ -1,0 +1,99 @@
+"""A discovery source: a store of leased records under a prefix, listed and followed; the one interface
+``Registrar`` (engines publish) and ``FleetWatcher`` (the router follows) use.
+
+``--discovery`` is a URL whose scheme names the source; ``SOURCES`` maps each scheme to its module, which
+defines ``parse_target(text)`` (``ConfigError`` on a bad URL) and ``open_store(text, timeout_s)``. A module
+is imported on first use (etcd's client loads aiohttp). Adding a source (Consul, Kubernetes endpoints) is
+its module plus one line here (``docs/architecture.md``'s recipe). etcd is the one today
+(``discovery/etcd.py``). Engines the router is given by URL (``--prefill``/``--decode``) need no source:
+the router polls them (``kvwire.router.engines``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import urllib.parse
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvwire.errors import ConfigError, KvwireError
+
+# scheme -> the module of that source. One line per source.
+SOURCES: dict[str, str] = {
+    "etcd": "kvwire.discovery.etcd",
+}
+
+
+class SourceUnavailable(KvwireError):
+    """The source did not answer, or answered with an error (the caller keeps its last state and retries)."""
+
+
+class WatchIdle(SourceUnavailable):
+    """The watch said nothing for too long: the source may be gone without a word (power loss, a partition
+    dropping packets), or only quiet. The caller lists again, which tells the two apart."""
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    key: str
+    value: bytes | None  # None: the key was deleted (or its lease expired)
+    revision: int
+
+
+class Target(Protocol):
+    """Where the fleet lives in a source; ``str()`` is its URL."""
+
+    @property
+    def prefix(self) -> str: ...
+
+
+class Store(Protocol):
+    """What the registrar and the watcher need of a source. Every failure is one ``SourceUnavailable``."""
+
+    @property
+    def target(self) -> Target: ...
+
+    async def grant(self, ttl_s: int) -> int:
+        """A new lease of ``ttl_s`` seconds; its id."""
+        ...
+
+    async def keepalive(self, lease: int) -> int:
+        """The lease's renewed TTL; 0 when the source no longer knows it (it expired: grant a new one)."""
+        ...
+
+    async def revoke(self, lease: int) -> None: ...
+
+    async def put(self, key: str, value: bytes, lease: int = 0) -> None:
+        """Write ``key`` (gone when ``lease`` expires, when given)."""
+        ...
+
+    async def get_prefix(self, prefix: str) -> tuple[int, dict[str, bytes]]:
+        """Every key under ``prefix`` and the store's revision at that moment."""
+        ...
+
+    def watch(self, prefix: str, start_revision: int) -> AsyncIterator[WatchEvent]:
+        """Changes under ``prefix`` from ``start_revision`` on; ``WatchIdle`` when it falls silent."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def _module(text: str) -> str:
+    scheme = urllib.parse.urlsplit(text).scheme
+    module = SOURCES.get(scheme)
+    if module is None:
+        forms = ", ".join(f"{s}://..." for s in SOURCES)
+        raise ConfigError(f"--discovery {text!r}: expected one of {forms}")
+    return module
+
+
+def check_target(text: str) -> None:
+    """``ConfigError`` when ``text`` is no source's URL (start-up checks it before anything listens)."""
+    importlib.import_module(_module(text)).parse_target(text)
+
+
+def open_store(text: str, timeout_s: float = 2.0) -> Store:
+    """A client of the source ``text`` names (not connected yet: its first call connects)."""
+    store: Store = importlib.import_module(_module(text)).open_store(text, timeout_s)
+    return store

@@ -1,0 +1,38 @@
+"""Discovery sources by URL scheme (``kvwire.discovery.source``): etcd is one; the registrar and the
+watcher take any ``Store``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvwire.discovery import source
+from kvwire.discovery.etcd import EtcdClient, EtcdUnavailable, WatchIdle
+from kvwire.errors import ConfigError
+
+
+def test_the_scheme_picks_the_source() -> None:
+    store = source.open_store("etcd://127.0.0.1:2379/fleet-a", 1.5)
+    assert isinstance(store, EtcdClient) and store.target.prefix == "/fleet-a" and store.timeout_s == 1.5
+    source.check_target("etcd://127.0.0.1:2379")
+    with pytest.raises(ConfigError, match=r"expected one of etcd://"):
+        source.check_target("consul://127.0.0.1:8500")
+    with pytest.raises(ConfigError, match="port"):
+        source.check_target("etcd://127.0.0.1:notaport")
+
+
+def test_etcd_errors_are_the_sources() -> None:
+    # The registrar and the watcher catch the source's errors, whatever the source.
+    assert issubclass(EtcdUnavailable, source.SourceUnavailable)
+    assert issubclass(WatchIdle, source.WatchIdle) and issubclass(WatchIdle, EtcdUnavailable)
+
+
+def test_importing_the_source_table_loads_no_client() -> None:
+    code = (
+        "import sys, kvwire.discovery.source;"
+        "print('aiohttp' in sys.modules, 'kvwire.discovery.etcd' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
