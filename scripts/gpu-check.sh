@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check: kvwire's push and pull between two processes on a GPU, VRAM registered with NIXL, every
-# byte compared, GB/s against raw NIXL from the same run (kvwire.bench.gpu_check). Under 5 minutes on a GPU
+# byte compared, GB/s against raw NIXL from the same run (kvwire_tools.bench.gpu_check). Under 5 minutes on a GPU
 # machine; with no GPU it runs the same transfers in DRAM (DEVICE=cpu), which is how CI keeps it working.
 #
 #   scripts/gpu-check.sh [--small] [--reps N]          # DEVICE=auto|cuda|cpu, JSON=out/gpu-check.json

@@ -17,37 +17,49 @@ from collections.abc import Sequence
 
 # (command path, module, help). Nested commands are written "bench transfer".
 COMMANDS: tuple[tuple[str, str, str], ...] = (
-    ("demo", "kvwire.demo.cli", "run P, D and the router on localhost and check the answers"),
+    ("demo", "kvwire_tools.demo.cli", "run P, D and the router on localhost and check the answers"),
     ("serve prefill", "kvwire.serve", "run a prefill engine server"),
     ("serve decode", "kvwire.serve", "run a decode engine server"),
     ("serve colocated", "kvwire.serve", "run a colocated (prefill and decode) engine server"),
     ("serve router", "kvwire.serve", "run the OpenAI-compatible router"),
-    ("bench transfer", "kvwire.bench.transfer", "raw NIXL WRITE and kvwire push against np.copyto"),
-    ("bench descriptors", "kvwire.bench.descriptors", "descriptor counts and post times"),
-    ("bench handshake", "kvwire.bench.handshake", "notif-only vs full handshakes; a dead peer among many"),
-    ("bench e2e", "kvwire.bench.e2e", "TTFT disaggregated vs colocated"),
-    ("bench overhead", "kvwire.bench.overhead", "control-plane CPU time per request"),
-    ("bench short", "kvwire.bench.short", "a short request disaggregated vs colocated; idle engines' CPU"),
+    ("bench transfer", "kvwire_tools.bench.transfer", "raw NIXL WRITE and kvwire push against np.copyto"),
+    ("bench descriptors", "kvwire_tools.bench.descriptors", "descriptor counts and post times"),
+    (
+        "bench handshake",
+        "kvwire_tools.bench.handshake",
+        "notif-only vs full handshakes; a dead peer among many",
+    ),
+    ("bench e2e", "kvwire_tools.bench.e2e", "TTFT disaggregated vs colocated"),
+    ("bench overhead", "kvwire_tools.bench.overhead", "control-plane CPU time per request"),
+    (
+        "bench short",
+        "kvwire_tools.bench.short",
+        "a short request disaggregated vs colocated; idle engines' CPU",
+    ),
     (
         "bench fleet",
-        "kvwire.bench.fleet",
+        "kvwire_tools.bench.fleet",
         "a 2P2D fleet on etcd: steady, join, drain, rolling restart, kill; routing",
     ),
-    ("bench flood", "kvwire.bench.flood", "a rogue peer floods P with notifications while real requests run"),
-    ("bench vllm", "kvwire.bench.vllm", "kvwire vs vLLM's NIXL push connector in real vLLM engines"),
+    (
+        "bench flood",
+        "kvwire_tools.bench.flood",
+        "a rogue peer floods P with notifications while real requests run",
+    ),
+    ("bench vllm", "kvwire_tools.bench.vllm", "kvwire vs vLLM's NIXL push connector in real vLLM engines"),
     (
         "bench gpu-check",
-        "kvwire.bench.gpu_check",
+        "kvwire_tools.bench.gpu_check",
         "push and pull between two processes on a GPU (or CPU), bytes compared",
     ),
     ("sim", "kvwire.testing.sim.cli", "deterministic simulation of the cores under faults, in virtual time"),
-    ("chaos", "kvwire.chaos", "kill and restart peers under load; count leaks and corruption"),
+    ("chaos", "kvwire_tools.chaos", "kill and restart peers under load; count leaks and corruption"),
     (
         "conformance",
         "kvwire.testing.protocol_conformance.cli",
         "check an engine's side channel and notifications against the wire contract (docs/protocol.md)",
     ),
-    ("transport-demo", "kvwire.demo.transport", "two processes, one NIXL WRITE with a notification"),
+    ("transport-demo", "kvwire_tools.demo.transport", "two processes, one NIXL WRITE with a notification"),
 )
 
 

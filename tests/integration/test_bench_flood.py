@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from kvwire.bench import flood
 from kvwire.cli import build_parser
 from kvwire.connector import ConnectorConfig
+from kvwire_tools.bench import flood
 
 pytestmark = pytest.mark.nixl
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from kvwire.chaos.outcome import Final, RequestRecord, judge
-from kvwire.chaos.plan import ChaosConfig, Victim, plan_kills
-from kvwire.chaos.report import KillEvent, by_state, max_end_s, problems, recovered, summary
 from kvwire.errors import ConfigError
+from kvwire_tools.chaos.outcome import Final, RequestRecord, judge
+from kvwire_tools.chaos.plan import ChaosConfig, Victim, plan_kills
+from kvwire_tools.chaos.report import KillEvent, by_state, max_end_s, problems, recovered, summary
 
 _RUN_TIMEOUT_S = 150
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from kvwire.demo import report
-from kvwire.demo.workload import Result, make_prompts, prompt_lengths
 from kvwire.metrics import HandshakeStats, KvMetrics, TransferStats
 from kvwire.protocol.messages import TransferMode
 from kvwire.testing.procs import ServerFailed, ServerGroup, free_port
 from kvwire.transport.base import PeerMode
+from kvwire_tools.demo import report
+from kvwire_tools.demo.workload import Result, make_prompts, prompt_lengths
 
 
 def test_prompts_are_deterministic_and_span_the_range() -> None:

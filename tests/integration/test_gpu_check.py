@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvwire.bench.gpu_check import SMALL_CASES, DeviceBuffer, pick_device
 from kvwire.testing.buffer_peer import pattern
+from kvwire_tools.bench.gpu_check import SMALL_CASES, DeviceBuffer, pick_device
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu-check.sh"

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from kvwire.bench.e2e import Case, plan
-from kvwire.bench.e2e_mixed import LONG_EVERY, LONG_TOKENS, SHORT_TOKENS, mixed_prompts
-from kvwire.bench.serving import METRICS, Slo, TimedResult, serving_metrics
 from kvwire.cli import main
+from kvwire_tools.bench.e2e import Case, plan
+from kvwire_tools.bench.e2e_mixed import LONG_EVERY, LONG_TOKENS, SHORT_TOKENS, mixed_prompts
+from kvwire_tools.bench.serving import METRICS, Slo, TimedResult, serving_metrics
 
 # vLLM's names (vllm bench serve --save-result), and kvwire's goodput share.
 SERVING_KEYS = {

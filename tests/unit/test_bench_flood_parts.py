@@ -9,9 +9,9 @@ import socket
 
 import pytest
 
-from kvwire.bench.common import counter_deltas
-from kvwire.bench.flood import Sample, _modes, phase_figures
-from kvwire.bench.flood_rogue import Listener, dropped_by_reason, failures_by_reason, hwm_mb, rss_mb
+from kvwire_tools.bench.common import counter_deltas
+from kvwire_tools.bench.flood import Sample, _modes, phase_figures
+from kvwire_tools.bench.flood_rogue import Listener, dropped_by_reason, failures_by_reason, hwm_mb, rss_mb
 
 METRICS = """\
 # HELP kvwire_dropped_notifications_total Peer notifications dropped

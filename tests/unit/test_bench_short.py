@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from kvwire.bench.short import _COLOC_STEPS, _disagg_marks, _steps, cpu_per_request, cpu_seconds
 from kvwire.connector.timeline import Stage, Timeline, merged
+from kvwire_tools.bench.short import _COLOC_STEPS, _disagg_marks, _steps, cpu_per_request, cpu_seconds
 
 
 def test_disaggregated_marks_line_up_p_d_and_the_client() -> None:
@@ -57,7 +57,7 @@ def test_cpu_per_request_divides_each_process_delta_by_the_requests() -> None:
 
 def test_fleet_bench_asks_for_the_model_of_its_preset() -> None:
     """The engines serve ``kvwire-{preset}`` (and refuse other names): the fleet bench must ask for it."""
-    from kvwire.bench.fleet_load import FleetSetup
+    from kvwire_tools.bench.fleet_load import FleetSetup
 
     assert FleetSetup().model == "kvwire-tiny"
     assert FleetSetup(preset="kv-heavy").model == "kvwire-kv-heavy"

@@ -7,11 +7,10 @@ imports under ``if TYPE_CHECKING:`` are left out, since they never run. Besides,
 import each other through any chain (every strongly connected component is one module).
 
     cli, serve                           the command line; ``kvwire serve``, the one module knowing every role
-    bench, chaos                         tools on top of the test kit
-    demo                                 the localhost demo and the transport demo
     testing                              the test kit: fakes, the simulator, process helpers, conformance
-    engine, router, integrations         what runs: the reference engine, the router, vLLM's connector
-    discovery                            etcd registration and watching
+    engine, router                       what runs: the reference engine, the router
+    integrations                         the engine-integration API and vLLM's adapter on it
+    discovery                            records under leases in a source (etcd), registration, watching
     connector                            the threaded driver of the cores
     handshake                            side channel: client, server, manager
     transport                            agents: NIXL, in-process
@@ -48,8 +47,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("integrations",),
     ("engine", "router"),
     ("testing",),
-    ("demo",),
-    ("bench", "chaos"),
     ("cli", "serve"),
 )
 ROOT = Path(kvwire.__file__).parent

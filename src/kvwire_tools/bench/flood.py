@@ -57,9 +57,10 @@ from typing import Any
 
 import httpx
 
-from kvwire.bench.common import counter_deltas, envelope, write_json
-from kvwire.bench.flood_report import plot, print_results
-from kvwire.bench.flood_rogue import (
+from kvwire.testing.procs import Server, ServerGroup, free_port, kvwire_command, server_env
+from kvwire_tools.bench.common import counter_deltas, envelope, write_json
+from kvwire_tools.bench.flood_report import plot, print_results
+from kvwire_tools.bench.flood_rogue import (
     PRESET,
     SEED,
     Listener,
@@ -73,9 +74,8 @@ from kvwire.bench.flood_rogue import (
     outsider_fetch,
     rss_mb,
 )
-from kvwire.demo.report import percentile
-from kvwire.demo.workload import make_prompt
-from kvwire.testing.procs import Server, ServerGroup, free_port, kvwire_command, server_env
+from kvwire_tools.demo.report import percentile
+from kvwire_tools.demo.workload import make_prompt
 
 MODES = ("open", "secret")
 PHASES = ("baseline", "during", "after")

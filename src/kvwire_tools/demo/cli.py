@@ -94,7 +94,7 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from kvwire.demo.runner import run_demo
+    from kvwire_tools.demo.runner import run_demo
 
     console = Console()
     try:

@@ -1,6 +1,6 @@
 """``kvwire bench descriptors``: what descriptor count costs per request, from planning to DONE.
 
-One 1k-token Llama-3-8B-shaped request (``kvwire.bench.kvrequest``: 64 regions, 64 blocks of 32 KiB
+One 1k-token Llama-3-8B-shaped request (``kvwire_tools.bench.kvrequest``: 64 regions, 64 blocks of 32 KiB
 each, 128 MiB) is moved from this process (P) into a peer process (D) over real NIXL, with the blocks
 assigned contiguously, half-fragmented and fully scattered on both sides. Per assignment, medians of
 ``--reps`` runs after a warm-up:
@@ -30,8 +30,12 @@ from typing import Any
 
 import numpy as np
 
-from kvwire.bench.common import bar_plot, envelope, print_table, write_json
-from kvwire.bench.kvrequest import (
+from kvwire.errors import TransferFailed
+from kvwire.testing.buffer_peer import BufferPeer
+from kvwire.transport import XferOp, make_agent_name, new_incarnation
+from kvwire.transport.nixl import NixlAgent
+from kvwire_tools.bench.common import bar_plot, envelope, print_table, write_json
+from kvwire_tools.bench.kvrequest import (
     Assignment,
     Endpoints,
     Request,
@@ -40,10 +44,6 @@ from kvwire.bench.kvrequest import (
     request_for,
     wait_all,
 )
-from kvwire.errors import TransferFailed
-from kvwire.testing.buffer_peer import BufferPeer
-from kvwire.transport import XferOp, make_agent_name, new_incarnation
-from kvwire.transport.nixl import NixlAgent
 
 POLL_LIMIT_S = 30.0
 

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from kvwire.demo.workload import RequestFailed, Result
+from kvwire_tools.demo.workload import RequestFailed, Result
 
 PERCENTILES = (50, 90, 99)
 METRICS = ("ttft", "tpot", "itl", "e2el")

@@ -1,5 +1,5 @@
 """``kvwire bench transfer``: raw NIXL WRITE between two processes against an in-process ``np.copyto``,
-and kvwire's push of a Llama-3-8B-shaped request against both (``kvwire.bench.transfer_kv``).
+and kvwire's push of a Llama-3-8B-shaped request against both (``kvwire_tools.bench.transfer_kv``).
 
 P (this process) writes into D (a ``kvwire.testing.buffer_peer`` child) over real NIXL. The NIXL figure times
 ``transfer()`` plus polling until DONE on a transfer prepared once and reposted (raw NIXL, no kvwire
@@ -16,13 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from kvwire.bench.cases import Case, Layout, buffer_bytes, layout, repost_raw
-from kvwire.bench.common import bar_plot, envelope, gbps, median_seconds, print_table, write_json
-from kvwire.bench.kvrequest import request_for
-from kvwire.bench.transfer_kv import run_kv_cases
 from kvwire.errors import TransferFailed
 from kvwire.testing.buffer_peer import BufferPeer, pattern
 from kvwire.transport import Desc, XferOp, make_agent_name, new_incarnation
+from kvwire_tools.bench.cases import Case, Layout, buffer_bytes, layout, repost_raw
+from kvwire_tools.bench.common import bar_plot, envelope, gbps, median_seconds, print_table, write_json
+from kvwire_tools.bench.kvrequest import request_for
+from kvwire_tools.bench.transfer_kv import run_kv_cases
 
 SEED = 3
 POLL_LIMIT_S = 30.0

@@ -22,10 +22,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvwire.config import DemoConfig
-from kvwire.demo import report
-from kvwire.demo.workload import Result, make_prompts, stream_completion
 from kvwire.errors import KvwireError
 from kvwire.testing.procs import Server, ServerGroup, free_port, server_env
+from kvwire_tools.demo import report
+from kvwire_tools.demo.workload import Result, make_prompts, stream_completion
 
 _MAX_SHOWN_ERRORS = 5
 

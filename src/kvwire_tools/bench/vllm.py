@@ -26,9 +26,6 @@ from typing import Any
 
 import httpx
 
-from kvwire.bench.common import envelope, print_table, write_json
-from kvwire.bench.vllm_legs import Answer, ConnectorKind, PDTarget, colocated, disaggregated
-from kvwire.demo.report import percentile
 from kvwire.testing.procs import Server, ServerGroup, free_port
 from kvwire.testing.tiny_llama import prompt_of
 from kvwire.testing.vllm_servers import (
@@ -39,6 +36,9 @@ from kvwire.testing.vllm_servers import (
     start_engines,
     vllm_python,
 )
+from kvwire_tools.bench.common import envelope, print_table, write_json
+from kvwire_tools.bench.vllm_legs import Answer, ConnectorKind, PDTarget, colocated, disaggregated
+from kvwire_tools.demo.report import percentile
 
 MAX_TOKENS = 8
 # Bytes of one block of the tiny model, all layers: 2 layers x 2 KV heads x 32 tokens x (K+V) 128 x 2 B.
@@ -285,7 +285,7 @@ def print_results(doc: dict[str, Any]) -> None:
 
 
 def plot(path: str, doc: dict[str, Any]) -> None:
-    from kvwire.bench.common import bar_plot
+    from kvwire_tools.bench.common import bar_plot
 
     rows = [r for r in doc["cases"]]
     labels = sorted(

@@ -20,14 +20,14 @@ from typing import Any
 import httpx
 from rich.console import Console
 
-from kvwire.chaos import report
-from kvwire.chaos.outcome import Final, RequestRecord, judge, send
-from kvwire.chaos.plan import ChaosConfig, PlannedKill, Victim, plan_kills
-from kvwire.demo.workload import make_prompts
 from kvwire.engine.config import EngineConfig, preset
 from kvwire.engine.engine import Engine
 from kvwire.errors import KvwireError
 from kvwire.testing.procs import Server, ServerGroup, free_port, server_env
+from kvwire_tools.chaos import report
+from kvwire_tools.chaos.outcome import Final, RequestRecord, judge, send
+from kvwire_tools.chaos.plan import ChaosConfig, PlannedKill, Victim, plan_kills
+from kvwire_tools.demo.workload import make_prompts
 
 _ROUTER_HEALTH_INTERVAL_S = 0.5
 _POLL_S = 0.05

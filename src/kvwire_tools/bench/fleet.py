@@ -33,9 +33,11 @@ from typing import Any
 
 import httpx
 
-from kvwire.bench.common import envelope, print_table, write_json
-from kvwire.bench.fleet_cost import router_cost
-from kvwire.bench.fleet_load import (
+from kvwire.testing.etcd import EtcdServer
+from kvwire.testing.procs import ServerGroup, server_env
+from kvwire_tools.bench.common import envelope, print_table, write_json
+from kvwire_tools.bench.fleet_cost import router_cost
+from kvwire_tools.bench.fleet_load import (
     FleetProcs,
     FleetSetup,
     Load,
@@ -45,8 +47,6 @@ from kvwire.bench.fleet_load import (
     reference_answers,
     shared_prefix_prompts,
 )
-from kvwire.testing.etcd import EtcdServer
-from kvwire.testing.procs import ServerGroup, server_env
 
 POLICIES = ("round_robin", "prefix_aware")
 _MAIN = "round_robin"  # the scenarios' router

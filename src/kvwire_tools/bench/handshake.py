@@ -30,7 +30,6 @@ from typing import Any
 
 import numpy as np
 
-from kvwire.bench.common import bar_plot, envelope, print_table, write_json
 from kvwire.handshake.client import fetch_metadata
 from kvwire.handshake.manager import HandshakeManager
 from kvwire.handshake.server import SideChannelServer, engine_compat_hash
@@ -39,6 +38,7 @@ from kvwire.kv.spec import KVSpec
 from kvwire.testing.handshake_env import SilentListener, build_registered_engine
 from kvwire.testing.side_channel_peer import SideChannelPeer
 from kvwire.transport.base import Agent, PeerMode, make_agent_name, new_incarnation
+from kvwire_tools.bench.common import bar_plot, envelope, print_table, write_json
 
 HOST = "127.0.0.1"
 

@@ -26,12 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from kvwire.bench.cases import Case, buffer_bytes, layout, repost_raw
-from kvwire.bench.common import envelope, gbps, median_seconds, print_table, write_json
 from kvwire.errors import TransferFailed
 from kvwire.testing.buffer_peer import pattern
 from kvwire.testing.child import CommandChild, serve_commands
 from kvwire.transport import MemKind, XferOp, XferStatus, make_agent_name, new_incarnation
+from kvwire_tools.bench.cases import Case, buffer_bytes, layout, repost_raw
+from kvwire_tools.bench.common import envelope, gbps, median_seconds, print_table, write_json
 
 SEED = 11
 POLL_LIMIT_S = 60.0

@@ -37,7 +37,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvwire.bench.common import bar_plot, envelope, print_table, write_json
 from kvwire.connector import (
     ConnectorConfig,
     Consumer,
@@ -53,6 +52,7 @@ from kvwire.kv.spec import KVSpec
 from kvwire.testing.engines import EngineSetup, build_engine
 from kvwire.transport.base import Agent
 from kvwire.transport.inproc import InprocFabric
+from kvwire_tools.bench.common import bar_plot, envelope, print_table, write_json
 
 GOAL_US = 300.0
 WAIT_S = 30.0

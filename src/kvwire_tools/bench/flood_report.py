@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvwire.bench.common import bar_plot, print_table
+from kvwire_tools.bench.common import bar_plot, print_table
 
 
 def _fmt(v: Any) -> Any:

@@ -6,9 +6,9 @@
   lets D prefill the short prompts (and a long one while P's queue is the longer) itself.
 
 At each concurrency the same prompts, in the same order, go to each path in turn as a closed loop of
-``concurrency`` streams; every figure of ``kvwire.bench.serving`` is reported per path with the colocated
-baseline from the same run, and the answers (greedy) are compared token for token with the colocated ones.
-The conditional router's ``/metrics`` says how many requests it prefilled on D and why.
+``concurrency`` streams; every figure of ``kvwire_tools.bench.serving`` is reported per path with the
+colocated baseline from the same run, and the answers (greedy) are compared token for token with the
+colocated ones. The conditional router's ``/metrics`` says how many requests it prefilled on D and why.
 """
 
 from __future__ import annotations
@@ -28,8 +28,11 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvwire.bench.common import counter_deltas, envelope, print_table
-from kvwire.bench.serving import (
+from kvwire.config import LOCAL_PREFILL_MAX_TOKENS, Disaggregation
+from kvwire.protocol.messages import TransferMode
+from kvwire.testing.procs import Server, ServerGroup, free_port, server_env
+from kvwire_tools.bench.common import counter_deltas, envelope, print_table
+from kvwire_tools.bench.serving import (
     SERVING_COLUMNS,
     Slo,
     TimedResult,
@@ -38,10 +41,7 @@ from kvwire.bench.serving import (
     stream_timed,
     timed_wave,
 )
-from kvwire.config import LOCAL_PREFILL_MAX_TOKENS, Disaggregation
-from kvwire.demo.workload import make_prompt
-from kvwire.protocol.messages import TransferMode
-from kvwire.testing.procs import Server, ServerGroup, free_port, server_env
+from kvwire_tools.demo.workload import make_prompt
 
 SHORT_TOKENS = (16, 128)
 LONG_TOKENS = (1024, 2048)

@@ -16,7 +16,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kvwire.chaos.outcome import Final, RequestRecord, first_difference
+from kvwire_tools.chaos.outcome import Final, RequestRecord, first_difference
 
 SIDES = ("prefill", "decode")
 _MAX_SHOWN_ERRORS = 5

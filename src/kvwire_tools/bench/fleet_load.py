@@ -17,11 +17,11 @@ from typing import Any
 
 import httpx
 
-from kvwire.demo.report import percentile
-from kvwire.demo.workload import RequestFailed, stream_completion
 from kvwire.engine.config import PRESETS
 from kvwire.testing.etcd import EtcdServer
 from kvwire.testing.procs import Server, ServerGroup, free_port
+from kvwire_tools.demo.report import percentile
+from kvwire_tools.demo.workload import RequestFailed, stream_completion
 
 _POLL_S = 0.02
 

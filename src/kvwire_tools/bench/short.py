@@ -35,13 +35,13 @@ from typing import Any
 
 import httpx
 
-from kvwire.bench.common import bar_plot, envelope, print_table, write_json
-from kvwire.bench.e2e import Cluster, start_cluster
 from kvwire.connector.timeline import Stage
-from kvwire.demo.report import percentile
-from kvwire.demo.workload import stream_completion
 from kvwire.protocol.messages import TransferMode
 from kvwire.testing.procs import Server, ServerGroup, server_env
+from kvwire_tools.bench.common import bar_plot, envelope, print_table, write_json
+from kvwire_tools.bench.e2e import Cluster, start_cluster
+from kvwire_tools.demo.report import percentile
+from kvwire_tools.demo.workload import stream_completion
 
 PROMPT = "the quick brown fox jumps over a lazy dog"[:40]
 GOAL_GAP_MS = 3.0

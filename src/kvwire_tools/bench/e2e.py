@@ -20,7 +20,8 @@ length) exceed ``--max-wave-tokens`` are skipped and listed under ``skipped`` in
 
 Each case also carries ``serving`` and ``colocated_serving``: ``vllm bench serve``'s figures (TTFT, TPOT, ITL
 and E2EL mean/median/std/p50/p90/p99, request and token throughput, goodput under ``--slo-ttft-ms`` /
-``--slo-tpot-ms``; ``kvwire.bench.serving``). ``--workload mixed`` runs ``kvwire.bench.e2e_mixed`` instead.
+``--slo-tpot-ms``; ``kvwire_tools.bench.serving``). ``--workload mixed`` runs
+``kvwire_tools.bench.e2e_mixed`` instead.
 """
 
 from __future__ import annotations
@@ -41,9 +42,11 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvwire.bench import e2e_mixed
-from kvwire.bench.common import envelope, print_table, write_json
-from kvwire.bench.serving import (
+from kvwire.protocol.messages import TransferMode
+from kvwire.testing.procs import Server, ServerGroup, free_port, server_env
+from kvwire_tools.bench import e2e_mixed
+from kvwire_tools.bench.common import envelope, print_table, write_json
+from kvwire_tools.bench.serving import (
     SERVING_COLUMNS,
     Slo,
     TimedResult,
@@ -52,10 +55,8 @@ from kvwire.bench.serving import (
     serving_metrics,
     timed_wave,
 )
-from kvwire.demo.report import percentile
-from kvwire.demo.workload import Result, make_prompt
-from kvwire.protocol.messages import TransferMode
-from kvwire.testing.procs import Server, ServerGroup, free_port, server_env
+from kvwire_tools.demo.report import percentile
+from kvwire_tools.demo.workload import Result, make_prompt
 
 GOAL_RATIO = 1.10
 GOAL_TOKENS = 4096

@@ -41,17 +41,6 @@ from typing import Any
 
 import numpy as np
 
-from kvwire.bench.cases import repost_raw
-from kvwire.bench.common import gbps
-from kvwire.bench.kvrequest import (
-    Assignment,
-    Endpoints,
-    Request,
-    block_assignment,
-    endpoints,
-    post_lanes,
-    wait_all,
-)
 from kvwire.connector import (
     ConnectorConfig,
     Consumer,
@@ -78,6 +67,17 @@ from kvwire.testing.engines import (
 )
 from kvwire.transport import XferOp, make_agent_name, new_incarnation
 from kvwire.transport.nixl import NixlAgent
+from kvwire_tools.bench.cases import repost_raw
+from kvwire_tools.bench.common import gbps
+from kvwire_tools.bench.kvrequest import (
+    Assignment,
+    Endpoints,
+    Request,
+    block_assignment,
+    endpoints,
+    post_lanes,
+    wait_all,
+)
 
 POLL_LIMIT_S = 30.0
 CASES = (("contiguous", Assignment.CONTIGUOUS), ("fragmented", Assignment.SCATTERED))

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
-from kvwire.demo.workload import Result
+from kvwire_tools.demo.workload import Result
 
 
 @dataclass

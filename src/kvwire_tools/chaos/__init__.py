@@ -48,9 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from kvwire.chaos.plan import ChaosConfig
-    from kvwire.chaos.runner import run_chaos
     from kvwire.errors import ConfigError
+    from kvwire_tools.chaos.plan import ChaosConfig
+    from kvwire_tools.chaos.runner import run_chaos
 
     console = Console()
     try:
