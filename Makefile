@@ -20,7 +20,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,tools]'
 	# NIXL declares torch; DRAM transfers do not need it, so skip its dependencies.
 	$(BIN)/pip install --quiet --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 	# CPU torch (a local wheel on these machines) for the tests that wrap torch tensors as vLLM does.

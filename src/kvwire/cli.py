@@ -4,6 +4,10 @@ Each command lives in its own module, imported only when that command runs (no i
 effects, and ``kvwire --help`` stays fast). A command module exposes ``add_arguments(parser)`` (or
 ``add_arguments_for(parser, path)`` when it serves several commands) and ``run(args) -> int`` (the exit
 status).
+
+The tools' commands (``bench ...``, ``demo``, ``chaos``, ``transport-demo``) live in ``kvwire_tools``, a
+package beside the library that the built package leaves out: where it is absent they are still listed,
+and running one says how to get it (``TOOLS_FIX``).
 """
 
 from __future__ import annotations
@@ -63,6 +67,14 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+TOOLS = "kvwire_tools"
+TOOLS_FIX = "from a checkout of kvwire's repository: pip install -e '.[tools]'"
+
+
+def _is_tool(module: str) -> bool:
+    return module.split(".")[0] == TOOLS
+
+
 def _module_available(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None
@@ -77,6 +89,14 @@ def _chosen(argv: Sequence[str]) -> str | None:
         if words[: len(path.split())] == path.split():
             return path
     return None
+
+
+def _missing_tool(path: str | None) -> str | None:
+    """Why the tool command ``path`` cannot run here, or None (not a tool, or its package is there)."""
+    module = next((m for p, m, _h in COMMANDS if p == path), None)
+    if module is None or not _is_tool(module) or _module_available(module):
+        return None
+    return f"kvwire {path}: kvwire's tools ({TOOLS}) are not installed; {TOOLS_FIX}"
 
 
 def _version() -> str:
@@ -96,7 +116,9 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     chosen = _chosen(argv)
     for path, module, help_text in COMMANDS:
         if not _module_available(module):
-            continue
+            if not _is_tool(module):
+                continue
+            help_text = f"{help_text} (needs kvwire's tools: {TOOLS_FIX})"
         words = path.split()
         subs = top
         if len(words) == 2:
@@ -114,7 +136,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
             formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         )
         sub.set_defaults(_module=module, _path=path)
-        if path == chosen:
+        if path == chosen and _module_available(module):
             mod = importlib.import_module(module)
             # A module serving several commands gives each its own flags (decode's help: no prefill flag).
             per_command = getattr(mod, "add_arguments_for", None)
@@ -130,6 +152,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Before numpy loads: each engine process computes on one core; BLAS threads of several processes
     # fighting over a few cores made a 2k-token prefill 6x slower. An explicit setting wins.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    missing = _missing_tool(_chosen(argv))
+    if missing is not None:
+        print(missing, file=sys.stderr)
+        return 2
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     module = getattr(args, "_module", None)
