@@ -20,11 +20,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
-from faults_env import Cluster, block_bytes
 
 from kvwire.connector import ConnectorConfig, ConsumerEventKind, ProducerOutcome
 from kvwire.kv.spec import KVSpec
 from kvwire.testing.engines import gather_tokens, random_kv, scatter_tokens
+from kvwire.testing.faults_env import Cluster, block_bytes
 
 SPEC = KVSpec(num_layers=2, kv_heads=2, head_dim=4, block_size=4)
 RACES = 10_000  # requests aborted at a random moment

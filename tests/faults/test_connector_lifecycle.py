@@ -16,7 +16,6 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from faults_env import Cluster, wait_for
 
 from kvwire.connector import ConnectorConfig, ConsumerEvent, ConsumerEventKind, ProducerOutcome
 from kvwire.kv.spec import KVSpec
@@ -27,6 +26,7 @@ from kvwire.testing.engines import (
     same_bytes,
     scatter_tokens,
 )
+from kvwire.testing.faults_env import Cluster, wait_for
 
 SPEC = KVSpec(num_layers=2, kv_heads=2, head_dim=8, block_size=4)
 K = ConsumerEventKind

@@ -8,7 +8,6 @@ import itertools
 import random
 
 import pytest
-from connector_env import Pair, wait_for
 
 from kvwire.connector import ConnectorConfig, ConsumerEventKind, ProducerOutcome
 from kvwire.handshake.server import SideChannelServer
@@ -22,6 +21,7 @@ from kvwire.protocol.messages import (
     Notification,
     PushReg,
 )
+from kvwire.testing.connector_env import Pair, wait_for
 from kvwire.testing.engines import build_engine, same_bytes, untouched_blocks_zero
 from kvwire.transport.base import make_agent_name
 from kvwire.transport.inproc import InprocAgent

@@ -4,12 +4,11 @@ bad notifications. Fences, timeouts and dead peers are pinned in virtual time in
 
 from __future__ import annotations
 
-from connector_env import Pair, wait_for
-
 from kvwire.connector import ConsumerEventKind, ProducerOutcome
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.codec import encode_notif
 from kvwire.protocol.messages import FailReason, PushReg
+from kvwire.testing.connector_env import Pair, wait_for
 from kvwire.testing.engines import untouched_blocks_zero
 
 SPEC = KVSpec(num_layers=2, kv_heads=2, head_dim=8, block_size=4)

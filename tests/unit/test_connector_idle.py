@@ -8,12 +8,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from connector_env import Pair
 
 from kvwire.connector._base import ConnectorBase
 from kvwire.connector.cadence import DEEP_IDLE_S, FIRST_BUSY_POLL_S
 from kvwire.connector.timeline import Stage
 from kvwire.kv.spec import KVSpec
+from kvwire.testing.connector_env import Pair
 from kvwire.testing.engines import wait_for
 
 SPEC = KVSpec(num_layers=2, kv_heads=2, head_dim=8)

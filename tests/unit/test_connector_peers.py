@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from connector_env import Pair, wait_for
 
 from kvwire.connector import ConnectorConfig, ConsumerEventKind, ProducerOutcome
 from kvwire.kv.spec import KVSpec
+from kvwire.testing.connector_env import Pair, wait_for
 from kvwire.testing.engines import same_bytes, untouched_blocks_zero
 
 SPEC = KVSpec(num_layers=2, kv_heads=2, head_dim=8, block_size=4)

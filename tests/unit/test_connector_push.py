@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from connector_env import Pair
 
 from kvwire.connector import ConnectorConfig, ConsumerEventKind, ProducerOutcome
 from kvwire.kv.spec import KVSpec, Layout
 from kvwire.protocol.messages import TransferMode
+from kvwire.testing.connector_env import Pair
 from kvwire.testing.engines import same_bytes, scatter_tokens, untouched_blocks_zero
 
 SPEC = KVSpec(num_layers=4, kv_heads=4, head_dim=8, block_size=4)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from cores_env import BLOCKS, CFG, D_BLOCKS, FAILED, PULL, READY, RELEASED, TID, TOKENS, D, P, ev
 
 from kvwire.core.base import DropReason, Refused
 from kvwire.core.io import (
@@ -39,6 +38,20 @@ from kvwire.protocol.messages import (
     PushReg,
 )
 from kvwire.testing.core_harness import TestEngine, events, one, only, protocol, sent
+from kvwire.testing.cores_env import (
+    BLOCKS,
+    CFG,
+    D_BLOCKS,
+    FAILED,
+    PULL,
+    READY,
+    RELEASED,
+    TID,
+    TOKENS,
+    D,
+    P,
+    ev,
+)
 from kvwire.transport.base import PeerMode
 
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from cores_env import BLOCKS, CFG, D_BLOCKS, PULL, PUSH, TID, TOKENS, P, freed
 
 from kvwire.core.base import DropReason, Refused
 from kvwire.core.events import ProducerOutcome
@@ -42,6 +41,7 @@ from kvwire.protocol.messages import (
     Heartbeat,
 )
 from kvwire.testing.core_harness import TestEngine, events, one, only, protocol, sent
+from kvwire.testing.cores_env import BLOCKS, CFG, D_BLOCKS, PULL, PUSH, TID, TOKENS, P, freed
 from kvwire.transport.base import PeerMode
 
 

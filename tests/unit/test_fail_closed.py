@@ -15,7 +15,6 @@ import dataclasses
 import msgspec
 import numpy as np
 import pytest
-from cores_env import BLOCKS, CFG, D_BLOCKS, FAILED, READY, RELEASED, TID, TOKENS, D, P, ev
 
 from kvwire.core.base import DropReason, Refused
 from kvwire.core.consumer_records import UsedIds, sampled
@@ -29,6 +28,7 @@ from kvwire.kv.spec import KVSpec, Layout
 from kvwire.protocol.codec import decode_notif
 from kvwire.protocol.messages import Done, Failed, FailReason, PushReg
 from kvwire.testing.core_harness import TestEngine, events, one, only, sent
+from kvwire.testing.cores_env import BLOCKS, CFG, D_BLOCKS, FAILED, READY, RELEASED, TID, TOKENS, D, P, ev
 from kvwire.transport.base import PeerMode
 
 DIGEST_CFG = dataclasses.replace(CFG, kv_digest_sample=1.0)

@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from connector_env import Pair, wait_for
-
 from kvwire.connector import ConsumerEvent, ConsumerEventKind, RemoteEngine
 from kvwire.handshake.server import engine_compat_hash
 from kvwire.kv.spec import KVSpec
@@ -33,6 +31,7 @@ from kvwire.protocol.messages import (
     PushReg,
 )
 from kvwire.protocol.seal import NotifSeal
+from kvwire.testing.connector_env import Pair, wait_for
 from kvwire.testing.engines import same_bytes, untouched_blocks_zero
 from kvwire.transport.base import make_agent_name
 

@@ -9,7 +9,6 @@ import time
 
 import msgspec
 import pytest
-from connector_env import Pair, wait_for
 
 from kvwire.connector import ConnectorConfig, ConsumerEventKind, ProducerOutcome
 from kvwire.connector.reports import Reporter
@@ -38,6 +37,7 @@ from kvwire.protocol.messages import (
     Sealed,
 )
 from kvwire.protocol.seal import ReplySeal
+from kvwire.testing.connector_env import Pair, wait_for
 from kvwire.testing.engines import same_bytes, untouched_blocks_zero
 from kvwire.transport.base import make_agent_name
 
