@@ -16,17 +16,17 @@ or one test per check, so a report names the check that failed::
 
 ``BUILTIN_BACKENDS`` holds the makers of the registered transports (``inproc`` and ``nixl``; both agents
 in this one process, which NIXL supports). A check is ``check(a, b)``: ``a`` initiates (P-like), ``b`` is
-the remote (D-like); it fails by raising (``AssertionError`` or ``pytest.fail``). Waits are bounded loops
+the remote (D-like); it fails by raising ``AssertionError``. Waits are bounded loops
 that fail with a message, never assertions on time.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
-import pytest
 
 from kvwire.errors import (
     AgentClosed,
@@ -58,6 +58,17 @@ Check = Callable[[FullAgent, FullAgent], None]
 
 WAIT_S = 10.0
 BLOCK = 4096
+
+
+@contextmanager
+def raises(expected: type[BaseException]) -> Iterator[None]:
+    """The block must raise ``expected`` (a subclass counts); ``AssertionError`` otherwise. The suite's own
+    ``pytest.raises``: the test kit runs without pytest (an out-of-tree backend's own runner may call it)."""
+    try:
+        yield
+    except expected:
+        return
+    raise AssertionError(f"expected {expected.__name__}, nothing was raised")
 
 
 def _maker(name: str) -> BackendMaker:
@@ -135,20 +146,20 @@ def check_registration(a: FullAgent, b: FullAgent) -> None:
     buf = np.zeros(8 * BLOCK, dtype=np.uint8)
     reg = a.register(buf)
     assert (reg.addr, reg.length) == (buf.ctypes.data, buf.nbytes)
-    with pytest.raises(RegistrationError):
+    with raises(RegistrationError):
         a.register(np.zeros((64, 64), dtype=np.uint8)[:, ::2])  # not contiguous
     # Memory outside a registration cannot be transferred, locally or remotely.
     dst = np.zeros(8 * BLOCK, dtype=np.uint8)
     b.register(dst)
     connect_full(a, b)
     inside, outside = Desc(dst.ctypes.data, BLOCK), Desc(dst.ctypes.data + 7 * BLOCK + 1, BLOCK)
-    with pytest.raises(NotAddressable):
+    with raises(NotAddressable):
         a.post(XferOp.WRITE, [Desc(buf.ctypes.data, BLOCK)], [outside], b.name)
     stray = np.zeros(BLOCK, dtype=np.uint8)
-    with pytest.raises(NotAddressable):
+    with raises(NotAddressable):
         a.post(XferOp.WRITE, [array_desc(stray)], [inside], b.name)
     a.deregister(reg)
-    with pytest.raises(RegistrationError):
+    with raises(RegistrationError):
         a.deregister(reg)
 
 
@@ -164,7 +175,7 @@ def check_metadata_round_trip(a: FullAgent, b: FullAgent) -> None:
     assert a.peer_mode(b.name) is PeerMode.FULL
     assert b.add_peer(a.conn_metadata()) == a.name
     assert b.peer_mode(a.name) is PeerMode.NOTIF_ONLY
-    with pytest.raises(TransportError):
+    with raises(TransportError):
         a.add_peer(b"not metadata at all")
 
 
@@ -176,9 +187,9 @@ def check_notif_only_peer(a: FullAgent, b: FullAgent) -> None:
     assert a.peer_mode(b.name) is PeerMode.NOTIF_ONLY
     a.send_notif(b.name, b"hello")
     assert wait_notifs(b, a, 1) == [b"hello"]
-    with pytest.raises(NotAddressable):
+    with raises(NotAddressable):
         a.post(XferOp.WRITE, [array_desc(src)], [array_desc(dst)], b.name)
-    with pytest.raises(NotAddressable):
+    with raises(NotAddressable):
         a.prep_remote(b.name, [array_desc(dst)])
     assert not dst.any()
     # Loading the full metadata upgrades the entry in place.
@@ -273,17 +284,17 @@ def check_remove_then_transfer_fails(a: FullAgent, b: FullAgent) -> None:
     local = a.prep_local([array_desc(src)])
     a.remove_peer(b.name)
     assert a.peer_mode(b.name) is None
-    with pytest.raises(PeerNotFound):
+    with raises(PeerNotFound):
         a.post(XferOp.WRITE, [array_desc(src)], [array_desc(dst)], b.name)
-    with pytest.raises(PeerNotFound):
+    with raises(PeerNotFound):
         a.post_prepped(XferOp.WRITE, local, [0], far, [0])
-    with pytest.raises(PeerNotFound):
+    with raises(PeerNotFound):
         a.send_notif(b.name, b"anyone?")
-    with pytest.raises(PeerNotFound):
+    with raises(PeerNotFound):
         a.remove_peer(b.name)
     # A list prepared before the removal stays refused after the peer is loaded again.
     connect_full(a, b)
-    with pytest.raises(PeerNotFound):
+    with raises(PeerNotFound):
         a.post_prepped(XferOp.WRITE, local, [0], far, [0])
     a.release_dlist(far)
     fresh = a.prep_remote(b.name, [array_desc(dst)])
@@ -304,11 +315,11 @@ def check_double_release(a: FullAgent, b: FullAgent) -> None:
     assert wait_done(a, handle, b) is XferStatus.DONE
     a.release(handle)
     a.release(handle)
-    with pytest.raises(HandleReleased):
+    with raises(HandleReleased):
         a.status(handle)
     a.release_dlist(far)
     a.release_dlist(far)
-    with pytest.raises(HandleReleased):
+    with raises(HandleReleased):
         a.post_prepped(XferOp.WRITE, local, [0], far, [0])
     a.release_dlist(local)
 
@@ -323,11 +334,11 @@ def check_close_idempotent(a: FullAgent, b: FullAgent) -> None:
     a.close()
     a.close()
     a.release(handle)  # still safe after close
-    with pytest.raises(AgentClosed):
+    with raises(AgentClosed):
         a.send_notif(b.name, b"x")
-    with pytest.raises(AgentClosed):
+    with raises(AgentClosed):
         a.register(np.zeros(BLOCK, dtype=np.uint8))
-    with pytest.raises(AgentClosed):
+    with raises(AgentClosed):
         a.metadata()
 
 
@@ -379,10 +390,10 @@ def check_post_array_errors(a: FullAgent, b: FullAgent) -> None:
     a.register(src)
     b.register(dst)
     local, remote = block_rows(src, np.arange(4)), block_rows(dst, np.arange(4))
-    with pytest.raises(PeerNotFound):
+    with raises(PeerNotFound):
         a.post_array(XferOp.WRITE, local, remote, b.name)
     a.add_peer(b.conn_metadata())
-    with pytest.raises(NotAddressable):
+    with raises(NotAddressable):
         a.post_array(XferOp.WRITE, local, remote, b.name)
     a.add_peer(b.metadata())
     bad_cases = [
@@ -398,14 +409,14 @@ def check_post_array_errors(a: FullAgent, b: FullAgent) -> None:
     negative[1, 1] = -BLOCK
     bad_cases.append((negative, remote))
     for lo, re in bad_cases:
-        with pytest.raises(TransferFailed):
+        with raises(TransferFailed):
             a.post_array(XferOp.WRITE, lo, re, b.name)
     outside = remote.copy()
     outside[3, 0] = dst.ctypes.data + 8 * BLOCK - BLOCK // 2  # runs past the end of b's registration
-    with pytest.raises(NotAddressable):
+    with raises(NotAddressable):
         a.post_array(XferOp.WRITE, local, outside, b.name)
     stray = np.zeros(BLOCK, dtype=np.uint8)
-    with pytest.raises(NotAddressable):
+    with raises(NotAddressable):
         a.post_array(XferOp.WRITE, block_rows(stray, np.arange(1)), remote[:1], b.name)
     assert not dst.any()
 
