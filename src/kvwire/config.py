@@ -21,7 +21,6 @@ import os
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import NewType
 
 from kvwire.errors import ConfigError
@@ -177,33 +176,3 @@ class RouterConfig:
                 raise ConfigError(f"{name} must be positive")
         if self.local_prefill_max_tokens < 0:
             raise ConfigError("local_prefill_max_tokens must be at least 0")
-
-
-@dataclass(frozen=True)
-class DemoConfig:
-    prefill: int = 1
-    decode: int = 1
-    p_tp: int = 1
-    d_tp: int = 1
-    p_pp: int = 1
-    mode: TransferMode = TransferMode.PUSH
-    backend: Backend = DEFAULT_BACKEND
-    preset: str = "tiny"
-    requests: int = 32
-    min_prompt_tokens: int = 16
-    max_prompt_tokens: int = 2048
-    max_tokens: int = 16
-    concurrency: int = 1
-    seed: int = 0
-    json_path: Path | None = None
-    plot_path: Path | None = None
-    startup_timeout_s: float = 120.0
-    request_timeout_s: float = 300.0
-    log_dir: Path | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("prefill", "decode", "p_tp", "d_tp", "p_pp", "requests", "max_tokens", "concurrency"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-        if not 1 <= self.min_prompt_tokens <= self.max_prompt_tokens:
-            raise ConfigError("need 1 <= min prompt tokens <= --max-prompt-tokens")

@@ -18,12 +18,13 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvwire.config import DemoConfig, RouterConfig
+from kvwire.config import RouterConfig
 from kvwire.protocol.messages import TransferMode
 from kvwire.router.app import create_app
 from kvwire.router.openai_api import render_chat
 from kvwire.testing.fake_engines import FakeCluster, Fault, ServerThread, fake_engine_app, fake_tokens
 from kvwire.testing.procs import ServerGroup, free_port
+from kvwire_tools.demo.config import DemoConfig
 from kvwire_tools.demo.runner import start_cluster
 
 P_SIDE_PORT = 45_001

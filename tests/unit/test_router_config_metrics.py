@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvwire.config import DemoConfig, RouterConfig, env_config, normalize_url, split_urls
+from kvwire.config import RouterConfig, env_config, normalize_url, split_urls
 from kvwire.errors import ConfigError
 from kvwire.metrics import BlockStats, HandshakeStats, KvMetrics, Outcome, TransferStats
 from kvwire.protocol.messages import FailReason, TransferMode
 from kvwire.transport.base import PeerMode
+from kvwire_tools.demo.config import DemoConfig
 
 
 def test_env_config_reads_only_the_given_mapping() -> None:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvwire.config import DEFAULT_BACKEND, Backend, DemoConfig
+from kvwire.config import DEFAULT_BACKEND, Backend
 from kvwire.errors import ConfigError
 from kvwire.protocol.messages import TransferMode
 from kvwire.transport.registry import names as transport_names
+from kvwire_tools.demo.config import DemoConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -21,10 +21,10 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvwire.config import DemoConfig
 from kvwire.errors import KvwireError
 from kvwire.testing.procs import Server, ServerGroup, free_port, server_env
 from kvwire_tools.demo import report
+from kvwire_tools.demo.config import DemoConfig
 from kvwire_tools.demo.workload import Result, make_prompts, stream_completion
 
 _MAX_SHOWN_ERRORS = 5
