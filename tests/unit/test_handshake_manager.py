@@ -535,7 +535,7 @@ def test_a_restarted_peer_gets_a_new_entry_life() -> None:
     async def body() -> None:
         async with pair(clock_samples=1) as t:
             await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY)
-            old = t.mgr._machines[PeerAddress(HOST, t.port, 0, 0)]
+            old = t.mgr.core.machines[PeerAddress(HOST, t.port, 0, 0)]
             port = t.port
             await t.server.close()
             p2_info, p2_ranks = build_registered_engine("P", SPEC, 32, t.fabric.create_agent)

@@ -25,10 +25,10 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, assert_never
 
 from kvwire.connector.cadence import Cadence
-from kvwire.connector.reports import UNDELIVERED, Reporter, as_notification
+from kvwire.connector.reports import Reporter, as_notification
 from kvwire.connector.setup import checked_setup
 from kvwire.connector.timeline import Stage, Timeline
 from kvwire.core.base import CoreBase, DropReason, Feeder, Refused
@@ -138,10 +138,16 @@ class ConnectorBase(Generic[E]):
         }
         self.core = self._make_core(layouts, num_blocks)
         timeout = self.config.handshake_timeout_s
-        self.reporter = Reporter(timeout_s=timeout, secret=secret, drops=self.core.stats.dropped_notifs)
+        self._allowed = PeerAllowList.parse(self.config.allowed_peers)  # who may be dialled at all
+        self.reporter = Reporter(
+            timeout_s=timeout,
+            secret=secret,
+            clock=clock,
+            drops=self.core.stats.dropped_notifs,
+            allowed=self._allowed,
+        )
         self._warm_up = warm_up
         self._drop_log = Throttle()  # a peer may send a bad message at any rate: one line per 10 s
-        self._allowed = PeerAllowList.parse(self.config.allowed_peers)  # who may be dialled at all
         self._own_loop = loop is None
         self._bg = loop
         self._server: SideChannelServer | None = None
@@ -188,7 +194,7 @@ class ConnectorBase(Generic[E]):
                 self._regs.append((rank, reg))
         if self._warm_up:
             # NIXL's first agent load costs 10-30 ms: pay it here, not in the first request's handshake.
-            warmed_s = warm_up([r.agent for r in self.ranks.values()])
+            warmed_s = warm_up([r.agent for r in self.ranks.values()], self._clock)
             if warmed_s:
                 log.debug("%s: agents warmed up in %.1f ms", self.role, warmed_s * 1e3)
         if self._bg is None:
@@ -212,6 +218,7 @@ class ConnectorBase(Generic[E]):
                 retries=cfg.handshake_retries,
                 secret=self._secret,
                 allowed=self._allowed,
+                clock=self._clock,  # one clock: the core's now, the managers' and the breakers'
             )
             for key, rank in self.ranks.items()
         }
@@ -276,7 +283,7 @@ class ConnectorBase(Generic[E]):
     def _handoff(self, inp: Input) -> None:
         now = self._clock()
         if isinstance(inp, Allocated | Finished):
-            self.timeline.mark(inp.transfer_id, Stage.LOOP_RECEIVED, time.monotonic())
+            self.timeline.mark(inp.transfer_id, Stage.LOOP_RECEIVED, now)
         self._guarded(self._apply, (now, inp))
         self._wake()
 
@@ -309,43 +316,43 @@ class ConnectorBase(Generic[E]):
             log.error("%s: %s failed", self.role, type(item).__name__, exc_info=exc)
 
     def _execute(self, action: Action) -> None:
-        if isinstance(action, Send):
-            ok = self._send(action)
-            if ok and isinstance(action.msg, PushReg):
-                self.timeline.mark(action.msg.transfer_id, Stage.PUSH_REG_SENT, time.monotonic())
-            if action.token:
-                self._feeder.follow(Outcome(action.token, ok))
-        elif isinstance(action, PostWrite | PostRead):
-            self._post(action)
-        elif isinstance(action, Digest):
-            self._feeder.follow(Digested(action.token, kv_digest(self.ranks[action.key].cache, action.scope)))
-        elif isinstance(action, Release):
-            entry = self._handles.pop(action.token, None)
-            if entry is not None:
-                with contextlib.suppress(TransportError):
-                    self.ranks[entry[0]].agent.release(entry[1])
-        elif isinstance(action, Emit):
-            self._events.append(action.event)  # type: ignore[arg-type]
-            if self._on_event is not None:
-                self._on_event()
-        elif isinstance(action, StartHandshake):
-            self._handshake(action)
-        elif isinstance(action, ReportFailure):
-            if not self._allowed.allows(action.host):  # a push_reg named it: never dialled
-                self.core.stats.dropped_notifs[UNDELIVERED] += 1
-                return
-            task = self.reporter.submit(action)
-            if task is not None:
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-        elif isinstance(action, ForgetPeer):
-            for mgr in self.managers.values():
-                mgr.forget(action.engine_id, action.incarnation)
-        elif isinstance(action, TouchPeer):
-            for mgr in self.managers.values():
-                mgr.touch(action.engine_id, time.monotonic())  # the managers' own clock
-        elif isinstance(action, Reap):
-            self._reap(action.in_use)
+        match action:
+            case Send():
+                ok = self._send(action)
+                if ok and isinstance(action.msg, PushReg):
+                    self.timeline.mark(action.msg.transfer_id, Stage.PUSH_REG_SENT, self._clock())
+                if action.token:
+                    self._feeder.follow(Outcome(action.token, ok))
+            case PostWrite() | PostRead():
+                self._post(action)
+            case Digest(token, key, scope):
+                self._feeder.follow(Digested(token, kv_digest(self.ranks[key].cache, scope)))
+            case Release(token):
+                entry = self._handles.pop(token, None)
+                if entry is not None:
+                    with contextlib.suppress(TransportError):
+                        self.ranks[entry[0]].agent.release(entry[1])
+            case Emit(event):
+                self._events.append(event)  # type: ignore[arg-type]
+                if self._on_event is not None:
+                    self._on_event()
+            case StartHandshake():
+                self._handshake(action)
+            case ReportFailure():
+                task = self.reporter.submit(action)  # the report core drops what it must
+                if task is not None:
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+            case ForgetPeer(engine_id, incarnation):
+                for mgr in self.managers.values():
+                    mgr.forget(engine_id, incarnation)
+            case TouchPeer(engine_id):
+                for mgr in self.managers.values():
+                    mgr.touch(engine_id)
+            case Reap(in_use):
+                self._reap(in_use)
+            case _:
+                assert_never(action)
 
     def _send(self, action: Send) -> bool:
         """Send one notification; False (logged) when the transport refuses."""
@@ -383,7 +390,7 @@ class ConnectorBase(Generic[E]):
             return
         self._handles[action.token] = (action.key, handle, action.transfer_id)
         if write:
-            self.timeline.mark(action.transfer_id, Stage.WRITE_POSTED, time.monotonic())
+            self.timeline.mark(action.transfer_id, Stage.WRITE_POSTED, self._clock())
         self._feeder.follow(Outcome(action.token, True))
         self._wake()  # poll it at the busy rate from now on
 
@@ -431,20 +438,19 @@ class ConnectorBase(Generic[E]):
         loop.call_soon(lambda: self._guarded(self._apply, (self._clock(), inp)))
 
     def _forget_agent(self, agent_name: str) -> None:
+        """The agent's process is gone: the handshake core that loaded it forgets that engine life, and
+        so does every other rank's."""
         for mgr in self.managers.values():
-            for peer in mgr.peers():
-                if peer.agent_name == agent_name:
-                    for m in self.managers.values():
-                        m.forget(peer.engine_id, peer.incarnation)
-                    return
+            life = mgr.forget_agent(agent_name)
+            if life is not None:
+                for m in self.managers.values():
+                    m.forget(*life)
+                return
 
     def _reap(self, in_use: frozenset[str]) -> None:
         """Refresh the peers live requests use, then unload those idle past ``engine_ttl_s`` (S1)."""
-        now = time.monotonic()  # the managers keep their own clock
         for mgr in self.managers.values():
-            for engine_id in in_use:
-                mgr.touch(engine_id, now)
-            for engine_id in mgr.reap_idle(now, self.config.engine_ttl_s):
+            for engine_id in mgr.reap_idle(ttl_s=self.config.engine_ttl_s, in_use=in_use):
                 self.stats.peers_reaped += 1
                 log.info(
                     "%s: peer %s idle past %.0f s: unloaded", self.role, engine_id, self.config.engine_ttl_s
@@ -541,7 +547,7 @@ class ConnectorBase(Generic[E]):
             msg = decode_notif(raw)
             if isinstance(msg, PushReg | Done):
                 stage = Stage.PUSH_REG_RECEIVED if isinstance(msg, PushReg) else Stage.DONE_RECEIVED
-                self.timeline.mark(msg.transfer_id, stage, time.monotonic())
+                self.timeline.mark(msg.transfer_id, stage, now)
         self._apply(now, NotifIn(key, sender, raw))
 
     def _poll_transfers(self, now: float) -> None:
@@ -553,6 +559,6 @@ class ConnectorBase(Generic[E]):
             if state is XferStatus.IN_PROGRESS:
                 continue
             self._cadence.activity()  # the peer's answer (or the next write) usually follows
-            self.timeline.mark(transfer_id, Stage.WRITE_DONE, time.monotonic())
+            self.timeline.mark(transfer_id, Stage.WRITE_DONE, now)
             reason = handle.failed_reason if isinstance(handle.failed_reason, str) else ""
             self._apply(now, XferEnded(token, state is XferStatus.DONE, reason))
