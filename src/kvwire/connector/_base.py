@@ -34,6 +34,7 @@ from kvwire.connector.timeline import Stage, Timeline
 from kvwire.core.base import CoreBase, DropReason, Feeder, Refused
 from kvwire.core.config import ConnectorConfig
 from kvwire.core.events import ConnectorStats
+from kvwire.core.handshake import refusal
 from kvwire.core.io import (
     Action,
     Allocated,
@@ -60,13 +61,11 @@ from kvwire.core.io import (
 from kvwire.errors import (
     AuthError,
     ConfigError,
-    IncompatiblePeer,
     KvwireError,
     NobodyListens,
     PeerDisconnected,
     ProtocolError,
     TransportError,
-    Unauthorized,
 )
 from kvwire.handshake.loop import BackgroundLoop
 from kvwire.handshake.manager import HandshakeManager, warm_up
@@ -77,7 +76,7 @@ from kvwire.kv.mapping import RankLayout
 from kvwire.logsetup import Throttle
 from kvwire.protocol.allow import PeerAllowList
 from kvwire.protocol.codec import decode_notif, encode_notif
-from kvwire.protocol.messages import Done, FailReason, PushReg, ReportFailed
+from kvwire.protocol.messages import Done, PushReg, ReportFailed
 from kvwire.protocol.ranks import RankKey
 from kvwire.protocol.seal import NotifGate
 from kvwire.transport.base import Registration, XferHandle, XferOp, XferStatus
@@ -88,16 +87,6 @@ E = TypeVar("E")
 
 _TIMER_RESOLUTION_S = 0.001  # asyncio's call_later cannot wait less (see _on_tick)
 _START_TIMEOUT_S = 10.0
-
-
-def _refusal(exc: BaseException) -> FailReason:
-    """A failed handshake's reason: permanent misconfigurations keep their own (the engine answers them
-    with an error the client does not retry), the rest is handshake_failed."""
-    if isinstance(exc, IncompatiblePeer):
-        return FailReason.INCOMPATIBLE
-    if isinstance(exc, Unauthorized):
-        return FailReason.UNAUTHORIZED
-    return FailReason.HANDSHAKE_FAILED
 
 
 class ConnectorBase(Generic[E]):
@@ -402,7 +391,7 @@ class ConnectorBase(Generic[E]):
         try:
             hit = mgr.cached(*args, engine_id=a.engine_id, incarnation=a.incarnation)
         except KvwireError as exc:
-            self._later(HandshakeDone(a.token, None, str(exc), _refusal(exc), isinstance(exc, NobodyListens)))
+            self._later(HandshakeDone(a.token, None, str(exc), refusal(exc), isinstance(exc, NobodyListens)))
             return
         if hit is not None:
             # Cached (the usual case): no task; the answer still comes later, never re-entrantly.
@@ -420,7 +409,7 @@ class ConnectorBase(Generic[E]):
                 log.error("%s: handshake with %s:%d raised %r", self.role, a.host, a.port, exc)
             if exc is not None:
                 refused = isinstance(exc, NobodyListens)
-                done = HandshakeDone(a.token, None, str(exc), _refusal(exc), refused)
+                done = HandshakeDone(a.token, None, str(exc), refusal(exc), refused)
             else:
                 done = HandshakeDone(a.token, t.result(), "")
             self._guarded(self._apply, (self._clock(), done))

@@ -48,6 +48,7 @@ from kvwire.errors import (
     Unauthorized,
 )
 from kvwire.protocol.allow import PeerAllowList
+from kvwire.protocol.messages import FailReason
 from kvwire.protocol.states import HandshakeEvent, HandshakeState, PeerHandshake
 from kvwire.protocol.types import PeerMode
 
@@ -107,6 +108,17 @@ def failure_reason(exc: BaseException) -> FailureReason:
         if isinstance(exc, cls):
             return reason
     return FailureReason.BAD_REPLY
+
+
+def refusal(exc: BaseException) -> FailReason:
+    """A failed handshake's reason, as the protocol core hears it (``HandshakeDone.reason``): permanent
+    misconfigurations keep their own (the engine answers them with an error the client does not retry),
+    the rest is handshake_failed."""
+    if isinstance(exc, IncompatiblePeer):
+        return FailReason.INCOMPATIBLE
+    if isinstance(exc, Unauthorized):
+        return FailReason.UNAUTHORIZED
+    return FailReason.HANDSHAKE_FAILED
 
 
 def trips_breaker(exc: BaseException) -> bool:
@@ -348,6 +360,9 @@ class Forgot:
 
 
 HsAction = Ready | Refuse | Start | Join | Fetch | Sleep | Load | Unload | Loaded | Fail | Reaped | Forgot
+# What a caller or a flight waits for: every action but ``Unload``, which a driver runs at once.
+HsStep = Ready | Refuse | Start | Join | Fetch | Sleep | Load | Loaded | Fail | Reaped | Forgot
+ENSURE_ROUNDS = 4  # a caller waits on at most: a notif-only in flight, an upgrade, a re-handshake
 
 
 @dataclass

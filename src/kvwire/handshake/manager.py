@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import assert_never
 
 from kvwire.core.handshake import (
+    ENSURE_ROUNDS,
     Answered,
     Attempt,
     Close,
@@ -50,6 +51,7 @@ from kvwire.core.handshake import (
     HandshakeCore,
     HsAction,
     HsInput,
+    HsStep,
     Join,
     Load,
     Loaded,
@@ -81,9 +83,7 @@ __all__ = ["HandshakeManager", "max_mode", "stalled_reason", "warm_up"]
 
 log = logging.getLogger("kvwire.handshake")
 
-_ENSURE_ROUNDS = 4  # a caller waits on at most: a notif-only in flight, an upgrade, a re-handshake
-# What a caller or a flight waits for: every action but ``Unload``, which the driver runs at once.
-Step = Ready | Refuse | Start | Join | Fetch | Sleep | Load | Loaded | Fail | Reaped | Forgot
+Step = HsStep
 
 
 @dataclass
@@ -204,7 +204,7 @@ class HandshakeManager:
         if hit is not None:
             return hit
         joined = False
-        for _ in range(_ENSURE_ROUNDS):
+        for _ in range(ENSURE_ROUNDS):
             (step,) = self._run(Want(addr, mode, engine_id, incarnation, joined))
             if isinstance(step, Start):
                 task = asyncio.create_task(self._flight(addr))
@@ -221,7 +221,7 @@ class HandshakeManager:
             answer = self._answer(self._run(Answered(mode, engine_id, peer)))
             if answer is not None:
                 return answer
-        raise HandshakeError(f"{addr}: not loaded in mode {mode.value} after {_ENSURE_ROUNDS} rounds")
+        raise HandshakeError(f"{addr}: not loaded in mode {mode.value} after {ENSURE_ROUNDS} rounds")
 
     def cached(
         self,
