@@ -195,6 +195,7 @@ class ConnectorBase(Generic[E]):
             self._port,
             self._secret,
             on_report=self._on_report if self.takes_reports else None,
+            clock=self._clock,
         )
         self._port = self._bg.run(self._server.start(), _START_TIMEOUT_S)
         self.core.port = self._port
