@@ -9,6 +9,7 @@ from connector_env import Pair, wait_for
 
 from kvwire.connector import ConnectorConfig, ConsumerEventKind, ProducerOutcome
 from kvwire.kv.spec import KVSpec
+from kvwire.testing.clock import VirtualClock
 from kvwire.testing.engines import same_bytes, untouched_blocks_zero
 
 SPEC = KVSpec(num_layers=2, kv_heads=2, head_dim=8, block_size=4)
@@ -33,11 +34,17 @@ def _loaded(pair: Pair) -> tuple[list[str], list[str]]:
 
 
 def test_idle_peers_are_reaped_and_reconnected_on_demand() -> None:
-    cfg = ConnectorConfig(engine_ttl_s=0.05, heartbeat_interval_s=0.01, liveness_timeout_s=0.5)
-    pair = Pair(SPEC, config=cfg)
+    # Virtual time: a TTL of a minute passes when the test moves the connectors' one clock.
+    clock = VirtualClock()
+    cfg = ConnectorConfig(engine_ttl_s=60.0, heartbeat_interval_s=10.0, liveness_timeout_s=600.0)
+    pair = Pair(SPEC, config=cfg, clock=clock)
     try:
         _push(pair, "r1", [0, 1], [2, 3], 8, seed=1)
         p_agent, d_agent = pair.p.ranks[0].agent, pair.d.ranks[0].agent
+        clock.advance(30.0)
+        wait_for(lambda: pair.on_loop(lambda: pair.consumer.core.wake_at() >= clock.now), "a tick at 30 s")
+        assert len(_loaded(pair)[0]) == 1 and len(_loaded(pair)[1]) == 1  # half the TTL: kept
+        clock.advance(31.0)
         wait_for(lambda: _loaded(pair) == ([], []), "both sides reap the idle peer")
         assert pair.producer.stats.peers_reaped >= 1 and pair.consumer.stats.peers_reaped >= 1
         assert pair.on_loop(lambda: (p_agent.peer_mode(d_agent.name), d_agent.peer_mode(p_agent.name))) == (
@@ -45,6 +52,7 @@ def test_idle_peers_are_reaped_and_reconnected_on_demand() -> None:
             None,
         )
         _push(pair, "r2", [4, 5], [6, 7], 8, seed=2)  # handshaked again on demand
+        clock.advance(11.0)  # the map is pruned at every heartbeat period
         wait_for(lambda: pair.consumer.watched_peers() == [], "liveness map pruned")
     finally:
         pair.close()
