@@ -137,7 +137,9 @@ def test_d_loads_p_notif_only_and_p_loads_d_in_full() -> None:
 def test_lease_expires_without_registration() -> None:
     # Virtual time: the lease is a minute, and it passes when the test moves the connectors' clock.
     clock = VirtualClock()
-    pair = Pair(SPEC, config=ConnectorConfig(kv_lease_duration_s=60.0), clock=clock)
+    # Liveness far above the jumps: a gap between a core's inputs that long would read as a freeze.
+    cfg = ConnectorConfig(kv_lease_duration_s=60.0, heartbeat_interval_s=10.0, liveness_timeout_s=600.0)
+    pair = Pair(SPEC, config=cfg, clock=clock)
     try:
         pair.producer.request_finished("nobody", [0, 1], 8)
         wait_for(lambda: pair.on_loop(lambda: pair.producer.core.live), "P holds the request")
