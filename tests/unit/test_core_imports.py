@@ -23,6 +23,7 @@ CORES = (
     "kvwire.core.io",
     "kvwire.core.types",
     "kvwire.core.handshake",
+    "kvwire.core.handshake_io",
     "kvwire.core.breaker",
     "kvwire.core.reports",
 )

@@ -9,6 +9,9 @@ import pytest
 
 from kvwire.core.breaker import Breaker
 from kvwire.core.handshake import (
+    HandshakeCore,
+)
+from kvwire.core.handshake_io import (
     Answered,
     Attempt,
     Close,
@@ -19,7 +22,6 @@ from kvwire.core.handshake import (
     FetchOk,
     ForgetAgent,
     Forgot,
-    HandshakeCore,
     HsAction,
     Join,
     Load,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from kvwire.core.handshake import HsAction, HsInput, Sleep
+from kvwire.core.handshake_io import HsAction, HsInput, Sleep
 from kvwire.errors import (
     HandshakeTimeout,
     IncompatiblePeer,

@@ -126,15 +126,8 @@ class ConnectorBase(Generic[E]):
             for key, r in self.ranks.items()
         }
         self.core = self._make_core(layouts, num_blocks)
-        timeout = self.config.handshake_timeout_s
         self._allowed = PeerAllowList.parse(self.config.allowed_peers)  # who may be dialled at all
-        self.reporter = Reporter(
-            timeout_s=timeout,
-            secret=secret,
-            clock=clock,
-            drops=self.core.stats.dropped_notifs,
-            allowed=self._allowed,
-        )
+        self.reporter = self._make_reporter()
         self._warm_up = warm_up
         self._drop_log = Throttle()  # a peer may send a bad message at any rate: one line per 10 s
         self._own_loop = loop is None
@@ -162,6 +155,16 @@ class ConnectorBase(Generic[E]):
         self._ticking = False
         self._cadence = Cadence(self.config)  # when the next tick runs (adaptive polling)
         self._broken: set[RankKey] = set()
+
+    def _make_reporter(self) -> Reporter:
+        """P's ``report_failed`` driver: its core drops what it must, counted with the notifications."""
+        return Reporter(
+            timeout_s=self.config.handshake_timeout_s,
+            secret=self._secret,
+            clock=self._clock,
+            drops=self.core.stats.dropped_notifs,
+            allowed=self._allowed,
+        )
 
     def _make_core(self, layouts: dict[RankKey, RankLayout], num_blocks: int) -> CoreBase:
         raise NotImplementedError

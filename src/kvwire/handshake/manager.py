@@ -36,6 +36,10 @@ from dataclasses import dataclass
 from typing import assert_never
 
 from kvwire.core.handshake import (
+    HandshakeCore,
+    max_mode,
+)
+from kvwire.core.handshake_io import (
     ENSURE_ROUNDS,
     Answered,
     Attempt,
@@ -48,7 +52,6 @@ from kvwire.core.handshake import (
     Forget,
     ForgetAgent,
     Forgot,
-    HandshakeCore,
     HsAction,
     HsInput,
     HsStep,
@@ -66,7 +69,6 @@ from kvwire.core.handshake import (
     Touch,
     Unload,
     Want,
-    max_mode,
 )
 from kvwire.errors import AgentBusy, AgentStalled, HandshakeError, HandshakeTimeout, TransportError
 from kvwire.handshake.breaker import CircuitBreaker

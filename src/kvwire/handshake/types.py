@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvwire.core.handshake import FailureReason as FailureReason
 from kvwire.core.handshake import HandshakeManagerStats as HandshakeManagerStats
+from kvwire.core.handshake_io import FailureReason as FailureReason
 from kvwire.core.types import EngineInfo as EngineInfo
 from kvwire.core.types import PeerAddress as PeerAddress
 from kvwire.core.types import PeerRank as PeerRank

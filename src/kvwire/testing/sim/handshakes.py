@@ -8,6 +8,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, assert_never
 
 from kvwire.core.handshake import (
+    HandshakeCore,
+    refusal,
+)
+from kvwire.core.handshake_io import (
     ENSURE_ROUNDS,
     Answered,
     Attempt,
@@ -18,7 +22,6 @@ from kvwire.core.handshake import (
     Forget,
     ForgetAgent,
     Forgot,
-    HandshakeCore,
     HsInput,
     HsStep,
     Join,
@@ -35,7 +38,6 @@ from kvwire.core.handshake import (
     Touch,
     Unload,
     Want,
-    refusal,
 )
 from kvwire.core.io import HandshakeDone, StartHandshake
 from kvwire.core.types import PeerAddress, PeerRank
