@@ -164,7 +164,7 @@ class PeerNotAllowed(HandshakeError):
 
 class CircuitOpen(HandshakeError):
     """Refused at once: the last handshakes with this address failed on the network, and its backoff
-    window has not passed (``kvwire.handshake.breaker``)."""
+    window has not passed (``kvwire.core.breaker``)."""
 
 
 # --- requests and transfers --------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import pytest
 
 from kvwire.connector import ConnectorConfig, ConsumerEventKind, ProducerOutcome
 from kvwire.kv.spec import KVSpec
+from kvwire.testing.clock import VirtualClock
 from kvwire.testing.connector_env import Pair, wait_for
 from kvwire.testing.engines import same_bytes, untouched_blocks_zero
 
@@ -32,12 +33,23 @@ def _loaded(pair: Pair) -> tuple[list[str], list[str]]:
     return p_peers, d_peers
 
 
+def _ticked(pair: Pair, now: float) -> bool:
+    """Both cores have taken a tick at ``now`` (their next wake-up is after it)."""
+    return pair.on_loop(lambda: min(pair.producer.core.wake_at(), pair.consumer.core.wake_at()) > now)
+
+
 def test_idle_peers_are_reaped_and_reconnected_on_demand() -> None:
-    cfg = ConnectorConfig(engine_ttl_s=0.05, heartbeat_interval_s=0.01, liveness_timeout_s=0.5)
-    pair = Pair(SPEC, config=cfg)
+    # Virtual time: a TTL of a minute passes when the test moves the connectors' one clock.
+    clock = VirtualClock()
+    cfg = ConnectorConfig(engine_ttl_s=60.0, heartbeat_interval_s=10.0, liveness_timeout_s=600.0)
+    pair = Pair(SPEC, config=cfg, clock=clock)
     try:
         _push(pair, "r1", [0, 1], [2, 3], 8, seed=1)
         p_agent, d_agent = pair.p.ranks[0].agent, pair.d.ranks[0].agent
+        clock.advance(30.0)
+        wait_for(lambda: _ticked(pair, clock.now), "a tick at 30 s")
+        assert len(_loaded(pair)[0]) == 1 and len(_loaded(pair)[1]) == 1  # half the TTL: kept
+        clock.advance(31.0)
         wait_for(lambda: _loaded(pair) == ([], []), "both sides reap the idle peer")
         assert pair.producer.stats.peers_reaped >= 1 and pair.consumer.stats.peers_reaped >= 1
         assert pair.on_loop(lambda: (p_agent.peer_mode(d_agent.name), d_agent.peer_mode(p_agent.name))) == (
@@ -45,18 +57,29 @@ def test_idle_peers_are_reaped_and_reconnected_on_demand() -> None:
             None,
         )
         _push(pair, "r2", [4, 5], [6, 7], 8, seed=2)  # handshaked again on demand
+        clock.advance(11.0)  # the map is pruned at every heartbeat period
         wait_for(lambda: pair.consumer.watched_peers() == [], "liveness map pruned")
     finally:
         pair.close()
 
 
 def test_peers_in_use_are_not_reaped() -> None:
-    # A TTL far below the heartbeat period: only the connector's own "in use" refresh keeps them loaded.
-    cfg = ConnectorConfig(engine_ttl_s=0.002, heartbeat_interval_s=0.02, liveness_timeout_s=5.0)
-    pair = Pair(SPEC, config=cfg)
+    # Virtual time: the request stays live for eight heartbeat periods, past the TTL (60 s); only the
+    # connector's own "in use" refresh keeps the peers loaded.
+    clock = VirtualClock()
+    cfg = ConnectorConfig(
+        engine_ttl_s=60.0, heartbeat_interval_s=11.0, liveness_timeout_s=600.0, fence_ms=600_000
+    )
+    pair = Pair(SPEC, config=cfg, clock=clock)
     try:
         pair.consumer.request_allocated("long", [0, 1], 8, 0, pair.remote())
-        wait_for(lambda: pair.producer.stats.heartbeats_sent >= 8, "P past many reaper periods")
+        wait_for(lambda: all(_loaded(pair)), "both sides loaded (P holds the early registration)")
+        for _ in range(12):  # a heartbeat period (and a reaper pass) per step, 12 s of virtual time
+            if pair.producer.stats.heartbeats_sent >= 8:
+                break
+            clock.advance(12.0)
+            wait_for(lambda: _ticked(pair, clock.now), "both sides ticked at the new time")
+        assert pair.producer.stats.heartbeats_sent >= 8  # well past the TTL, the request still live
         assert pair.producer.stats.peers_reaped == 0 and pair.consumer.stats.peers_reaped == 0
         p_peers, d_peers = _loaded(pair)
         assert p_peers == [pair.d.ranks[0].agent.name] and d_peers == [pair.p.ranks[0].agent.name]
@@ -64,6 +87,7 @@ def test_peers_in_use_are_not_reaped() -> None:
         pair.producer.request_finished("long", [4, 5], 8)
         assert [e.kind for e in pair.d_event("long")] == READY
         assert same_bytes(pair.d_tokens([0, 1], range(8)), kv)
+        clock.advance(61.0)
         wait_for(lambda: _loaded(pair) == ([], []), "reaped once idle")
     finally:
         pair.close()

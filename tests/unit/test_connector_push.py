@@ -8,8 +8,9 @@ import pytest
 from kvwire.connector import ConnectorConfig, ConsumerEventKind, ProducerOutcome
 from kvwire.kv.spec import KVSpec, Layout
 from kvwire.protocol.messages import TransferMode
+from kvwire.testing.clock import VirtualClock
 from kvwire.testing.connector_env import Pair
-from kvwire.testing.engines import same_bytes, scatter_tokens, untouched_blocks_zero
+from kvwire.testing.engines import same_bytes, scatter_tokens, untouched_blocks_zero, wait_for
 
 SPEC = KVSpec(num_layers=4, kv_heads=4, head_dim=8, block_size=4)
 
@@ -134,9 +135,18 @@ def test_d_loads_p_notif_only_and_p_loads_d_in_full() -> None:
 
 
 def test_lease_expires_without_registration() -> None:
-    pair = Pair(SPEC, config=ConnectorConfig(kv_lease_duration_s=0.05))
+    # Virtual time: the lease is a minute, and it passes when the test moves the connectors' clock.
+    clock = VirtualClock()
+    # Liveness far above the jumps: a gap between a core's inputs that long would read as a freeze.
+    cfg = ConnectorConfig(kv_lease_duration_s=60.0, heartbeat_interval_s=10.0, liveness_timeout_s=600.0)
+    pair = Pair(SPEC, config=cfg, clock=clock)
     try:
         pair.producer.request_finished("nobody", [0, 1], 8)
+        wait_for(lambda: pair.on_loop(lambda: pair.producer.core.live), "P holds the request")
+        clock.advance(59.0)
+        wait_for(lambda: pair.on_loop(lambda: pair.producer.core.wake_at() >= clock.now), "a tick at 59 s")
+        assert pair.producer.poll() == []  # not yet: the lease has a second left
+        clock.advance(2.0)
         assert pair.p_event("nobody").outcome is ProducerOutcome.EXPIRED
     finally:
         pair.close()

@@ -22,6 +22,10 @@ CORES = (
     "kvwire.core.producer_push",
     "kvwire.core.io",
     "kvwire.core.types",
+    "kvwire.core.handshake",
+    "kvwire.core.handshake_io",
+    "kvwire.core.breaker",
+    "kvwire.core.reports",
 )
 # Modules that mean I/O, threads or randomness, and kvwire's own I/O layers. ``logging`` is here because
 # it loads ``threading``: the cores import it only when they log a line (``kvwire.core.base.core_log``).

@@ -63,8 +63,9 @@ def test_a_timed_out_address_fails_fast_until_its_window_passes() -> None:
         fabric = InprocFabric()
         d_info, d_ranks = build_registered_engine("D", SPEC, 16, fabric.create_agent)
         clock = Clock()
-        breaker = CircuitBreaker(base_s=5.0, clock=clock)
-        mgr = HandshakeManager(d_info, d_ranks[0], timeout_s=0.3, retries=0, breaker=breaker)
+        breaker = CircuitBreaker(base_s=5.0)
+        # The manager's clock is the one the breaker's windows are measured in (one injected clock).
+        mgr = HandshakeManager(d_info, d_ranks[0], timeout_s=0.3, retries=0, breaker=breaker, clock=clock)
         async with SilentListener() as silent:
             with pytest.raises(HandshakeTimeout):
                 await mgr.ensure(HOST, silent.port, 0, 0, PeerMode.NOTIF_ONLY)
@@ -127,8 +128,10 @@ def test_a_peer_restarted_on_a_tripped_address_is_handshaken_at_once() -> None:
         fabric = InprocFabric()
         d_info, d_ranks = build_registered_engine("D", SPEC, 16, fabric.create_agent)
         p_info, p_ranks = build_registered_engine("P", SPEC, 8, fabric.create_agent, incarnation="P-life2")
-        breaker = CircuitBreaker(base_s=30.0, clock=Clock())
-        mgr = HandshakeManager(d_info, d_ranks[0], timeout_s=0.3, retries=0, clock_samples=1, breaker=breaker)
+        breaker = CircuitBreaker(base_s=30.0)
+        mgr = HandshakeManager(
+            d_info, d_ranks[0], timeout_s=0.3, retries=0, clock_samples=1, breaker=breaker, clock=Clock()
+        )
         async with SilentListener() as silent:  # the old life hangs
             port = silent.port
             with pytest.raises(HandshakeTimeout):

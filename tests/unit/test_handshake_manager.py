@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from kvwire.core.handshake_io import HsAction, HsInput, Sleep
 from kvwire.errors import (
     HandshakeTimeout,
     IncompatiblePeer,
@@ -258,11 +259,19 @@ def test_peer_that_comes_up_during_retries_is_reached() -> None:
         p_info, p_ranks = build_registered_engine("P", SPEC, 8, fabric.create_agent)
         mgr = HandshakeManager(d_info, d_ranks[0], timeout_s=10.0, retries=50, backoff_s=0.01)
         port = _free_port()
+        # An event, not a polling sleep: set when the core decides to back off and retry.
+        retrying = asyncio.Event()
+        handle = mgr.core.handle
+
+        def spy(now: float, inp: HsInput) -> list[HsAction]:
+            out = handle(now, inp)
+            if any(isinstance(a, Sleep) for a in out):
+                retrying.set()
+            return out
+
+        mgr.core.handle = spy  # type: ignore[method-assign]
         task = asyncio.create_task(mgr.ensure(HOST, port, 0, 0, PeerMode.NOTIF_ONLY))
-        for _ in range(1000):
-            if mgr.stats.retries >= 1:
-                break
-            await asyncio.sleep(0.005)
+        await asyncio.wait_for(retrying.wait(), 10.0)
         async with SideChannelServer(p_info, p_ranks, port=port):
             peer = await task
         assert peer.engine_id == "P" and mgr.stats.retries >= 1
@@ -535,7 +544,7 @@ def test_a_restarted_peer_gets_a_new_entry_life() -> None:
     async def body() -> None:
         async with pair(clock_samples=1) as t:
             await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY)
-            old = t.mgr._machines[PeerAddress(HOST, t.port, 0, 0)]
+            old = t.mgr.core.machines[PeerAddress(HOST, t.port, 0, 0)]
             port = t.port
             await t.server.close()
             p2_info, p2_ranks = build_registered_engine("P", SPEC, 32, t.fabric.create_agent)

@@ -25,15 +25,16 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, assert_never
 
 from kvwire.connector.cadence import Cadence
-from kvwire.connector.reports import UNDELIVERED, Reporter, as_notification
+from kvwire.connector.reports import Reporter, as_notification
 from kvwire.connector.setup import checked_setup
 from kvwire.connector.timeline import Stage, Timeline
 from kvwire.core.base import CoreBase, DropReason, Feeder, Refused
 from kvwire.core.config import ConnectorConfig
 from kvwire.core.events import ConnectorStats
+from kvwire.core.handshake import refusal
 from kvwire.core.io import (
     Action,
     Allocated,
@@ -60,13 +61,11 @@ from kvwire.core.io import (
 from kvwire.errors import (
     AuthError,
     ConfigError,
-    IncompatiblePeer,
     KvwireError,
     NobodyListens,
     PeerDisconnected,
     ProtocolError,
     TransportError,
-    Unauthorized,
 )
 from kvwire.handshake.loop import BackgroundLoop
 from kvwire.handshake.manager import HandshakeManager, warm_up
@@ -77,7 +76,7 @@ from kvwire.kv.mapping import RankLayout
 from kvwire.logsetup import Throttle
 from kvwire.protocol.allow import PeerAllowList
 from kvwire.protocol.codec import decode_notif, encode_notif
-from kvwire.protocol.messages import Done, FailReason, PushReg, ReportFailed
+from kvwire.protocol.messages import Done, PushReg, ReportFailed
 from kvwire.protocol.ranks import RankKey
 from kvwire.protocol.seal import NotifGate
 from kvwire.transport.base import Registration, XferHandle, XferOp, XferStatus
@@ -88,16 +87,6 @@ E = TypeVar("E")
 
 _TIMER_RESOLUTION_S = 0.001  # asyncio's call_later cannot wait less (see _on_tick)
 _START_TIMEOUT_S = 10.0
-
-
-def _refusal(exc: BaseException) -> FailReason:
-    """A failed handshake's reason: permanent misconfigurations keep their own (the engine answers them
-    with an error the client does not retry), the rest is handshake_failed."""
-    if isinstance(exc, IncompatiblePeer):
-        return FailReason.INCOMPATIBLE
-    if isinstance(exc, Unauthorized):
-        return FailReason.UNAUTHORIZED
-    return FailReason.HANDSHAKE_FAILED
 
 
 class ConnectorBase(Generic[E]):
@@ -137,11 +126,10 @@ class ConnectorBase(Generic[E]):
             for key, r in self.ranks.items()
         }
         self.core = self._make_core(layouts, num_blocks)
-        timeout = self.config.handshake_timeout_s
-        self.reporter = Reporter(timeout_s=timeout, secret=secret, drops=self.core.stats.dropped_notifs)
+        self._allowed = PeerAllowList.parse(self.config.allowed_peers)  # who may be dialled at all
+        self.reporter = self._make_reporter()
         self._warm_up = warm_up
         self._drop_log = Throttle()  # a peer may send a bad message at any rate: one line per 10 s
-        self._allowed = PeerAllowList.parse(self.config.allowed_peers)  # who may be dialled at all
         self._own_loop = loop is None
         self._bg = loop
         self._server: SideChannelServer | None = None
@@ -168,6 +156,16 @@ class ConnectorBase(Generic[E]):
         self._cadence = Cadence(self.config)  # when the next tick runs (adaptive polling)
         self._broken: set[RankKey] = set()
 
+    def _make_reporter(self) -> Reporter:
+        """P's ``report_failed`` driver: its core drops what it must, counted with the notifications."""
+        return Reporter(
+            timeout_s=self.config.handshake_timeout_s,
+            secret=self._secret,
+            clock=self._clock,
+            drops=self.core.stats.dropped_notifs,
+            allowed=self._allowed,
+        )
+
     def _make_core(self, layouts: dict[RankKey, RankLayout], num_blocks: int) -> CoreBase:
         raise NotImplementedError
 
@@ -188,7 +186,7 @@ class ConnectorBase(Generic[E]):
                 self._regs.append((rank, reg))
         if self._warm_up:
             # NIXL's first agent load costs 10-30 ms: pay it here, not in the first request's handshake.
-            warmed_s = warm_up([r.agent for r in self.ranks.values()])
+            warmed_s = warm_up([r.agent for r in self.ranks.values()], self._clock)
             if warmed_s:
                 log.debug("%s: agents warmed up in %.1f ms", self.role, warmed_s * 1e3)
         if self._bg is None:
@@ -200,6 +198,7 @@ class ConnectorBase(Generic[E]):
             self._port,
             self._secret,
             on_report=self._on_report if self.takes_reports else None,
+            clock=self._clock,
         )
         self._port = self._bg.run(self._server.start(), _START_TIMEOUT_S)
         self.core.port = self._port
@@ -212,6 +211,7 @@ class ConnectorBase(Generic[E]):
                 retries=cfg.handshake_retries,
                 secret=self._secret,
                 allowed=self._allowed,
+                clock=self._clock,  # one clock: the core's now, the managers' and the breakers'
             )
             for key, rank in self.ranks.items()
         }
@@ -276,7 +276,7 @@ class ConnectorBase(Generic[E]):
     def _handoff(self, inp: Input) -> None:
         now = self._clock()
         if isinstance(inp, Allocated | Finished):
-            self.timeline.mark(inp.transfer_id, Stage.LOOP_RECEIVED, time.monotonic())
+            self.timeline.mark(inp.transfer_id, Stage.LOOP_RECEIVED, now)
         self._guarded(self._apply, (now, inp))
         self._wake()
 
@@ -309,43 +309,43 @@ class ConnectorBase(Generic[E]):
             log.error("%s: %s failed", self.role, type(item).__name__, exc_info=exc)
 
     def _execute(self, action: Action) -> None:
-        if isinstance(action, Send):
-            ok = self._send(action)
-            if ok and isinstance(action.msg, PushReg):
-                self.timeline.mark(action.msg.transfer_id, Stage.PUSH_REG_SENT, time.monotonic())
-            if action.token:
-                self._feeder.follow(Outcome(action.token, ok))
-        elif isinstance(action, PostWrite | PostRead):
-            self._post(action)
-        elif isinstance(action, Digest):
-            self._feeder.follow(Digested(action.token, kv_digest(self.ranks[action.key].cache, action.scope)))
-        elif isinstance(action, Release):
-            entry = self._handles.pop(action.token, None)
-            if entry is not None:
-                with contextlib.suppress(TransportError):
-                    self.ranks[entry[0]].agent.release(entry[1])
-        elif isinstance(action, Emit):
-            self._events.append(action.event)  # type: ignore[arg-type]
-            if self._on_event is not None:
-                self._on_event()
-        elif isinstance(action, StartHandshake):
-            self._handshake(action)
-        elif isinstance(action, ReportFailure):
-            if not self._allowed.allows(action.host):  # a push_reg named it: never dialled
-                self.core.stats.dropped_notifs[UNDELIVERED] += 1
-                return
-            task = self.reporter.submit(action)
-            if task is not None:
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-        elif isinstance(action, ForgetPeer):
-            for mgr in self.managers.values():
-                mgr.forget(action.engine_id, action.incarnation)
-        elif isinstance(action, TouchPeer):
-            for mgr in self.managers.values():
-                mgr.touch(action.engine_id, time.monotonic())  # the managers' own clock
-        elif isinstance(action, Reap):
-            self._reap(action.in_use)
+        match action:
+            case Send():
+                ok = self._send(action)
+                if ok and isinstance(action.msg, PushReg):
+                    self.timeline.mark(action.msg.transfer_id, Stage.PUSH_REG_SENT, self._clock())
+                if action.token:
+                    self._feeder.follow(Outcome(action.token, ok))
+            case PostWrite() | PostRead():
+                self._post(action)
+            case Digest(token, key, scope):
+                self._feeder.follow(Digested(token, kv_digest(self.ranks[key].cache, scope)))
+            case Release(token):
+                entry = self._handles.pop(token, None)
+                if entry is not None:
+                    with contextlib.suppress(TransportError):
+                        self.ranks[entry[0]].agent.release(entry[1])
+            case Emit(event):
+                self._events.append(event)  # type: ignore[arg-type]
+                if self._on_event is not None:
+                    self._on_event()
+            case StartHandshake():
+                self._handshake(action)
+            case ReportFailure():
+                task = self.reporter.submit(action)  # the report core drops what it must
+                if task is not None:
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+            case ForgetPeer(engine_id, incarnation):
+                for mgr in self.managers.values():
+                    mgr.forget(engine_id, incarnation)
+            case TouchPeer(engine_id):
+                for mgr in self.managers.values():
+                    mgr.touch(engine_id)
+            case Reap(in_use):
+                self._reap(in_use)
+            case _:
+                assert_never(action)
 
     def _send(self, action: Send) -> bool:
         """Send one notification; False (logged) when the transport refuses."""
@@ -383,7 +383,7 @@ class ConnectorBase(Generic[E]):
             return
         self._handles[action.token] = (action.key, handle, action.transfer_id)
         if write:
-            self.timeline.mark(action.transfer_id, Stage.WRITE_POSTED, time.monotonic())
+            self.timeline.mark(action.transfer_id, Stage.WRITE_POSTED, self._clock())
         self._feeder.follow(Outcome(action.token, True))
         self._wake()  # poll it at the busy rate from now on
 
@@ -395,7 +395,7 @@ class ConnectorBase(Generic[E]):
         try:
             hit = mgr.cached(*args, engine_id=a.engine_id, incarnation=a.incarnation)
         except KvwireError as exc:
-            self._later(HandshakeDone(a.token, None, str(exc), _refusal(exc), isinstance(exc, NobodyListens)))
+            self._later(HandshakeDone(a.token, None, str(exc), refusal(exc), isinstance(exc, NobodyListens)))
             return
         if hit is not None:
             # Cached (the usual case): no task; the answer still comes later, never re-entrantly.
@@ -413,7 +413,7 @@ class ConnectorBase(Generic[E]):
                 log.error("%s: handshake with %s:%d raised %r", self.role, a.host, a.port, exc)
             if exc is not None:
                 refused = isinstance(exc, NobodyListens)
-                done = HandshakeDone(a.token, None, str(exc), _refusal(exc), refused)
+                done = HandshakeDone(a.token, None, str(exc), refusal(exc), refused)
             else:
                 done = HandshakeDone(a.token, t.result(), "")
             self._guarded(self._apply, (self._clock(), done))
@@ -431,20 +431,19 @@ class ConnectorBase(Generic[E]):
         loop.call_soon(lambda: self._guarded(self._apply, (self._clock(), inp)))
 
     def _forget_agent(self, agent_name: str) -> None:
+        """The agent's process is gone: the handshake core that loaded it forgets that engine life, and
+        so does every other rank's."""
         for mgr in self.managers.values():
-            for peer in mgr.peers():
-                if peer.agent_name == agent_name:
-                    for m in self.managers.values():
-                        m.forget(peer.engine_id, peer.incarnation)
-                    return
+            life = mgr.forget_agent(agent_name)
+            if life is not None:
+                for m in self.managers.values():
+                    m.forget(*life)
+                return
 
     def _reap(self, in_use: frozenset[str]) -> None:
         """Refresh the peers live requests use, then unload those idle past ``engine_ttl_s`` (S1)."""
-        now = time.monotonic()  # the managers keep their own clock
         for mgr in self.managers.values():
-            for engine_id in in_use:
-                mgr.touch(engine_id, now)
-            for engine_id in mgr.reap_idle(now, self.config.engine_ttl_s):
+            for engine_id in mgr.reap_idle(ttl_s=self.config.engine_ttl_s, in_use=in_use):
                 self.stats.peers_reaped += 1
                 log.info(
                     "%s: peer %s idle past %.0f s: unloaded", self.role, engine_id, self.config.engine_ttl_s
@@ -541,7 +540,7 @@ class ConnectorBase(Generic[E]):
             msg = decode_notif(raw)
             if isinstance(msg, PushReg | Done):
                 stage = Stage.PUSH_REG_RECEIVED if isinstance(msg, PushReg) else Stage.DONE_RECEIVED
-                self.timeline.mark(msg.transfer_id, stage, time.monotonic())
+                self.timeline.mark(msg.transfer_id, stage, now)
         self._apply(now, NotifIn(key, sender, raw))
 
     def _poll_transfers(self, now: float) -> None:
@@ -553,6 +552,6 @@ class ConnectorBase(Generic[E]):
             if state is XferStatus.IN_PROGRESS:
                 continue
             self._cadence.activity()  # the peer's answer (or the next write) usually follows
-            self.timeline.mark(transfer_id, Stage.WRITE_DONE, time.monotonic())
+            self.timeline.mark(transfer_id, Stage.WRITE_DONE, now)
             reason = handle.failed_reason if isinstance(handle.failed_reason, str) else ""
             self._apply(now, XferEnded(token, state is XferStatus.DONE, reason))

@@ -4,32 +4,51 @@ P writes into D only after loading D's agent (its full handshake with D); when t
 cannot send D the ``failed`` notification, and D would wait for its liveness timeout to give up on P. The
 report goes to D's side channel instead (the address D named in its ``push_reg``), signed like a metadata
 request; D feeds it to its core exactly as the ``failed`` notification it stands for, from the P rank it
-names, so the core's own checks (known transfer, that P life, that rank) apply unchanged.
+names, so the core's own checks (known transfer, that P life, that rank) apply unchanged. Which reports
+go and which are dropped is ``kvwire.core.reports.ReportCore``'s; this module connects.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import enum
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import assert_never
 
 from kvwire.core.io import NotifIn, ReportFailure
+from kvwire.core.reports import (
+    DEFAULT_BACKOFF_S,
+    MAX_ADDRESSES,
+    MAX_QUEUED_PER_ADDRESS,
+    UNDELIVERED,
+    Deliver,
+    Delivery,
+    Ended,
+    ReportCore,
+    Submit,
+)
 from kvwire.errors import HandshakeTimeout, KvwireError, PeerUnreachable
 from kvwire.handshake.client import send_report
 from kvwire.handshake.types import PeerAddress
+from kvwire.protocol.allow import PeerAllowList
 from kvwire.protocol.codec import encode_notif
-from kvwire.protocol.messages import Failed, FailReason, ReportFailed
+from kvwire.protocol.messages import Failed, ReportFailed
 from kvwire.transport.base import make_agent_name
 
 log = logging.getLogger("kvwire.connector")
 
-UNDELIVERED = "report_undelivered"
-MAX_QUEUED_PER_ADDRESS = 256
-MAX_ADDRESSES = 1024
+__all__ = [
+    "MAX_ADDRESSES",
+    "MAX_QUEUED_PER_ADDRESS",
+    "UNDELIVERED",
+    "Delivery",
+    "Reporter",
+    "as_notification",
+    "deliver",
+    "report_of",
+]
 
 
 def report_of(action: ReportFailure) -> ReportFailed:
@@ -45,12 +64,6 @@ def report_of(action: ReportFailure) -> ReportFailed:
         from_tp_rank=f.tp_rank,
         reason=f.reason.value,
     )
-
-
-class Delivery(enum.Enum):
-    DELIVERED = "delivered"
-    REFUSED = "refused"  # D answered and refused this report (another life, no such rank, ...)
-    UNANSWERED = "unanswered"  # nobody answered: refused connection, reset, timeout
 
 
 async def deliver(action: ReportFailure, *, timeout_s: float, secret: bytes | None) -> Delivery:
@@ -87,87 +100,53 @@ def as_notification(report: ReportFailed) -> NotifIn:
 
 
 class Reporter:
-    """Delivers reports one at a time per address: a burst of failed registrations naming one address
-    (a D whose handshake fails, or a flood naming a listener) opens one connection at a time there, not one
-    per registration. Once a delivery fails (nobody answers), that address's queued reports are dropped,
-    and so are new ones for ``backoff_s``: there is no one to tell, and a flood naming an address that
-    refuses reports must not turn into a connection per message. Queues and addresses are bounded; drops
-    are counted in ``dropped``."""
+    """The driver of ``kvwire.core.reports.ReportCore`` (which report goes when, what is dropped): one
+    asyncio task per address while its queue drains, one connection at a time. Reads time only through
+    ``clock`` (the connector's)."""
 
     def __init__(
         self,
         *,
         timeout_s: float,
         secret: bytes | None,
-        backoff_s: float = 10.0,
+        backoff_s: float = DEFAULT_BACKOFF_S,
         clock: Callable[[], float] = time.monotonic,
         drops: Counter[str] | None = None,
+        allowed: PeerAllowList | None = None,
     ) -> None:
         # ``drops``: the connector's dropped-notification counter (``/metrics``), where undelivered reports
         # are counted as ``report_undelivered``.
-        self._drops: Counter[str] = drops if drops is not None else Counter()
+        self.core = ReportCore(secret=secret is not None, backoff_s=backoff_s, drops=drops, allowed=allowed)
         self._timeout_s = timeout_s
         self._secret = secret
-        self._backoff_s = backoff_s
         self._clock = clock
-        self._queues: dict[tuple[str, int], collections.deque[ReportFailure]] = {}
-        self._failed_at: dict[tuple[str, int], float] = {}
-        self.delivered = 0
+
+    @property
+    def delivered(self) -> int:
+        return self.core.delivered
 
     @property
     def dropped(self) -> int:
-        return self._drops[UNDELIVERED]
-
-    def _drop(self, n: int = 1) -> None:
-        self._drops[UNDELIVERED] += n
-
-    def _backing_off(self, addr: tuple[str, int]) -> bool:
-        at = self._failed_at.get(addr)
-        if at is None:
-            return False
-        if self._clock() - at < self._backoff_s:
-            return True
-        del self._failed_at[addr]
-        return False
+        return self.core.dropped
 
     def submit(self, action: ReportFailure) -> asyncio.Task[None] | None:
         """Queue ``action``; a new task when this address had none draining (the caller tracks it)."""
-        addr = (action.host, action.port)
-        if self._secret is None and action.failed.reason is FailReason.OVERLOADED:
-            # Without a secret the push_reg P had no room for is unauthenticated, and so is the address it
-            # names: P does not dial it (a flood must not make P a connection reflector).
-            self._drop()
-            return None
-        if self._backing_off(addr):
-            self._drop()
-            return None
-        queue = self._queues.get(addr)
-        if queue is not None:
-            if len(queue) >= MAX_QUEUED_PER_ADDRESS:
-                self._drop()
-            else:
-                queue.append(action)
-            return None
-        if len(self._queues) >= MAX_ADDRESSES:
-            self._drop()
-            return None
-        self._queues[addr] = collections.deque([action])
-        return asyncio.ensure_future(self._drain(addr))
+        task = None
+        for step in self.core.handle(self._clock(), Submit(action)):
+            match step:
+                case Deliver():
+                    task = asyncio.ensure_future(self._drain(step))
+                case _:
+                    assert_never(step)
+        return task
 
-    async def _drain(self, addr: tuple[str, int]) -> None:
-        queue = self._queues[addr]
+    async def _drain(self, first: Deliver) -> None:
+        step: Deliver | None = first
         try:
-            while queue:
-                how = await deliver(queue.popleft(), timeout_s=self._timeout_s, secret=self._secret)
-                if how is Delivery.DELIVERED:
-                    self.delivered += 1
-                elif how is Delivery.REFUSED:
-                    self._drop()  # D answers: the next report may well be taken
-                else:
-                    self._drop(1 + len(queue))
-                    queue.clear()
-                    if len(self._failed_at) >= MAX_ADDRESSES:
-                        del self._failed_at[next(iter(self._failed_at))]
-                    self._failed_at[addr] = self._clock()
+            while step is not None:
+                how = await deliver(step.report, timeout_s=self._timeout_s, secret=self._secret)
+                nxt = self.core.handle(self._clock(), Ended(step.addr, how))
+                step = nxt[0] if nxt else None
         finally:
-            del self._queues[addr]
+            if step is not None:  # cancelled mid-delivery (shutdown)
+                self.core.abandon(first.addr)

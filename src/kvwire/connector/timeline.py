@@ -1,9 +1,10 @@
 """Per-request timelines: when each step of a transfer happened, for finding where latency goes.
 
 Each process marks the steps it sees (the engine server: arrival, KV allocated, first token, answer; the
-connector's loop: push_reg sent or received, write posted, done). Times are ``time.monotonic()``, one
-clock for every process of a host (CLOCK_MONOTONIC), so a benchmark can line up P's, D's and its own
-marks. Bounded: the oldest requests are dropped first.
+connector's loop: push_reg sent or received, write posted, done). Times are ``time.monotonic()`` (the
+connector marks with its injected clock, which is that by default), one clock for every process of a host
+(CLOCK_MONOTONIC), so a benchmark can line up P's, D's and its own marks. Bounded: the oldest requests
+are dropped first.
 """
 
 from __future__ import annotations

@@ -49,3 +49,16 @@ class PeerRank:
     layout: RankLayout | None
     num_blocks: int
     clock_offset_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PeerAddress:
+    """Cache key of a handshake: where the peer's side channel is and which of its ranks we load."""
+
+    host: str
+    port: int
+    pp_rank: int
+    tp_rank: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}/pp{self.pp_rank}/tp{self.tp_rank}"

@@ -1,35 +1,23 @@
-"""HandshakeManager: cached, deduplicated, concurrent handshakes of one local agent with remote ranks.
+"""HandshakeManager: the driver of one local rank's handshake core (``kvwire.core.handshake``).
 
-Theory of operation. ``ensure(host, port, pp, tp, mode)`` returns a ``PeerRank`` loaded into the local
-agent at least in ``mode``. Entries are cached per peer address and rank, and carry the peer's
-(engine_id, incarnation): a reply with another incarnation means the peer restarted, so the old remote
-agent is removed before the new one is added (NIXL breaks an entry re-added under a live name).
+The rules (the cache per peer address and rank, incarnation refresh and replacement, upgrade, the
+deadline, retries and their backoff, the circuit breaker, the allow list, reaping, each address's
+``PeerHandshake``) are the core's; this module does their I/O: the side-channel fetch
+(``handshake/client.py``), the load of the peer's agent, the layout check, the tasks and the log lines.
+It reads time only through the clock it is given (the connector's: one clock).
 
-* Concurrent callers for one address share the one handshake in flight (``asyncio.shield``: a caller
-  that is cancelled does not cancel it for the others).
-* NOTIF_ONLY -> FULL is an upgrade: one request for the full metadata, loaded over the notif-only entry;
-  the clock offset already measured is kept. A FULL entry serves NOTIF_ONLY callers as is.
-* A FULL handshake prepares no descriptor list: the producer posts explicit coalesced descriptors built
-  per request from the regions' base addresses, so the cost is O(regions), not O(regions x blocks);
-  it validates the geometry (region count, block length, block count, TP and PP) and builds a RankLayout.
-* Each handshake has a deadline (``timeout_s``, default 5 s) covering all its attempts and the load of
-  the peer's agent; connection failures are retried (``retries``, exponential backoff) while time is left.
-  Handshakes to different peers are independent tasks, so a dead peer delays no other.
-* Loading the peer's agent can wait on the network (UCX connects while NIXL loads): ``Agent.load_peer``
-  runs it off the loop within what is left of the deadline. A load past it fails the handshake with
-  ``HandshakeTimeout`` and stays stuck in the agent's worker (undone if it ever succeeds); while it is
-  stuck, further loads on that agent are refused at once, and ``stalled_s`` says for how long, for
-  ``/health``.
-* One INFO line per completed handshake, one WARNING line per failed one (logger ``kvwire.handshake``).
+``ensure(host, port, pp, tp, mode)`` returns a ``PeerRank`` loaded into the local agent at least in
+``mode``. Concurrent callers for one address share the one handshake in flight (``asyncio.shield``: a
+caller that is cancelled does not cancel it for the others). A FULL handshake prepares no descriptor
+list: the producer posts explicit coalesced descriptors built per request from the regions' base
+addresses, so the cost is O(regions); it validates the geometry and builds a RankLayout.
 
-Each address's entry lives through ``PeerHandshake`` (``kvwire.protocol.states``, table ``HANDSHAKE_TABLE``):
-a first fetch is FETCH then LOADED_NOTIF_ONLY / LOADED_FULL or FETCH_FAILED (a later ``ensure`` fetches
-again from FAILED); NOTIF_ONLY -> FULL is UPGRADE then LOADED_FULL, or UPGRADE_FAILED back to NOTIF_ONLY;
-``forget``, reaping, ``close`` and a reply from another incarnation are REMOVE, and the new life at that
-address gets a new machine (FETCH at the reply that found it). A refresh (the caller knows another life than
-the entry's) keeps the entry in service until the reply: of the same life it changes nothing (or upgrades
-a notif-only entry it answered in full). A step the table refuses raises ``IllegalTransition``. ``state``
-reads an address's state.
+Loading the peer's agent can wait on the network (UCX connects while NIXL loads): ``Agent.load_peer``
+runs it off the loop within what is left of the deadline. A load past it fails the handshake with
+``HandshakeTimeout`` and stays stuck in the agent's worker (undone if it ever succeeds); while it is
+stuck, further loads on that agent are refused at once, and ``stalled_s`` says for how long, for
+``/health``. One INFO line per completed handshake, one WARNING line per failed one (logger
+``kvwire.handshake``).
 """
 
 from __future__ import annotations
@@ -40,88 +28,76 @@ import functools
 import logging
 import random
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import assert_never
 
-from kvwire.errors import (
-    AgentBusy,
-    AgentStalled,
-    HandshakeError,
-    HandshakeTimeout,
-    IncompatiblePeer,
-    KvwireError,
-    LayoutError,
-    NobodyListens,
-    NoSuchRank,
-    PeerNotAllowed,
-    PeerUnreachable,
-    TransportError,
-    Unauthorized,
+from kvwire.core.handshake import (
+    HandshakeCore,
+    max_mode,
 )
+from kvwire.core.handshake_io import (
+    ENSURE_ROUNDS,
+    Answered,
+    Attempt,
+    Close,
+    Fail,
+    Failed,
+    Fetch,
+    FetchErr,
+    FetchOk,
+    Forget,
+    ForgetAgent,
+    Forgot,
+    HsAction,
+    HsInput,
+    HsStep,
+    Join,
+    Load,
+    Loaded,
+    LoadOk,
+    Lookup,
+    Ready,
+    Reap,
+    Reaped,
+    Refuse,
+    Sleep,
+    Start,
+    Touch,
+    Unload,
+    Want,
+)
+from kvwire.errors import AgentBusy, AgentStalled, HandshakeError, HandshakeTimeout, TransportError
 from kvwire.handshake.breaker import CircuitBreaker
 from kvwire.handshake.client import Fetched, fetch_metadata
 from kvwire.handshake.layout import validate_layout
 from kvwire.handshake.server import engine_compat_hash
-from kvwire.handshake.types import (
-    EngineInfo,
-    FailureReason,
-    HandshakeManagerStats,
-    LocalRank,
-    PeerAddress,
-    PeerRank,
-)
+from kvwire.handshake.types import EngineInfo, HandshakeManagerStats, LocalRank, PeerAddress, PeerRank
 from kvwire.kv.mapping import RankLayout
 from kvwire.protocol.allow import PeerAllowList
-from kvwire.protocol.states import HandshakeEvent, HandshakeState, PeerHandshake
+from kvwire.protocol.states import HandshakeState
 from kvwire.transport.base import Agent, PeerMode
+
+__all__ = ["HandshakeManager", "max_mode", "stalled_reason", "warm_up"]
 
 log = logging.getLogger("kvwire.handshake")
 
-_MAX_BACKOFF_S = 2.0
-_ENSURE_ROUNDS = 4  # a caller waits on at most: a notif-only in flight, an upgrade, a re-handshake
-
-
-def _satisfies(have: PeerMode, want: PeerMode) -> bool:
-    return have is PeerMode.FULL or want is PeerMode.NOTIF_ONLY
-
-
-def _trips_breaker(exc: BaseException) -> bool:
-    """A failure of the address on the network that cost time: not a refusal it answered, not a refused
-    connection (fast, and what a restarting peer answers for a moment), not our own agent held."""
-    if isinstance(exc, AgentBusy | NobodyListens) or isinstance(exc.__cause__, AgentBusy):
-        return False
-    if isinstance(exc.__cause__, TransportError):
-        return True  # the load of the peer's agent failed in UCX (an endpoint it could not create)
-    return _reason(exc) in (FailureReason.TIMEOUT, FailureReason.UNREACHABLE, FailureReason.TRANSPORT)
-
-
-def _reason(exc: BaseException) -> FailureReason:
-    for cls, reason in (
-        (HandshakeTimeout, FailureReason.TIMEOUT),
-        (PeerUnreachable, FailureReason.UNREACHABLE),
-        (IncompatiblePeer, FailureReason.INCOMPATIBLE),
-        (LayoutError, FailureReason.INCOMPATIBLE),
-        (Unauthorized, FailureReason.UNAUTHORIZED),
-        (NoSuchRank, FailureReason.NO_SUCH_RANK),
-        (TransportError, FailureReason.TRANSPORT),
-    ):
-        if isinstance(exc, cls):
-            return reason
-    return FailureReason.BAD_REPLY
+Step = HsStep
 
 
 @dataclass
 class _Steps:
-    """Seconds spent in each step of one handshake (for the log lines and the stats)."""
+    """Seconds spent in each step of one handshake (for the log lines), in the driver's clock."""
 
+    clock: Callable[[], float]
+    started: float
     attempts: int = 0
     fetch: float = 0.0
     add_agent: float = 0.0
     prepare: float = 0.0
-    started: float = field(default_factory=time.perf_counter)
 
     def ms(self) -> str:
-        total = time.perf_counter() - self.started
+        total = self.clock() - self.started
         return (
             f"attempts={self.attempts} fetch={self.fetch * 1e3:.1f}ms load={self.add_agent * 1e3:.1f}ms "
             f"prepare={self.prepare * 1e3:.1f}ms total={total * 1e3:.1f}ms"
@@ -129,7 +105,7 @@ class _Steps:
 
 
 class HandshakeManager:
-    """Handshakes of one local rank (one local agent) with remote ranks."""
+    """Handshakes of one local rank (one local agent) with remote ranks: ``HandshakeCore``'s driver."""
 
     def __init__(
         self,
@@ -144,26 +120,63 @@ class HandshakeManager:
         clock_rtt_target_s: float = 0.002,
         breaker: CircuitBreaker | None = None,
         allowed: PeerAllowList | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine = engine
         self.local = local
         self.timeout_s = timeout_s
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self.clock_samples = clock_samples
         # An offset is off by at most RTT/2: below this RTT one sample is enough (timers work in ms).
         self.clock_rtt_target_s = clock_rtt_target_s
         self._secret = secret or None
         self._compat = engine_compat_hash(engine)
-        self._peers: dict[PeerAddress, PeerRank] = {}
+        self._clock = clock
+        # Addresses whose last handshakes failed on the network fail fast for a while (core/breaker.py);
+        # the core hands it this manager's clock, whatever clock it was built with.
+        self.breaker = breaker if breaker is not None else CircuitBreaker(clock=clock)
+        self.core = HandshakeCore(
+            timeout_s=timeout_s,
+            retries=retries,
+            backoff_s=backoff_s,
+            clock_samples=clock_samples,
+            breaker=self.breaker,
+            allowed=allowed,
+        )
         self._inflight: dict[PeerAddress, asyncio.Task[PeerRank]] = {}
-        # The life of each address's entry (see the module's docstring); REMOVED ones are replaced on use.
-        self._machines: dict[PeerAddress, PeerHandshake] = {}
-        self._last_used: dict[str, float] = {}  # engine_id -> monotonic time
-        self.stats = HandshakeManagerStats()
-        # Addresses whose last handshakes failed on the network fail fast for a while (breaker.py).
-        self.breaker = breaker if breaker is not None else CircuitBreaker()
-        self.allowed = allowed if allowed is not None else PeerAllowList()
+
+    @property
+    def stats(self) -> HandshakeManagerStats:
+        return self.core.stats
+
+    @property
+    def allowed(self) -> PeerAllowList:
+        return self.core.allowed
+
+    def _run(self, inp: HsInput, now: float | None = None) -> list[Step]:
+        """Feed the core; run its ``Unload``s, return the rest (what the caller or the flight waits for)."""
+        steps: list[Step] = []
+        action: HsAction
+        for action in self.core.handle(self._clock() if now is None else now, inp):
+            match action:
+                case Unload(agent_name):
+                    with contextlib.suppress(TransportError):
+                        self.local.agent.remove_peer(agent_name)
+                case Ready() | Refuse() | Start() | Join() | Fetch() | Sleep() | Load() | Loaded() | Fail():
+                    steps.append(action)
+                case Reaped() | Forgot():
+                    steps.append(action)
+                case _:
+                    assert_never(action)
+        return steps
+
+    @staticmethod
+    def _answer(steps: list[Step]) -> PeerRank | None:
+        """A caller's answer: the peer, None (the cache cannot answer), or the refusal raised."""
+        for step in steps:
+            if isinstance(step, Ready):
+                return step.peer
+            if isinstance(step, Refuse):
+                raise step.error
+        return None
 
     # -- public API ------------------------------------------------------------------------------------
 
@@ -185,38 +198,29 @@ class HandshakeManager:
         is refreshed first. The peer's answer wins; compare ``PeerRank.incarnation`` to detect stale
         messages.
         """
-        if not self.allowed.allows(host):
-            self.stats.not_allowed += 1
-            raise PeerNotAllowed(f"{host}:{port} is not in allowed_peers: not dialled")
         addr = PeerAddress(host, port, pp_rank, tp_rank)
-        hit = self._hit(addr, mode, engine_id, incarnation)
+        hit = self._answer(self._run(Lookup(addr, mode, engine_id, incarnation, dial=True)))
         if hit is not None:
             return hit
-        peer: PeerRank | None = None
-        for _ in range(_ENSURE_ROUNDS):
-            cached = self._peers.get(addr)
-            fresh = cached is not None and incarnation in (None, cached.incarnation)
-            # Not on the first round (``_hit`` said no and nothing awaited since): another caller's
-            # handshake may have loaded it meanwhile.
-            if cached is not None and fresh and _satisfies(cached.mode, mode):
-                return self._checked(cached, engine_id)
-            task = self._inflight.get(addr)
-            if task is None:
-                # The life asked for, else the cached one: a trip by another life does not hold it.
-                life = incarnation if incarnation is not None or cached is None else cached.incarnation
-                self.breaker.check(host, port, life)  # CircuitOpen: counted by the breaker, not logged
-                want = mode if cached is None or fresh else max_mode(mode, cached.mode)
-                handshake = self._handshake(addr, want, cached if fresh else None, cached, life)
-                task = asyncio.create_task(handshake)
+        joined = False
+        for _ in range(ENSURE_ROUNDS):
+            (step,) = self._run(Want(addr, mode, engine_id, incarnation, joined))
+            if isinstance(step, Start):
+                task = asyncio.create_task(self._flight(addr))
                 self._inflight[addr] = task
                 task.add_done_callback(functools.partial(self._done, addr))
-            elif peer is None:
-                self.stats.deduped += 1
+            elif isinstance(step, Join):
+                task = self._inflight[addr]
+            else:
+                answer = self._answer([step])
+                assert answer is not None  # Ready or Refuse (raised)
+                return answer
             peer = await asyncio.shield(task)
-            # A handshake answered for us: the peer's incarnation wins over the caller's.
-            if _satisfies(peer.mode, mode):
-                return self._checked(peer, engine_id)
-        raise HandshakeError(f"{addr}: not loaded in mode {mode.value} after {_ENSURE_ROUNDS} rounds")
+            joined = True
+            answer = self._answer(self._run(Answered(mode, engine_id, peer)))
+            if answer is not None:
+                return answer
+        raise HandshakeError(f"{addr}: not loaded in mode {mode.value} after {ENSURE_ROUNDS} rounds")
 
     def cached(
         self,
@@ -232,45 +236,34 @@ class HandshakeManager:
         """What ``ensure`` would return at once from the cache (counted as a hit), or None when it would
         have to handshake. Raises ``IncompatiblePeer`` as ``ensure`` does. No I/O, no await: callers on
         the loop skip a task per request."""
-        return self._hit(PeerAddress(host, port, pp_rank, tp_rank), mode, engine_id, incarnation)
-
-    def _hit(
-        self, addr: PeerAddress, mode: PeerMode, engine_id: str | None, incarnation: str | None
-    ) -> PeerRank | None:
-        cached = self._peers.get(addr)
-        if (
-            cached is None
-            or incarnation not in (None, cached.incarnation)
-            or not _satisfies(cached.mode, mode)
-        ):
-            return None
-        self.stats.cache_hits += 1
-        return self._checked(cached, engine_id)
+        addr = PeerAddress(host, port, pp_rank, tp_rank)
+        return self._answer(self._run(Lookup(addr, mode, engine_id, incarnation)))
 
     def forget(self, engine_id: str, incarnation: str | None = None) -> None:
         """The peer is dead or gone: remove its remote agents and drop its entries. With ``incarnation``,
         only that life of it: a restarted peer already loaded under its new incarnation stays."""
-        for addr, peer in list(self._peers.items()):
-            if peer.engine_id == engine_id and incarnation in (None, peer.incarnation):
-                self._drop(addr, peer)
-        if any(p.engine_id == engine_id for p in self._peers.values()):
-            return
-        if self._last_used.pop(engine_id, None) is not None:
-            self.stats.forgotten += 1
+        self._run(Forget(engine_id, incarnation))
 
-    def touch(self, engine_id: str, now: float) -> None:
-        """Mark ``engine_id`` in use at ``now`` (``time.monotonic()`` scale)."""
-        self._last_used[engine_id] = now
+    def forget_agent(self, agent_name: str) -> tuple[str, str] | None:
+        """The process of remote agent ``agent_name`` is gone: forget its engine life here; which life
+        that was (the other ranks' managers forget it too), or None if this rank did not know it."""
+        for step in self._run(ForgetAgent(agent_name)):
+            if isinstance(step, Forgot):
+                return step.engine_id, step.incarnation
+        return None
 
-    def reap_idle(self, now: float, ttl_s: float) -> list[str]:
-        """Forget peers not used for ``ttl_s`` (vLLM's engine_ttl); returns their engine ids."""
-        idle = [eid for eid, used in self._last_used.items() if now - used > ttl_s]
-        for eid in idle:
-            self.forget(eid)
-        return idle
+    def touch(self, engine_id: str, now: float | None = None) -> None:
+        """Mark ``engine_id`` in use (at ``now``, in this manager's clock; default: its clock's now)."""
+        self._run(Touch(engine_id), now)
+
+    def reap_idle(
+        self, now: float | None = None, ttl_s: float = 0.0, in_use: frozenset[str] = frozenset()
+    ) -> list[str]:
+        """Touch ``in_use``, then forget peers not used for ``ttl_s`` (vLLM's engine_ttl); their ids."""
+        return [s.engine_id for s in self._run(Reap(in_use, ttl_s), now) if isinstance(s, Reaped)]
 
     def peers(self) -> list[PeerRank]:
-        return list(self._peers.values())
+        return list(self.core.peers.values())
 
     def stalled_s(self, now: float | None = None) -> float:
         """Seconds a peer load of this rank's agent has been stuck past its deadline (0.0 when none is).
@@ -286,12 +279,11 @@ class HandshakeManager:
 
     def peer(self, host: str, port: int, pp_rank: int, tp_rank: int) -> PeerRank | None:
         """The cached entry of one remote rank, if any (no I/O)."""
-        return self._peers.get(PeerAddress(host, port, pp_rank, tp_rank))
+        return self.core.peers.get(PeerAddress(host, port, pp_rank, tp_rank))
 
     def state(self, host: str, port: int, pp_rank: int, tp_rank: int) -> HandshakeState:
         """Where the entry of one remote rank stands in ``HANDSHAKE_TABLE`` (UNKNOWN if never fetched)."""
-        machine = self._machines.get(PeerAddress(host, port, pp_rank, tp_rank))
-        return HandshakeState.UNKNOWN if machine is None else machine.state
+        return self.core.state(PeerAddress(host, port, pp_rank, tp_rank))
 
     async def close(self) -> None:
         """Cancel handshakes in flight and unload every remote agent; idempotent."""
@@ -300,13 +292,7 @@ class HandshakeManager:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-        for addr, peer in list(self._peers.items()):
-            self._drop(addr, peer)
-        for machine in self._machines.values():
-            if not machine.is_terminal:
-                machine.handle(HandshakeEvent.REMOVE)
-        self._machines.clear()
-        self._last_used.clear()
+        self._run(Close())
 
     # -- one handshake ---------------------------------------------------------------------------------
 
@@ -316,131 +302,77 @@ class HandshakeManager:
         if not task.cancelled():
             task.exception()  # retrieved: callers re-raise it; unawaited failures must not warn
 
-    def _checked(self, peer: PeerRank, engine_id: str | None) -> PeerRank:
-        if engine_id is not None and peer.engine_id != engine_id:
-            raise IncompatiblePeer(
-                f"{peer.host}:{peer.port} is engine {peer.engine_id}, not the expected {engine_id}"
-            )
-        self._last_used[peer.engine_id] = time.monotonic()
-        return peer
-
-    async def _handshake(
-        self,
-        addr: PeerAddress,
-        mode: PeerMode,
-        base: PeerRank | None,
-        stale: PeerRank | None,
-        life: str | None = None,
-    ) -> PeerRank:
-        """Fetch, add the agent, prepare. ``base`` is a notif-only entry to upgrade; ``stale`` any entry
-        the answer may replace; ``life`` the incarnation sought, if known (a network failure trips the
-        breaker for it)."""
-        steps = _Steps()
-        upgrade = base is not None and base.mode is PeerMode.NOTIF_ONLY and mode is PeerMode.FULL
-        machine = self._machine(addr)
-        if stale is None:
-            machine.handle(HandshakeEvent.FETCH)
-        elif upgrade:
-            machine.handle(HandshakeEvent.UPGRADE)
-        # else a refresh: the entry stays in service (and in its state) until the reply says whose it is
-        deadline = asyncio.get_running_loop().time() + self.timeout_s
+    async def _flight(self, addr: PeerAddress) -> PeerRank:
+        """Run the core's steps for one handshake: fetch (and retry), load, check; its end."""
+        steps = _Steps(self._clock, self._clock())
+        fetched: Fetched | None = None
+        ended = False
         try:
-            samples = 1 if upgrade else self.clock_samples
-            fetched = await self._fetch(addr, mode, steps, samples, deadline)
-            md = fetched.metadata
-            if stale is not None and (stale.engine_id, stale.incarnation) != (md.engine_id, md.incarnation):
-                self._drop(addr, stale)  # REMOVE: that life is over
-                self.stats.replaced += 1
-                upgrade = False
-                machine = self._machine(addr)
-                machine.handle(HandshakeEvent.FETCH)  # the new life, found by this fetch
-            t0 = time.perf_counter()
-            try:
-                name = await self._add_agent(addr, md.agent_name, md.agent_metadata, deadline)
-            finally:
-                steps.add_agent = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            layout = None if mode is PeerMode.NOTIF_ONLY else validate_layout(self.engine, self.local, md)
-            steps.prepare = time.perf_counter() - t1
-        except BaseException as exc:  # cancelled too: the machine must not stay FETCHING
-            self._failed(machine)
-            if isinstance(exc, KvwireError):
-                self._log_failure(addr, mode, steps, exc)
-                if _trips_breaker(exc):
-                    self.breaker.failed(addr.host, addr.port, life)
+            (step,) = self._run(Attempt(addr))
+            while True:
+                if isinstance(step, Fetch):
+                    fetched, nxt = await self._fetch(addr, step, steps)
+                elif isinstance(step, Sleep):
+                    await asyncio.sleep(step.seconds)
+                    steps.fetch += step.seconds
+                    nxt = self._run(Attempt(addr))
+                elif isinstance(step, Load):
+                    assert fetched is not None  # a Load follows a FetchOk
+                    nxt = self._run(LoadOk(addr, await self._load(addr, step, fetched, steps)))
+                elif isinstance(step, Loaded):
+                    ended = True
+                    self._log_done(step, steps)
+                    return step.peer
+                else:
+                    assert isinstance(step, Fail), step
+                    ended = True
+                    self._log_failure(step, steps)
+                    raise step.error
+                (step,) = nxt
+        except BaseException as exc:  # cancelled too: the core must not keep the flight
+            if not ended:
+                for end in self._run(Failed(addr, exc)):
+                    if isinstance(end, Fail):
+                        self._log_failure(end, steps)
             raise
-        self.breaker.succeeded(addr.host, addr.port)
-        offset = base.clock_offset_s if upgrade and base is not None else fetched.clock_offset_s
-        peer = _peer_rank(addr, mode, name, layout, fetched, offset)
-        self._peers[addr] = peer
-        self._loaded(addr, machine, mode)
-        self._last_used[peer.engine_id] = time.monotonic()
-        self._record(peer, mode, steps, upgrade)
-        return peer
-
-    def _machine(self, addr: PeerAddress) -> PeerHandshake:
-        """The machine of ``addr``'s entry; a new one where there is none or the last life was removed."""
-        machine = self._machines.get(addr)
-        if machine is None or machine.is_terminal:
-            machine = self._machines[addr] = PeerHandshake()
-        return machine
-
-    @staticmethod
-    def _failed(machine: PeerHandshake) -> None:
-        """A handshake failed (or was cancelled): a refresh's entry stays as it was."""
-        if machine.state is HandshakeState.FETCHING:
-            machine.handle(HandshakeEvent.FETCH_FAILED)
-        elif machine.state is HandshakeState.UPGRADING:
-            machine.handle(HandshakeEvent.UPGRADE_FAILED)
-
-    def _loaded(self, addr: PeerAddress, machine: PeerHandshake, mode: PeerMode) -> None:
-        full = mode is PeerMode.FULL
-        state = machine.state
-        if machine.is_terminal:
-            # Forgotten while the fetch ran, and its answer loads the peer again: a new life of the entry.
-            machine = self._machine(addr)
-            machine.handle(HandshakeEvent.FETCH)
-        elif state is HandshakeState.NOTIF_ONLY and full:
-            machine.handle(HandshakeEvent.UPGRADE)  # a refresh of the same life, answered in full
-        elif state in (HandshakeState.NOTIF_ONLY, HandshakeState.FULL):
-            return  # a refresh of the same life in the mode it had: nothing changes
-        # FETCHING or UPGRADING (anything else raises IllegalTransition here)
-        machine.handle(HandshakeEvent.LOADED_FULL if full else HandshakeEvent.LOADED_NOTIF_ONLY)
 
     async def _fetch(
-        self, addr: PeerAddress, mode: PeerMode, steps: _Steps, samples: int, deadline: float
-    ) -> Fetched:
-        """Attempts until success, a refusal, or the deadline; connection failures back off and retry."""
-        loop = asyncio.get_running_loop()
-        t0 = time.perf_counter()
+        self, addr: PeerAddress, step: Fetch, steps: _Steps
+    ) -> tuple[Fetched | None, list[Step]]:
+        """One attempt; the fetched metadata (None on failure) and what the core says next."""
+        steps.attempts = step.attempt + 1
+        t0 = self._clock()
         try:
-            for attempt in range(self.retries + 1):
-                steps.attempts = attempt + 1
-                left = deadline - loop.time()
-                if left <= 0:
-                    break
-                try:
-                    return await fetch_metadata(
-                        addr,
-                        notif_only=mode is PeerMode.NOTIF_ONLY,
-                        compat_hash=self._compat,
-                        timeout_s=left,
-                        secret=self._secret,
-                        clock_samples=samples,
-                        clock_rtt_target_s=self.clock_rtt_target_s,
-                    )
-                except PeerUnreachable:
-                    pause = min(self.backoff_s * 2**attempt, _MAX_BACKOFF_S) * random.uniform(0.5, 1.0)
-                    if attempt == self.retries or loop.time() + pause >= deadline:
-                        raise
-                    self.stats.retries += 1
-                    await asyncio.sleep(pause)
-            raise HandshakeTimeout(f"{addr}: no answer within {self.timeout_s:.3g} s")
+            fetched = await fetch_metadata(
+                addr,
+                notif_only=step.notif_only,
+                compat_hash=self._compat,
+                timeout_s=step.timeout_s,
+                secret=self._secret,
+                clock_samples=step.samples,
+                clock_rtt_target_s=self.clock_rtt_target_s,
+            )
+        except Exception as exc:
+            # The backoff's jitter is the driver's randomness: the core stays deterministic.
+            return None, self._run(FetchErr(addr, exc, random.uniform(0.5, 1.0)))
         finally:
-            steps.fetch = time.perf_counter() - t0
+            steps.fetch += self._clock() - t0
+        md = fetched.metadata
+        return fetched, self._run(FetchOk(addr, md.engine_id, md.incarnation))
 
-    async def _add_agent(self, addr: PeerAddress, agent_name: str, metadata: bytes, deadline: float) -> str:
-        left = deadline - asyncio.get_running_loop().time()
+    async def _load(self, addr: PeerAddress, step: Load, fetched: Fetched, steps: _Steps) -> PeerRank:
+        md = fetched.metadata
+        t0 = self._clock()
+        try:
+            name = await self._add_agent(addr, md.agent_name, md.agent_metadata, step.timeout_s)
+        finally:
+            steps.add_agent = self._clock() - t0
+        t1 = self._clock()
+        layout = None if step.mode is PeerMode.NOTIF_ONLY else validate_layout(self.engine, self.local, md)
+        steps.prepare = self._clock() - t1
+        return _peer_rank(addr, step.mode, name, layout, fetched, fetched.clock_offset_s)
+
+    async def _add_agent(self, addr: PeerAddress, agent_name: str, metadata: bytes, left: float) -> str:
         try:
             name = await self.local.agent.load_peer(metadata, left)
         except AgentStalled as exc:
@@ -455,24 +387,10 @@ class HandshakeManager:
             raise HandshakeError(f"{addr}: metadata loads agent {name!r}, reply names {agent_name!r}")
         return name
 
-    def _drop(self, addr: PeerAddress, peer: PeerRank) -> None:
-        if self._peers.get(addr) is peer:
-            del self._peers[addr]
-            machine = self._machines.get(addr)
-            if machine is not None and not machine.is_terminal:
-                machine.handle(HandshakeEvent.REMOVE)
-        # Another address may name the same remote agent (e.g. "localhost" and "127.0.0.1").
-        if not any(p.agent_name == peer.agent_name for p in self._peers.values()):
-            with contextlib.suppress(TransportError):
-                self.local.agent.remove_peer(peer.agent_name)
+    # -- log lines -------------------------------------------------------------------------------------
 
-    # -- accounting ------------------------------------------------------------------------------------
-
-    def _record(self, peer: PeerRank, mode: PeerMode, steps: _Steps, upgrade: bool) -> None:
-        total = time.perf_counter() - steps.started
-        self.stats.handshakes[mode] += 1
-        self.stats.upgrades += int(upgrade)
-        self.stats.durations_s[mode].append(total)
+    def _log_done(self, done: Loaded, steps: _Steps) -> None:
+        peer = done.peer
         log.info(
             "handshake %s -> %s:%d done: engine=%s/%s agent=%s rank=pp%d/tp%d of pp%d/tp%d mode=%s%s %s",
             self.local.agent.name,
@@ -485,36 +403,36 @@ class HandshakeManager:
             peer.tp_rank,
             peer.pp_size,
             peer.tp_size,
-            mode.value,
-            " (upgrade)" if upgrade else "",
+            peer.mode.value,
+            " (upgrade)" if done.upgrade else "",
             steps.ms(),
         )
 
-    def _log_failure(self, addr: PeerAddress, mode: PeerMode, steps: _Steps, exc: BaseException) -> None:
-        reason = _reason(exc)
-        self.stats.failures[reason] += 1
+    def _log_failure(self, fail: Fail, steps: _Steps) -> None:
+        if fail.reason is None:
+            return  # cancelled, or not a kvwire error (raised as is)
         log.warning(
             "handshake %s -> %s failed: reason=%s mode=%s %s: %s",
             self.local.agent.name,
-            addr,
-            reason.value,
-            mode.value,
+            fail.addr,
+            fail.reason.value,
+            fail.mode.value,
             steps.ms(),
-            exc,
+            fail.error,
         )
 
 
-def warm_up(agents: Sequence[Agent]) -> float:
+def warm_up(agents: Sequence[Agent], clock: Callable[[], float] = time.monotonic) -> float:
     """Have each agent pay its transport's one-off first-load cost now (``Agent.warm_up``; NIXL's: UCX's
     first endpoint, 10-30 ms that would land in the first request's handshake); returns the seconds
     spent. Best effort: a failure is logged, never raised."""
-    t0 = time.perf_counter()
+    t0 = clock()
     for agent in agents:
         try:
             agent.warm_up()
         except TransportError as exc:
             log.debug("agent warm-up failed: %s", exc)
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
 def stalled_reason(managers: Iterable[HandshakeManager], now: float | None = None) -> str | None:
@@ -530,10 +448,6 @@ def stalled_reason(managers: Iterable[HandshakeManager], now: float | None = Non
         f"agent {agent} held for {stalled_s:.1f} s by a NIXL call stuck on the network (a peer whose UCX "
         "port is unreachable): no KV moves and handshakes are refused until it returns"
     )
-
-
-def max_mode(a: PeerMode, b: PeerMode) -> PeerMode:
-    return PeerMode.FULL if PeerMode.FULL in (a, b) else PeerMode.NOTIF_ONLY
 
 
 def _peer_rank(

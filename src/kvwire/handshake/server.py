@@ -145,6 +145,7 @@ class SideChannelServer:
         max_connections_per_host: int = DEFAULT_MAX_CONNECTIONS_PER_HOST,
         first_request_timeout_s: float = DEFAULT_FIRST_REQUEST_TIMEOUT_S,
         on_report: Callable[[ReportFailed], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._ranks = {(r.pp_rank, r.tp_rank): r for r in ranks}
         # Takes an authenticated ``report_failed`` (D's connector; runs on the server's loop). None: this
@@ -170,6 +171,7 @@ class SideChannelServer:
         # Handler tasks and their writers are tracked from the moment a connection is accepted: a
         # handler cancelled before its first step never runs its ``finally``, so close() must close the
         # writer itself, or the socket is left to the GC (a ResourceWarning).
+        self._clock = clock  # when a connection opened (the oldest idle one is evicted first)
         self._conns: dict[asyncio.Task[None], _Conn] = {}
         self._late: list[asyncio.StreamWriter] = []  # connections that arrived while closing
         self._closing = False
@@ -253,7 +255,7 @@ class SideChannelServer:
             writer.close()
             return
         self._per_host[host] += 1
-        conn = _Conn(host, writer, time.monotonic())
+        conn = _Conn(host, writer, self._clock())
         task = asyncio.get_running_loop().create_task(self._on_connect(reader, conn))
         conn.task = task
         self._conns[task] = conn

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -47,8 +48,11 @@ class Pair:
         d_config: ConnectorConfig | None = None,
         num_blocks: int = 32,
         secret: bytes | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         n = next(_ids)
+        # Both connectors' one clock (a ``VirtualClock`` lets a test fire timers without sleeping).
+        self.clock = clock
         self.spec = spec
         self.num_blocks = num_blocks
         self.mode = mode
@@ -66,8 +70,10 @@ class Pair:
         self.d: EngineSetup = build_engine(
             f"d{n}", spec, tp=d_tp, num_blocks=num_blocks, mode=mode, fabric=self.fabric
         )
-        self.producer = Producer(self.p.engine, self.p.ranks, cfg, loop=self.loop, secret=secret)
-        self.consumer = Consumer(self.d.engine, self.d.ranks, self.d_config, loop=self.loop, secret=secret)
+        self.producer = Producer(self.p.engine, self.p.ranks, cfg, loop=self.loop, secret=secret, clock=clock)
+        self.consumer = Consumer(
+            self.d.engine, self.d.ranks, self.d_config, loop=self.loop, secret=secret, clock=clock
+        )
         self.p_port = self.producer.start()
         self.consumer.start()
         self.p_events: list[ProducerEvent] = []
@@ -95,7 +101,13 @@ class Pair:
             fabric=self.fabric,
         )  # fmt: skip
         self.producer = Producer(
-            self.p.engine, self.p.ranks, self.p_config, port=self.p_port, loop=self.loop, secret=self.secret
+            self.p.engine,
+            self.p.ranks,
+            self.p_config,
+            port=self.p_port,
+            loop=self.loop,
+            secret=self.secret,
+            clock=self.clock,
         )
         assert self.producer.start() == self.p_port
 
@@ -109,7 +121,13 @@ class Pair:
             fabric=self.fabric,
         )  # fmt: skip
         self.consumer = Consumer(
-            self.d.engine, self.d.ranks, self.d_config, port=port, loop=self.loop, secret=self.secret
+            self.d.engine,
+            self.d.ranks,
+            self.d_config,
+            port=port,
+            loop=self.loop,
+            secret=self.secret,
+            clock=self.clock,
         )
         assert self.consumer.start() == port
 

@@ -7,6 +7,7 @@ import collections
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import assert_never
 
 import numpy as np
 
@@ -19,21 +20,22 @@ from kvwire.core.io import (
     Digested,
     Emit,
     ForgetPeer,
-    HandshakeDone,
     Input,
     NotifIn,
     Outcome,
     PostRead,
     PostWrite,
+    Reap,
     Release,
     ReportFailure,
     Send,
     StartHandshake,
     Tick,
+    TouchPeer,
     XferEnded,
 )
 from kvwire.core.producer import ProducerCore
-from kvwire.handshake.types import EngineInfo, PeerRank
+from kvwire.handshake.types import EngineInfo
 from kvwire.kv.cache import KVCache
 from kvwire.kv.digest import kv_digest
 from kvwire.kv.mapping import RankLayout, layer_window
@@ -41,8 +43,9 @@ from kvwire.kv.spec import KVSpec
 from kvwire.protocol.codec import encode_notif
 from kvwire.protocol.messages import CancelAck, Done, Failed, TransferMode
 from kvwire.protocol.ranks import RankKey
+from kvwire.testing.sim.handshakes import SimHandshakes
 from kvwire.testing.sim.net import Region, World
-from kvwire.transport.base import PeerMode, make_agent_name
+from kvwire.transport.base import make_agent_name
 
 CoreFactory = Callable[[EngineInfo, dict[RankKey, RankLayout], int, ConnectorConfig, str], CoreBase]
 
@@ -123,9 +126,9 @@ class SimEngine:
         self.free: list[int] = list(range(self.num_blocks))
         self.owner: dict[int, str] = {}  # block -> transfer id that holds it
         self.writable: set[str] = set()  # D: transfers whose blocks a peer may write now
+        # The remote agents each local agent has loaded (what the handshake cores load and unload).
         self.loaded: dict[RankKey, set[str]] = {key: set() for key in self.caches}
-        # As HandshakeManager caches: a peer rank loaded once is answered at once while it stays loaded.
-        self.hs_cache: dict[tuple[RankKey, int, RankKey, PeerMode], tuple[PeerRank, int, SimEngine]] = {}
+        self.handshakes = SimHandshakes(self)  # the real handshake core per local rank
         self.xfers: dict[int, _Xfer] = {}
         self.paused_until = 0.0
         self.deferred: collections.deque[Input] = collections.deque()
@@ -193,29 +196,33 @@ class SimEngine:
 
     # -- actions -------------------------------------------------------------------------------------------
     def _execute(self, action: Action) -> None:
-        if isinstance(action, Send):
-            ok = self._send(action)
-            if action.token:
-                self._feeder.follow(Outcome(action.token, ok))
-        elif isinstance(action, PostWrite | PostRead):
-            self._post(action)
-        elif isinstance(action, Digest):
-            self._feeder.follow(Digested(action.token, kv_digest(self.caches[action.key], action.scope)))
-        elif isinstance(action, Release):
-            x = self.xfers.pop(action.token, None)
-            if x is not None:
-                self._release(x)
-        elif isinstance(action, StartHandshake):
-            self._handshake(action)
-        elif isinstance(action, ReportFailure):
-            self._report(action)
-        elif isinstance(action, ForgetPeer):
-            prefix = f"{action.engine_id}/{action.incarnation or ''}"
-            for names in self.loaded.values():
-                for n in [n for n in names if n.startswith(prefix)]:
-                    names.discard(n)
-        elif isinstance(action, Emit):
-            self._on_event(self, action.event)
+        match action:
+            case Send():
+                ok = self._send(action)
+                if action.token:
+                    self._feeder.follow(Outcome(action.token, ok))
+            case PostWrite() | PostRead():
+                self._post(action)
+            case Digest(token, key, scope):
+                self._feeder.follow(Digested(token, kv_digest(self.caches[key], scope)))
+            case Release(token):
+                x = self.xfers.pop(token, None)
+                if x is not None:
+                    self._release(x)
+            case StartHandshake():
+                self.handshakes.start(action)
+            case ReportFailure():
+                self._report(action)
+            case ForgetPeer(engine_id, incarnation):
+                self.handshakes.forget(engine_id, incarnation)
+            case TouchPeer(engine_id):
+                self.handshakes.touch(engine_id)
+            case Reap(in_use):
+                self.core.stats.peers_reaped += self.handshakes.reap(in_use)
+            case Emit(event):
+                self._on_event(self, event)
+            case _:
+                assert_never(action)
 
     def _peer_engine(self, key: RankKey, peer: str) -> SimEngine | None:
         if peer not in self.loaded[key]:
@@ -225,6 +232,10 @@ class SimEngine:
     def _send(self, action: Send) -> bool:
         dst = self._peer_engine(action.key, action.peer)
         if dst is None:
+            if action.peer in self.loaded[action.key]:
+                # Loaded, but its process is gone: the transport says so (PeerDisconnected), and the driver
+                # has the handshake cores forget that life (``ConnectorBase._forget_agent``).
+                self.handshakes.forget_agent(action.peer)
             return False
         sender = self.agent_names[action.key]
         if self.is_producer and isinstance(action.msg, Done | Failed | CancelAck):
@@ -313,32 +324,6 @@ class SimEngine:
                     self.world.violation(f"C1: {tid}'s bytes landed in {engine.engine_id} {what}{state}")
                     return
 
-    def _handshake(self, a: StartHandshake) -> None:
-        w, f = self.world, self.world.faults
-        hit = self.hs_cache.get((a.key, a.port, a.remote, a.mode))
-        if hit is not None:
-            peer, tlife, known = hit
-            fresh = known.life == tlife and peer.agent_name in self.loaded[a.key]
-            if fresh and a.incarnation in (None, peer.incarnation):
-                life = self.life
-                w.after(0.0, lambda: self._cached(life, a, peer))
-                return
-        target = w.addresses.get((a.host, a.port))
-        delay = 200e-6 + w.rng.random() * 800e-6
-        error = ""
-        if target is None or target.paused or w.partitioned(self.engine_id, target.engine_id):
-            error, delay = "handshake timed out", self.config.handshake_timeout_s
-        elif w.chance(f.failed_handshake, "failed_handshake"):
-            error = "side channel refused"
-        elif a.engine_id is not None and target.engine_id != a.engine_id:
-            error = "another engine answered"
-        elif a.incarnation is not None and target.incarnation != a.incarnation:
-            error = f"{a.engine_id} is now {target.incarnation}"
-        elif a.remote not in target.caches:
-            error = f"no rank {a.remote}"
-        life, tlife = self.life, (target.life if target is not None else 0)
-        w.after(delay, lambda: self._handshake_done(life, a, target, tlife, error))
-
     def _report(self, a: ReportFailure) -> None:
         """A ``report_failed`` on the peer's side channel: lost when nobody listens there or the link is
         cut (one attempt, as the driver makes); else it arrives as the ``failed`` it stands for."""
@@ -354,38 +339,6 @@ class SimEngine:
     def _report_arrives(target: SimEngine, tlife: int, agent: str, inp: NotifIn) -> None:
         if target.life == tlife and target.alive:
             target.notif_in(agent, inp.sender, inp.raw)
-
-    def _cached(self, life: int, a: StartHandshake, peer: PeerRank) -> None:
-        if life == self.life:
-            self.feed(HandshakeDone(a.token, peer, ""))
-
-    def _handshake_done(
-        self, life: int, a: StartHandshake, target: SimEngine | None, tlife: int, error: str
-    ) -> None:
-        if life != self.life:
-            return
-        if error or target is None or target.life != tlife:
-            self.feed(HandshakeDone(a.token, None, error or "peer gone"))
-            return
-        agent = target.agent_names[a.remote]
-        self.loaded[a.key].add(agent)
-        peer = PeerRank(
-            engine_id=target.engine_id,
-            incarnation=target.incarnation,
-            host=a.host,
-            port=a.port,
-            tp_size=target.tp,
-            tp_rank=a.remote[1],
-            pp_size=target.pp,
-            pp_rank=a.remote[0],
-            agent_name=agent,
-            mode=a.mode,
-            layout=target.layouts[a.remote] if a.mode is PeerMode.FULL else None,
-            num_blocks=target.num_blocks,
-            clock_offset_s=0.0,
-        )
-        self.hs_cache[(a.key, a.port, a.remote, a.mode)] = (peer, tlife, target)
-        self.feed(HandshakeDone(a.token, peer, ""))
 
     # -- blocks --------------------------------------------------------------------------------------------
     def allocate(self, tid: str, n: int) -> list[int] | None:
