@@ -80,27 +80,42 @@ class MemoryMap:
     def __init__(self) -> None:
         self._starts: list[int] = []
         self._regions: list[tuple[Region, SimEngine]] = []
+        self._table = np.zeros((0, 3), dtype=np.int64)  # per region: (addr, block_len, num_blocks)
 
     def add(self, region: Region, engine: SimEngine) -> None:
         i = bisect.bisect(self._starts, region.addr)
         self._starts.insert(i, region.addr)
         self._regions.insert(i, (region, engine))
+        self._reindex()
 
     def remove(self, engine: SimEngine) -> None:
         keep = [(r, e) for r, e in self._regions if e is not engine]
         self._regions = keep
         self._starts = [r.addr for r, _ in keep]
+        self._reindex()
 
-    def blocks(self, addr: int, length: int) -> tuple[SimEngine, list[int]] | None:
-        i = bisect.bisect(self._starts, addr) - 1
-        if i < 0:
-            return None
-        region, engine = self._regions[i]
-        first = (addr - region.addr) // region.block_len
-        last = (addr + length - 1 - region.addr) // region.block_len
-        if last >= region.num_blocks:
-            return None
-        return engine, list(range(first, last + 1))
+    def _reindex(self) -> None:
+        rows = [(r.addr, r.block_len, r.num_blocks) for r, _ in self._regions]
+        self._table = np.array(rows, dtype=np.int64).reshape(-1, 3)
+
+    def spans(self, rows: np.ndarray) -> list[tuple[SimEngine | None, int, int]]:
+        """``blocks`` of every ``[n, 3]`` (addr, len, dev) row at once: (engine, first block, last block),
+        engine None where the row falls outside every live cache (a landing has dozens of rows: one numpy
+        pass instead of a bisect each)."""
+        addr, length = rows[:, 0], rows[:, 1]
+        table = self._table
+        i = np.searchsorted(table[:, 0], addr, side="right") - 1
+        hit = i >= 0
+        base, block_len, num_blocks = (table[np.where(hit, i, 0), c] for c in range(3))
+        block_len = np.where(hit, block_len, 1)
+        first = (addr - base) // block_len
+        last = (addr + length - 1 - base) // block_len
+        hit &= last < num_blocks
+        regions = self._regions
+        return [
+            (regions[k][1] if ok else None, f, la)
+            for k, ok, f, la in zip(i.tolist(), hit.tolist(), first.tolist(), last.tolist(), strict=True)
+        ]
 
 
 class World:
@@ -188,5 +203,8 @@ class World:
 
     def copy(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Land a write's bytes: ``[n, 3]`` (addr, len, dev) rows, local source to remote destination."""
-        for (s_addr, length, _), (d_addr, _, _) in zip(src.tolist(), dst.tolist(), strict=True):
-            ctypes.memmove(d_addr, s_addr, length)
+        move = ctypes.memmove
+        for s_addr, length, d_addr in zip(
+            src[:, 0].tolist(), src[:, 1].tolist(), dst[:, 0].tolist(), strict=True
+        ):
+            move(d_addr, s_addr, length)

@@ -125,7 +125,8 @@ class Simulation:
         self.mode = mode
         self.plant = plant or Plant()
         rng = np.random.default_rng(seed)
-        self._base = rng.integers(0, 256, size=(SPEC.num_layers, 2, SPEC.kv_heads, MAX_TOKENS, SPEC.head_dim))
+        shape = (SPEC.num_layers, 2, SPEC.kv_heads, MAX_TOKENS, SPEC.head_dim)
+        self._base = rng.integers(0, 256, size=shape).astype(np.uint8)
         self.reqs: dict[str, _Req] = {}
         self.outcomes: Counter[str] = Counter()
         self.open_sides = 0  # request sides (P, D) not ended yet
@@ -155,7 +156,7 @@ class Simulation:
         return engine
 
     def kv(self, req: _Req) -> np.ndarray:
-        out: np.ndarray = (self._base[:, :, :, : req.tokens, :] ^ (req.number % 251)).astype(np.uint8)
+        out: np.ndarray = self._base[:, :, :, : req.tokens, :] ^ np.uint8(req.number % 251)
         return out
 
     # -- requests ------------------------------------------------------------------------------------------
