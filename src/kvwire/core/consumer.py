@@ -58,6 +58,7 @@ from kvwire.protocol.states import ConsumerTrigger as CT
 from kvwire.protocol.types import PeerMode
 
 _DRAINING = (ConsumerState.FAILING, ConsumerState.CANCELLING)
+_FAILED = (ConsumerState.FAILING, ConsumerState.FAILED)
 
 
 def check_allocation(engine: EngineInfo, num_blocks: int, inp: Allocated) -> None:
@@ -181,7 +182,7 @@ class ConsumerCore(CoreBase):
     def _settle(self, now: float, req: Request) -> None:
         """Spread a failure to every local part, drain, and report the request's end exactly once."""
         parts = list(req.parts.values())
-        failed = any(p.machine.state in (ConsumerState.FAILING, ConsumerState.FAILED) for p in parts)
+        failed = any(p.machine.state in _FAILED for p in parts)
         if failed and not req.reported_failed and not req.aborted:
             req.reported_failed = True
             self._emit(ConsumerEvent(req.transfer_id, ConsumerEventKind.FAILED, req.reason))
@@ -191,8 +192,7 @@ class ConsumerCore(CoreBase):
         for p in parts:
             if p.machine.state in _DRAINING:
                 self._drain(req, p)
-        states = {p.machine.state for p in parts}
-        if states == {ConsumerState.READY}:
+        if parts and all(p.machine.state is ConsumerState.READY for p in parts):
             self._ended(req, None)
             del self._requests[req.transfer_id]
             self.stats.transfers_done += 1

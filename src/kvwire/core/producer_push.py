@@ -67,6 +67,9 @@ from kvwire.protocol.states import FAIL_REASONS, ProducerState
 from kvwire.protocol.states import ProducerTrigger as PT
 from kvwire.protocol.types import PeerMode
 
+# The states a registration's fence applies to (checked at every timer pass).
+_FENCED = (ProducerState.REGISTERED, ProducerState.CONNECTING)
+
 
 class PushProducerCore(ProducerCore):
     def __init__(self, *args: object, **kwargs: object) -> None:
@@ -216,11 +219,12 @@ class PushProducerCore(ProducerCore):
             return
         if req.phase is not Phase.HELD:
             return
-        if any(r.machine.writes_in_flight or r.posting for r in req.regs.values()):
-            return
+        for r in req.regs.values():
+            if r.posting or r.machine.writes_in_flight:
+                return
         if req.aborted:
             self._end(now, req, ProducerOutcome.ABORTED, emit=True)
-        elif all_ended(self.engine, self.keys, req):
+        elif all_ended(self.layouts, req, self._expected):
             self._end(now, req, outcome(req), emit=True)
         elif now >= req.lease_until:
             for reg in list(req.regs.values()):
@@ -510,8 +514,8 @@ class PushProducerCore(ProducerCore):
         for reg in [r for r in self._inflight.values() if now - r.posted_at > timeout]:
             self._recall(self._requests[reg.msg.transfer_id], reg, FailReason.TRANSFER_TIMEOUT)
         for req in list(self._live_reqs.values()):
-            for reg in list(req.regs.values()):
-                if reg.state in (ProducerState.REGISTERED, ProducerState.CONNECTING) and now > reg.fence_at:
+            for reg in req.regs.values():  # _fail changes a registration's state, never the table
+                if now > reg.fence_at and reg.state in _FENCED:
                     if reg.posting or (
                         reg.state is ProducerState.CONNECTING
                         and reg.peer is None

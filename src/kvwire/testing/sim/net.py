@@ -80,42 +80,36 @@ class MemoryMap:
     def __init__(self) -> None:
         self._starts: list[int] = []
         self._regions: list[tuple[Region, SimEngine]] = []
-        self._table = np.zeros((0, 3), dtype=np.int64)  # per region: (addr, block_len, num_blocks)
 
     def add(self, region: Region, engine: SimEngine) -> None:
         i = bisect.bisect(self._starts, region.addr)
         self._starts.insert(i, region.addr)
         self._regions.insert(i, (region, engine))
-        self._reindex()
 
     def remove(self, engine: SimEngine) -> None:
         keep = [(r, e) for r, e in self._regions if e is not engine]
         self._regions = keep
         self._starts = [r.addr for r, _ in keep]
-        self._reindex()
-
-    def _reindex(self) -> None:
-        rows = [(r.addr, r.block_len, r.num_blocks) for r, _ in self._regions]
-        self._table = np.array(rows, dtype=np.int64).reshape(-1, 3)
 
     def spans(self, rows: np.ndarray) -> list[tuple[SimEngine | None, int, int]]:
-        """``blocks`` of every ``[n, 3]`` (addr, len, dev) row at once: (engine, first block, last block),
-        engine None where the row falls outside every live cache (a landing has dozens of rows: one numpy
-        pass instead of a bisect each)."""
-        addr, length = rows[:, 0], rows[:, 1]
-        table = self._table
-        i = np.searchsorted(table[:, 0], addr, side="right") - 1
-        hit = i >= 0
-        base, block_len, num_blocks = (table[np.where(hit, i, 0), c] for c in range(3))
-        block_len = np.where(hit, block_len, 1)
-        first = (addr - base) // block_len
-        last = (addr + length - 1 - base) // block_len
-        hit &= last < num_blocks
-        regions = self._regions
-        return [
-            (regions[k][1] if ok else None, f, la)
-            for k, ok, f, la in zip(i.tolist(), hit.tolist(), first.tolist(), last.tolist(), strict=True)
-        ]
+        """Where each ``[n, 3]`` (addr, len, dev) row lands: (engine, first block, last block), engine None
+        outside every live cache. One pass with the lookups bound locally: a landing has dozens of rows
+        (small numpy arrays cost more per call than this loop does per row)."""
+        starts, regions, find = self._starts, self._regions, bisect.bisect
+        out: list[tuple[SimEngine | None, int, int]] = []
+        for addr, length, _ in rows.tolist():
+            i = find(starts, addr) - 1
+            if i < 0:
+                out.append((None, 0, -1))
+                continue
+            region, engine = regions[i]
+            base, block_len = region.addr, region.block_len
+            last = (addr + length - 1 - base) // block_len
+            if last >= region.num_blocks:
+                out.append((None, 0, -1))
+            else:
+                out.append((engine, (addr - base) // block_len, last))
+        return out
 
 
 class World:
