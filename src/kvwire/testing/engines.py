@@ -89,7 +89,7 @@ _ALL = slice(None)
 
 def _slab_tokens(
     cache: KVCache, blocks: np.ndarray, slots: np.ndarray
-) -> tuple[tuple[object, ...], tuple[int, ...], tuple[int, ...]]:
+) -> tuple[tuple[slice | np.ndarray, ...], tuple[int, ...], tuple[int, ...]]:
     """The slab index that picks the given (block, slot)s in every region of ``cache`` at once; the axes
     that bring what it picks into the logical ``[layers, kinds, heads, tokens, head_dim]`` order, and back
     (one numpy call per rank, not one per region: most of the simulator's copying)."""
