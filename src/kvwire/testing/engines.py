@@ -103,9 +103,13 @@ def scatter_tokens(
 ) -> None:
     """Write logical KV (tokens ``tokens``, default all of ``kv``) into each rank's blocks."""
     tokens = range(kv.shape[3]) if tokens is None else tokens
+    positions: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # by block size: the same for most ranks
     for rank in ranks:
         cache = rank.own_cache()
-        blocks, slots = _positions(cache.spec, block_ids, tokens)
+        bs = cache.spec.block_size
+        if bs not in positions:
+            positions[bs] = _positions(cache.spec, block_ids, tokens)
+        blocks, slots = positions[bs]
         heads = slice(cache.first_head, cache.first_head + cache.heads)
         layers = cache.layers
         part = kv[layers.start : layers.stop, :, heads, tokens.start : tokens.stop, :]
@@ -118,9 +122,9 @@ def gather_tokens(ranks: Sequence[LocalRank], block_ids: Sequence[int], tokens: 
     spec = ranks[0].cache.spec
     out = np.zeros(logical_shape(spec, len(tokens)), dtype=spec.np_dtype)
     seen = np.zeros((spec.num_layers, spec.kv_heads), dtype=bool)
+    blocks, slots = _positions(spec, block_ids, tokens)
     for rank in ranks:
         cache = rank.own_cache()
-        blocks, slots = _positions(spec, block_ids, tokens)
         heads = slice(cache.first_head, cache.first_head + cache.heads)
         layers = cache.layers
         seen[layers.start : layers.stop, heads] = True
