@@ -86,13 +86,14 @@ def expected_d_ranks(spec: KVSpec, p_tp: int, d_tp: int, p_rank: int) -> frozens
     return frozenset(s.dst_rank for s in tp_peers(spec, p_tp, d_tp, p_rank))
 
 
-def check_reg(engine: EngineInfo, req: Request, reg: Reg) -> FailReason | None:
-    """Whether a push_reg fits this rank and the request's other registrations (None: it does)."""
+def check_reg(req: Request, reg: Reg, expected: Callable[[int, int], frozenset[int]]) -> FailReason | None:
+    """Whether a push_reg fits this rank and the request's other registrations (None: it does);
+    ``expected(d_tp_size, local tp rank)``: ``expected_d_ranks`` of this engine."""
     msg = reg.msg
     if not msg.tp_rank < msg.tp_size or (req.d_tp_size not in (None, msg.tp_size)):
         return FailReason.BAD_REGISTRATION
     try:
-        want = expected_d_ranks(engine.spec, engine.tp_size, msg.tp_size, reg.key[1])
+        want = expected(msg.tp_size, reg.key[1])
     except LayoutError:
         return FailReason.INCOMPATIBLE
     if msg.tp_rank not in want or msg.num_cached_tokens > msg.num_tokens:
