@@ -58,6 +58,9 @@ from kvwire.protocol.states import ConsumerTrigger as CT
 from kvwire.protocol.types import PeerMode
 
 _DRAINING = (ConsumerState.FAILING, ConsumerState.CANCELLING)
+_FAILED = (ConsumerState.FAILING, ConsumerState.FAILED)
+# (layers, (first head, count) per slice, slices) of one (P rank, local rank) pair: PushConsumerCore._pair.
+_Pair = tuple[range, tuple[tuple[int, int], ...], tuple[HeadSlice, ...]]
 
 
 def check_allocation(engine: EngineInfo, num_blocks: int, inp: Allocated) -> None:
@@ -180,19 +183,26 @@ class ConsumerCore(CoreBase):
 
     def _settle(self, now: float, req: Request) -> None:
         """Spread a failure to every local part, drain, and report the request's end exactly once."""
+        # Explicit loops, not any()/all() over generators: this runs after every input of every request
+        # and at every timer pass, over one or two parts.
         parts = list(req.parts.values())
-        failed = any(p.machine.state in (ConsumerState.FAILING, ConsumerState.FAILED) for p in parts)
-        if failed and not req.reported_failed and not req.aborted:
-            req.reported_failed = True
-            self._emit(ConsumerEvent(req.transfer_id, ConsumerEventKind.FAILED, req.reason))
+        if not req.reported_failed and not req.aborted:
             for p in parts:
-                if p.machine.state not in _DRAINING and p.machine.accepts(CT.CANCEL):
-                    p.machine.cancel()
+                if p.machine.state in _FAILED:
+                    req.reported_failed = True
+                    self._emit(ConsumerEvent(req.transfer_id, ConsumerEventKind.FAILED, req.reason))
+                    for q in parts:
+                        if q.machine.state not in _DRAINING and q.machine.accepts(CT.CANCEL):
+                            q.machine.cancel()
+                    break
+        ready = bool(parts)
         for p in parts:
-            if p.machine.state in _DRAINING:
-                self._drain(req, p)
-        states = {p.machine.state for p in parts}
-        if states == {ConsumerState.READY}:
+            state = p.machine.state
+            if state is not ConsumerState.READY:
+                ready = False  # a draining part ends terminal, never READY
+                if state in _DRAINING:
+                    self._drain(req, p)
+        if ready:
             self._ended(req, None)
             del self._requests[req.transfer_id]
             self.stats.transfers_done += 1
@@ -319,6 +329,7 @@ class PushConsumerCore(ConsumerCore):
         self._sending: dict[int, tuple[Request, LocalPart, Link]] = {}  # push_reg token
         self._digesting: dict[int, tuple[Request, LocalPart, RankKey, Done]] = {}  # Digest token
         self._reg_seq = 0  # the last reg_nonce given (unique in this life; never 0, an old peer's echo)
+        self._pairs: dict[tuple[int, int, RankKey, RankKey], _Pair] = {}  # see _pair
 
     @property
     def busy(self) -> bool:
@@ -468,14 +479,28 @@ class PushConsumerCore(ConsumerCore):
         self._digesting[token] = (req, part, src, msg)
         self._do(Digest(token, part.key, scope))
 
+    def _pair(self, req: Request, part: LocalPart, src: RankKey) -> _Pair:
+        """The layers and head slices P rank ``src`` writes into local rank ``part`` (a function of the
+        geometry only: memoized per core, asked for every ``done``)."""
+        remote = req.remote
+        key = (remote.tp_size, remote.pp_size, src, part.key)
+        pair = self._pairs.get(key)
+        if pair is None:
+            spec = self.engine.spec
+            slices = pair_heads(spec, remote.tp_size, self.engine.tp_size, src[1], part.key[1])
+            layers = common_layers(p_layers(spec, remote.pp_size, src[0]), self.layouts[part.key].layers)
+            heads = tuple((s.dst_head, s.num_heads) for s in slices)
+            if len(self._pairs) >= 256:  # peers of every geometry may come: keep it bounded
+                self._pairs.clear()
+            pair = self._pairs[key] = (layers, heads, slices)
+        return pair
+
     def _slices(self, req: Request, part: LocalPart, src: RankKey) -> tuple[HeadSlice, ...]:
-        return pair_heads(self.engine.spec, req.remote.tp_size, self.engine.tp_size, src[1], part.key[1])
+        return self._pair(req, part, src)[2]
 
     def _payload(self, req: Request, part: LocalPart, src: RankKey) -> DigestScope:
         """What P rank ``src`` writes into local rank ``part`` for ``req``, in D's blocks."""
-        spec = self.engine.spec
-        layers = common_layers(p_layers(spec, req.remote.pp_size, src[0]), self.layouts[part.key].layers)
-        heads = tuple((s.dst_head, s.num_heads) for s in self._slices(req, part, src))
+        layers, heads, _ = self._pair(req, part, src)
         return DigestScope(layers, heads, tuple(req.block_ids), req.num_cached_tokens, req.num_tokens)
 
     def _expected_blocks(self, req: Request) -> int:

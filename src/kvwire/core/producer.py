@@ -15,7 +15,7 @@ import math
 from kvwire.core.base import CoreBase, DropReason
 from kvwire.core.events import ProducerEvent, ProducerOutcome
 from kvwire.core.io import Abort, Finished, Input, TouchPeer
-from kvwire.core.producer_records import Phase, Replies, Request
+from kvwire.core.producer_records import Phase, Replies, Request, expected_d_ranks
 from kvwire.errors import BlockRangeError, IllegalTransition
 from kvwire.protocol.messages import Done, Failed, Heartbeat, Notification
 from kvwire.protocol.ranks import RankKey
@@ -35,6 +35,16 @@ class ProducerCore(CoreBase):
         self._early_by_life: collections.Counter[tuple[str, str]] = collections.Counter()  # their owners
         self._tombs: collections.deque[Request] = collections.deque()
         self._replies = Replies(self.engine)
+        self._want: dict[tuple[int, int], frozenset[int]] = {}  # (D's tp size, local tp rank) -> D ranks
+
+    def _expected(self, d_tp_size: int, tp_rank: int) -> frozenset[int]:
+        """The D TP ranks local rank ``tp_rank`` writes (``expected_d_ranks``, memoized per core: asked at
+        every settle, and the shared cache hashes the whole ``KVSpec`` per call)."""
+        want = self._want.get((d_tp_size, tp_rank))
+        if want is None:
+            spec, tp = self.engine.spec, self.engine.tp_size
+            want = self._want[(d_tp_size, tp_rank)] = expected_d_ranks(spec, tp, d_tp_size, tp_rank)
+        return want
 
     # -- introspection (tests, metrics) --------------------------------------------------------------------
     @property

@@ -60,12 +60,16 @@ from kvwire.core.producer_records import (
 from kvwire.errors import BlockRangeError, IllegalTransition, LayoutError
 from kvwire.kv.descriptors import TransferPlan, plan_transfer
 from kvwire.kv.digest import DigestScope, common_layers, pair_heads, payload_bytes
+from kvwire.kv.mapping import HeadSlice
 from kvwire.protocol.codec import encode_notif
 from kvwire.protocol.messages import Cancel, Done, Failed, FailReason, Heartbeat, Notification, PushReg
 from kvwire.protocol.ranks import RankKey
 from kvwire.protocol.states import FAIL_REASONS, ProducerState
 from kvwire.protocol.states import ProducerTrigger as PT
 from kvwire.protocol.types import PeerMode
+
+# The states a registration's fence applies to (checked at every timer pass).
+_FENCED = (ProducerState.REGISTERED, ProducerState.CONNECTING)
 
 
 class PushProducerCore(ProducerCore):
@@ -80,6 +84,7 @@ class PushProducerCore(ProducerCore):
         self._d_seen: dict[DLife, float] = {}
         self._last_input = math.inf  # no freeze before the first input
         self._stale_ticks = 0  # see _before
+        self._pair_heads: dict[tuple[int, int, int], tuple[HeadSlice, ...]] = {}  # see _slices
 
     @property
     def busy(self) -> bool:
@@ -125,7 +130,7 @@ class PushProducerCore(ProducerCore):
         fence_s = min(msg.fence_ms, self.config.fence_ms) / 1000.0
         reg = req.regs[(key, sender)] = Reg(key, sender, msg, now + fence_s, received_at=now)
         reg.machine.handle(PT.PUSH_REG)
-        bad = check_reg(self.engine, req, reg)
+        bad = check_reg(req, reg, self._expected)
         if stale:
             self._fail(req, reg, PT.FENCE_EXPIRED)
         elif req.phase is Phase.ENDED:
@@ -216,11 +221,12 @@ class PushProducerCore(ProducerCore):
             return
         if req.phase is not Phase.HELD:
             return
-        if any(r.machine.writes_in_flight or r.posting for r in req.regs.values()):
-            return
+        for r in req.regs.values():
+            if r.posting or r.machine.writes_in_flight:
+                return
         if req.aborted:
             self._end(now, req, ProducerOutcome.ABORTED, emit=True)
-        elif all_ended(self.engine, self.keys, req):
+        elif all_ended(self.layouts, req, self._expected):
             self._end(now, req, outcome(req), emit=True)
         elif now >= req.lease_until:
             for reg in list(req.regs.values()):
@@ -349,9 +355,8 @@ class PushProducerCore(ProducerCore):
             self._log_info("registration %s from %s refused: %s", req.transfer_id, reg.sender, exc)
             self._fail(req, reg, PT.WRITE_FAILED, FailReason.BAD_REGISTRATION)
             return
-        spec = self.engine.spec
         layers = common_layers(self.layouts[reg.key].layers, peer.layout.layers)
-        slices = pair_heads(spec, self.engine.tp_size, msg.tp_size, reg.key[1], msg.tp_rank)
+        slices = self._slices(msg.tp_size, reg.key[1], msg.tp_rank)
         done = Done(
             transfer_id=req.transfer_id,
             engine_id=self.engine.engine_id,
@@ -372,6 +377,17 @@ class PushProducerCore(ProducerCore):
             self._do(Digest(token, reg.key, scope))
             return
         self._post_write(req, reg, plan, done)
+
+    def _slices(self, d_tp_size: int, tp_rank: int, d_rank: int) -> tuple[HeadSlice, ...]:
+        """``pair_heads`` of local rank ``tp_rank`` and D rank ``d_rank``, memoized per core (per write)."""
+        key = (d_tp_size, tp_rank, d_rank)
+        slices = self._pair_heads.get(key)
+        if slices is None:
+            if len(self._pair_heads) >= 256:  # D engines of any TP size may come: keep it bounded
+                self._pair_heads.clear()
+            e = self.engine
+            slices = self._pair_heads[key] = pair_heads(e.spec, e.tp_size, d_tp_size, tp_rank, d_rank)
+        return slices
 
     def _post_write(self, req: Request, reg: Reg, plan: TransferPlan, done: Done) -> None:
         """Post the write with ``done`` attached (or send ``done`` alone when nothing moves)."""
@@ -510,8 +526,8 @@ class PushProducerCore(ProducerCore):
         for reg in [r for r in self._inflight.values() if now - r.posted_at > timeout]:
             self._recall(self._requests[reg.msg.transfer_id], reg, FailReason.TRANSFER_TIMEOUT)
         for req in list(self._live_reqs.values()):
-            for reg in list(req.regs.values()):
-                if reg.state in (ProducerState.REGISTERED, ProducerState.CONNECTING) and now > reg.fence_at:
+            for reg in req.regs.values():  # _fail changes a registration's state, never the table
+                if now > reg.fence_at and reg.state in _FENCED:
                     if reg.posting or (
                         reg.state is ProducerState.CONNECTING
                         and reg.peer is None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -86,13 +86,14 @@ def expected_d_ranks(spec: KVSpec, p_tp: int, d_tp: int, p_rank: int) -> frozens
     return frozenset(s.dst_rank for s in tp_peers(spec, p_tp, d_tp, p_rank))
 
 
-def check_reg(engine: EngineInfo, req: Request, reg: Reg) -> FailReason | None:
-    """Whether a push_reg fits this rank and the request's other registrations (None: it does)."""
+def check_reg(req: Request, reg: Reg, expected: Callable[[int, int], frozenset[int]]) -> FailReason | None:
+    """Whether a push_reg fits this rank and the request's other registrations (None: it does);
+    ``expected(d_tp_size, local tp rank)``: ``expected_d_ranks`` of this engine."""
     msg = reg.msg
     if not msg.tp_rank < msg.tp_size or (req.d_tp_size not in (None, msg.tp_size)):
         return FailReason.BAD_REGISTRATION
     try:
-        want = expected_d_ranks(engine.spec, engine.tp_size, msg.tp_size, reg.key[1])
+        want = expected(msg.tp_size, reg.key[1])
     except LayoutError:
         return FailReason.INCOMPATIBLE
     if msg.tp_rank not in want or msg.num_cached_tokens > msg.num_tokens:
@@ -113,16 +114,19 @@ def check_d_blocks(block_ids: Iterable[int], num_blocks: int) -> None:
         seen.add(b)
 
 
-def all_ended(engine: EngineInfo, keys: Iterable[RankKey], req: Request) -> bool:
-    """Every registration each local rank expects (from D's TP size) came and ended."""
-    if req.d_tp_size is None:
+def all_ended(keys: Iterable[RankKey], req: Request, want: Callable[[int, int], frozenset[int]]) -> bool:
+    """Every registration each local rank expects (``want(d_tp_size, local tp rank)``, from D's TP size)
+    came and ended."""
+    d_tp = req.d_tp_size
+    if d_tp is None:
         return False
-    if not all(r.machine.registration_ended for r in req.regs.values()):
-        return False
+    regs = req.regs.values()
+    for r in regs:
+        if not r.machine.registration_ended:
+            return False
     for key in keys:
-        want = expected_d_ranks(engine.spec, engine.tp_size, req.d_tp_size, key[1])
-        got = {r.msg.tp_rank for r in req.regs.values() if r.key == key}
-        if not want <= got:
+        got = {r.msg.tp_rank for r in regs if r.key == key}
+        if not want(d_tp, key[1]) <= got:
             return False
     return True
 
@@ -167,8 +171,9 @@ def d_life(reg: Reg) -> DLife:
 
 
 def holding(reg: Reg) -> bool:
-    """Whether P still holds something for D under this registration (an open registration or a write)."""
-    return not reg.machine.registration_ended or reg.machine.writes_in_flight
+    """Whether P still holds something for D under this registration (an open registration or a write).
+    A write in flight is never in an ended state, so this is ``not registration_ended``."""
+    return not reg.machine.registration_ended
 
 
 def silent_d_lives(
@@ -177,14 +182,17 @@ def silent_d_lives(
     """D lives that P holds registrations or writes for and that said nothing for ``timeout_s``.
 
     Only loaded peers count: a registration whose handshake with D is still running is bounded by the
-    handshake's own timeout (and the fence)."""
+    handshake's own timeout (and the fence). Runs at every timer pass over every live registration, so the
+    cheapest test goes first: ``now - max(seen, received) <= now - received``, so a registration received
+    within the timeout is not silent whatever its life's last word."""
     silent: set[DLife] = set()
     for req in requests.values():
         for reg in req.regs.values():
-            if reg.peer is None or not holding(reg):
+            received = reg.received_at
+            if not now - received > timeout_s or reg.peer is None or reg.machine.registration_ended:
                 continue
-            life = d_life(reg)
-            if now - max(last_seen.get(life, reg.received_at), reg.received_at) > timeout_s:
+            life = (reg.msg.engine_id, reg.msg.incarnation)
+            if now - max(last_seen.get(life, received), received) > timeout_s:
                 silent.add(life)
     return silent
 

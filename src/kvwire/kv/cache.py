@@ -69,6 +69,7 @@ class KVCache:
         self.block_len = spec.block_bytes(self.heads)
         shape = (layers, len(spec.kinds), num_blocks, *self.block_shape)
         self.slab: np.ndarray = np.zeros(shape, dtype=spec.np_dtype)
+        self._regions: tuple[RegionInfo, ...] | None = None  # the slab never moves: computed once
 
     @property
     def layers(self) -> range:
@@ -87,13 +88,15 @@ class KVCache:
         return self.region(layer, RegionKind.KV if self.spec.mla else RegionKind.V)
 
     def regions(self) -> list[RegionInfo]:
-        return [
-            RegionInfo(
-                layer, kind, int(self.region(layer, kind).ctypes.data), self.block_len, self.num_blocks
+        if self._regions is None:  # asked per digest (kv/digest.py): a view and its address per region
+            self._regions = tuple(
+                RegionInfo(
+                    layer, kind, int(self.region(layer, kind).ctypes.data), self.block_len, self.num_blocks
+                )
+                for layer in self.layers
+                for kind in self.spec.kinds
             )
-            for layer in self.layers
-            for kind in self.spec.kinds
-        ]
+        return list(self._regions)
 
     @property
     def mem_kind(self) -> MemKind:

@@ -29,6 +29,7 @@ class RankTracker:
             raise UnexpectedSender("a request must expect at least one P rank")
         self._registered: set[RankKey] = set()
         self._ended: dict[RankKey, RankEnd] = {}
+        self._pending: frozenset[RankKey] | None = None  # ``pending``, until a rank registers or ends
 
     @property
     def expected(self) -> frozenset[RankKey]:
@@ -41,7 +42,10 @@ class RankTracker:
     @property
     def pending(self) -> frozenset[RankKey]:
         """Registered ranks that have not ended: the ones that may still write (and must get ``cancel``)."""
-        return frozenset(self._registered - self._ended.keys())
+        pending = self._pending
+        if pending is None:  # asked at every timer pass of every live request: computed once per change
+            pending = self._pending = frozenset(self._registered - self._ended.keys())
+        return pending
 
     @property
     def all_registered(self) -> bool:
@@ -70,14 +74,17 @@ class RankTracker:
         if rank in self._registered:
             raise UnexpectedSender(f"rank (pp={rank[0]}, tp={rank[1]}) is already registered")
         self._registered.add(rank)
+        self._pending = None
 
     def end(self, rank: RankKey, how: RankEnd) -> None:
         self._check_known(rank)
         if how is RankEnd.NOT_REGISTERED or rank not in self._registered:
             raise UnexpectedSender(f"rank (pp={rank[0]}, tp={rank[1]}) cannot end as {how.value}")
         self._ended[rank] = how
+        self._pending = None
 
     def abandon_unregistered(self) -> None:
         """No more ``push_reg`` will be sent: ranks never registered count as ended."""
         for rank in self._expected - self._registered:
             self._ended.setdefault(rank, RankEnd.NOT_REGISTERED)
+        self._pending = None

@@ -506,11 +506,16 @@ class ProducerRegistration(_Machine[ProducerState, ProducerTrigger]):
     @property
     def registration_ended(self) -> bool:
         """The one ending message (done, cancel_ack or failed) is out: D may count this rank as ended."""
-        return self.state in (_PS.DONE_SENT, _PS.CANCELLED, _PS.FAILED, _PS.FREED)
+        return self._state in _REG_ENDED  # a tuple: members compare by identity, no Enum.__hash__
 
     @property
     def writes_in_flight(self) -> bool:
-        return self.state in (_PS.WRITING, _PS.CANCEL_PENDING)
+        return self._state in _WRITES_IN_FLIGHT
+
+
+# Asked of every registration at every settle and timer pass: built once, not per call.
+_REG_ENDED = (_PS.DONE_SENT, _PS.CANCELLED, _PS.FAILED, _PS.FREED)
+_WRITES_IN_FLIGHT = (_PS.WRITING, _PS.CANCEL_PENDING)
 
 
 ALL_TABLES: tuple[TransitionTable[Any, Any], ...] = (

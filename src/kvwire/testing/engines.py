@@ -78,20 +78,24 @@ def random_kv(spec: KVSpec, num_tokens: int, seed: int) -> np.ndarray:
     return raw.view(spec.np_dtype).reshape(shape)
 
 
-def _token_view(
-    cache: KVCache, layer: int, kind_idx: int, block_ids: np.ndarray, slots: np.ndarray
-) -> np.ndarray:
-    """Fancy-index view source: ``[heads, tokens, head_dim]`` of one region at the given (block, slot)s."""
-    region = cache.region(layer, cache.spec.kinds[kind_idx])
-    if cache.spec.layout is Layout.HND:  # [blocks, heads, bs, hd]
-        return region[block_ids, :, slots, :].transpose(1, 0, 2)
-    return region[block_ids, slots, :, :].transpose(1, 0, 2)
-
-
 def _positions(spec: KVSpec, block_ids: Sequence[int], tokens: range) -> tuple[np.ndarray, np.ndarray]:
     t = np.arange(tokens.start, tokens.stop)
     ids = np.asarray(block_ids, dtype=np.int64)
     return ids[t // spec.block_size], t % spec.block_size
+
+
+_ALL = slice(None)
+
+
+def _slab_tokens(
+    cache: KVCache, blocks: np.ndarray, slots: np.ndarray
+) -> tuple[tuple[slice | np.ndarray, ...], tuple[int, ...], tuple[int, ...]]:
+    """The slab index that picks the given (block, slot)s in every region of ``cache`` at once; the axes
+    that bring what it picks into the logical ``[layers, kinds, heads, tokens, head_dim]`` order, and back
+    (one numpy call per rank, not one per region: most of the simulator's copying)."""
+    if cache.spec.layout is Layout.HND:  # slab [L, K, blocks, heads, bs, hd]: picks [tokens, L, K, h, hd]
+        return (_ALL, _ALL, blocks, _ALL, slots), (1, 2, 3, 0, 4), (3, 0, 1, 2, 4)
+    return (_ALL, _ALL, blocks, slots), (0, 1, 3, 2, 4), (0, 1, 3, 2, 4)  # picks [L, K, tokens, h, hd]
 
 
 def scatter_tokens(
@@ -99,18 +103,18 @@ def scatter_tokens(
 ) -> None:
     """Write logical KV (tokens ``tokens``, default all of ``kv``) into each rank's blocks."""
     tokens = range(kv.shape[3]) if tokens is None else tokens
+    positions: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # by block size: the same for most ranks
     for rank in ranks:
         cache = rank.own_cache()
-        blocks, slots = _positions(cache.spec, block_ids, tokens)
+        bs = cache.spec.block_size
+        if bs not in positions:
+            positions[bs] = _positions(cache.spec, block_ids, tokens)
+        blocks, slots = positions[bs]
         heads = slice(cache.first_head, cache.first_head + cache.heads)
-        for layer in cache.layers:
-            for k in range(len(cache.spec.kinds)):
-                region = cache.region(layer, cache.spec.kinds[k])
-                part = kv[layer, k, heads, tokens.start : tokens.stop, :]
-                if cache.spec.layout is Layout.HND:
-                    region[blocks, :, slots, :] = part.transpose(1, 0, 2)
-                else:
-                    region[blocks, slots, :, :] = part.transpose(1, 0, 2)
+        layers = cache.layers
+        part = kv[layers.start : layers.stop, :, heads, tokens.start : tokens.stop, :]
+        index, _, back = _slab_tokens(cache, blocks, slots)
+        cache.slab[index] = part.transpose(back)
 
 
 def gather_tokens(ranks: Sequence[LocalRank], block_ids: Sequence[int], tokens: range) -> np.ndarray:
@@ -118,14 +122,14 @@ def gather_tokens(ranks: Sequence[LocalRank], block_ids: Sequence[int], tokens: 
     spec = ranks[0].cache.spec
     out = np.zeros(logical_shape(spec, len(tokens)), dtype=spec.np_dtype)
     seen = np.zeros((spec.num_layers, spec.kv_heads), dtype=bool)
+    blocks, slots = _positions(spec, block_ids, tokens)
     for rank in ranks:
         cache = rank.own_cache()
-        blocks, slots = _positions(spec, block_ids, tokens)
         heads = slice(cache.first_head, cache.first_head + cache.heads)
-        for layer in cache.layers:
-            seen[layer, heads] = True
-            for k in range(len(spec.kinds)):
-                out[layer, k, heads] = _token_view(cache, layer, k, blocks, slots)
+        layers = cache.layers
+        seen[layers.start : layers.stop, heads] = True
+        index, axes, _ = _slab_tokens(cache, blocks, slots)
+        out[layers.start : layers.stop, :, heads] = cache.slab[index].transpose(axes)
     if not seen.all():
         raise ValueError("these ranks do not hold every layer and head")
     return out

@@ -34,10 +34,11 @@ def run(args: argparse.Namespace) -> int:
             return 2
         plant, faults = PLANTS[args.plant].plant, PLANTS[args.plant].faults
     report = simulate(args.requests, args.seed, faults=faults, mode=TransferMode(args.mode), plant=plant)
-    rate = args.requests / report.wall_seconds if report.wall_seconds else 0.0
     print(
         f"{args.requests} requests, seed {args.seed}, {args.mode}: {len(report.violations)} violations; "
-        f"{report.simulated_seconds:.1f} s simulated in {report.wall_seconds:.1f} s ({rate:.0f} requests/s)"
+        f"{report.simulated_seconds:.1f} s simulated in {report.wall_seconds:.1f} s "
+        f"({report.requests_per_second:.0f} requests/s; {report.cpu_seconds:.1f} s CPU, "
+        f"{report.requests_per_cpu_second:.0f} requests per CPU second)"
     )
     print("faults:", ", ".join(f"{k} {v}" for k, v in sorted(report.faults.items())) or "none")
     print("outcomes:", ", ".join(f"{k} {v}" for k, v in sorted(report.outcomes.items())))

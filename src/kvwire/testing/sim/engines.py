@@ -310,19 +310,23 @@ class SimEngine:
 
     def _check_landing(self, tid: str, rows: np.ndarray) -> None:
         """C1: every destination block must be registered to this transfer, in the receiving life, now."""
-        for addr, length, _ in rows.tolist():
-            hit = self.world.memory.blocks(addr, length)
-            if hit is None:
-                self.world.violation(f"write outside any live cache at {addr:#x}+{length}")
+        w = self.world
+        checked: set[tuple[int, int, int]] = set()  # (engine, first, last) spans found fine: every region
+        for (engine, first, last), (addr, length, _) in zip(w.memory.spans(rows), rows.tolist(), strict=True):
+            if engine is None:
+                w.violation(f"write outside any live cache at {addr:#x}+{length}")
                 continue
-            engine, blocks = hit
-            for b in blocks:
+            span = (id(engine), first, last)
+            if span in checked:
+                continue
+            for b in range(first, last + 1):
                 owner = engine.owner.get(b)
                 if owner != tid or tid not in engine.writable:
                     what = "a free block" if owner is None else f"a block of {owner}"
                     state = "" if owner != tid else " (no longer writable)"
-                    self.world.violation(f"C1: {tid}'s bytes landed in {engine.engine_id} {what}{state}")
+                    w.violation(f"C1: {tid}'s bytes landed in {engine.engine_id} {what}{state}")
                     return
+            checked.add(span)
 
     def _report(self, a: ReportFailure) -> None:
         """A ``report_failed`` on the peer's side channel: lost when nobody listens there or the link is

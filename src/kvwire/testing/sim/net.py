@@ -91,16 +91,25 @@ class MemoryMap:
         self._regions = keep
         self._starts = [r.addr for r, _ in keep]
 
-    def blocks(self, addr: int, length: int) -> tuple[SimEngine, list[int]] | None:
-        i = bisect.bisect(self._starts, addr) - 1
-        if i < 0:
-            return None
-        region, engine = self._regions[i]
-        first = (addr - region.addr) // region.block_len
-        last = (addr + length - 1 - region.addr) // region.block_len
-        if last >= region.num_blocks:
-            return None
-        return engine, list(range(first, last + 1))
+    def spans(self, rows: np.ndarray) -> list[tuple[SimEngine | None, int, int]]:
+        """Where each ``[n, 3]`` (addr, len, dev) row lands: (engine, first block, last block), engine None
+        outside every live cache. One pass with the lookups bound locally: a landing has dozens of rows
+        (small numpy arrays cost more per call than this loop does per row)."""
+        starts, regions, find = self._starts, self._regions, bisect.bisect
+        out: list[tuple[SimEngine | None, int, int]] = []
+        for addr, length, _ in rows.tolist():
+            i = find(starts, addr) - 1
+            if i < 0:
+                out.append((None, 0, -1))
+                continue
+            region, engine = regions[i]
+            base, block_len = region.addr, region.block_len
+            last = (addr + length - 1 - base) // block_len
+            if last >= region.num_blocks:
+                out.append((None, 0, -1))
+            else:
+                out.append((engine, (addr - base) // block_len, last))
+        return out
 
 
 class World:
@@ -188,5 +197,8 @@ class World:
 
     def copy(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Land a write's bytes: ``[n, 3]`` (addr, len, dev) rows, local source to remote destination."""
-        for (s_addr, length, _), (d_addr, _, _) in zip(src.tolist(), dst.tolist(), strict=True):
-            ctypes.memmove(d_addr, s_addr, length)
+        move = ctypes.memmove
+        for s_addr, length, d_addr in zip(
+            src[:, 0].tolist(), src[:, 1].tolist(), dst[:, 0].tolist(), strict=True
+        ):
+            move(d_addr, s_addr, length)
