@@ -44,12 +44,19 @@ _TABLE = "kvwire_ucx_block"
 # ---------------------------------------------------------------------------------------------------
 
 
-def _engine(group: Any, role: str) -> Any:
-    from kvwire.testing.procs import free_port
+def _engine(group: Any, role: str, advertise: str | None = None) -> Any:
+    """A tiny engine on 127.0.0.1; with ``advertise``, on every address, its side channel advertised as
+    ``advertise`` (a peer in the other namespace must dial it)."""
+    from kvwire.testing.procs import free_port, kvwire_command
 
     port = free_port()
-    args = ["serve", role, "--host", "127.0.0.1", "--port", str(port), "--preset", "tiny"]
-    return group.start(role, [*args, "--side-channel-port", str(free_port())], port)
+    host = "127.0.0.1" if advertise is None else "0.0.0.0"
+    args = ["serve", role, "--host", host, "--port", str(port), "--preset", "tiny",
+            "--side-channel-port", str(free_port())]  # fmt: skip
+    if advertise is None:
+        return group.start(role, args, port)
+    env = {"KVWIRE_SIDE_CHANNEL_HOST": advertise}
+    return group.start_argv(role, kvwire_command(*args, "--insecure"), port, env=env)
 
 
 def _one(client: Any, url: str, i: int) -> tuple[float, int]:
@@ -131,35 +138,52 @@ def _load(client: Any, router_url: str) -> list[tuple[float, int]]:
         return [f.result() for f in futures]
 
 
-def _drive(bad_host: str, bad_http: int, bad_side: int, attack_kind: str) -> None:
+def _handshakes(log_text: str, host: str) -> tuple[list[float], int]:
+    """The durations (s) of the handshakes with ``host`` a kvwire log tells of, and how many failed."""
+    done, failed = [], 0
+    for line in log_text.splitlines():
+        if "kvwire.handshake" in line and f"-> {host}:" in line:
+            total = re.search(r"total=([\d.]+)ms", line)
+            if " failed: " in line:
+                failed += 1
+            elif total is not None:
+                done.append(float(total.group(1)) / 1e3)
+    return done, failed
+
+
+def _drive(bad_host: str, bad_http: int, bad_side: int, attack_kind: str, d_host: str | None) -> None:
     """``attack_kind``: ``kv_params`` (a decode leg sent to D names the blackholed engine), ``push_reg``
-    (a rogue's push_reg to P names it) or ``none``. /health is probed on the engine attacked."""
+    (a rogue's push_reg to P names it), ``none``, or ``remote_p`` (no attack: the engine in A is the
+    pair's P, and D advertises ``d_host`` to it). /health is probed on the engine attacked (D for
+    ``remote_p``)."""
     import httpx
 
     from kvwire.testing.procs import ServerGroup, free_port
 
     with tempfile.TemporaryDirectory() as tmp, ServerGroup(Path(tmp)) as group, httpx.Client() as client:
-        p, d = _engine(group, "prefill"), _engine(group, "decode")
-        group.wait_healthy([p, d], 120.0)
-        port = free_port()
-        router = group.start("router", ["serve", "router", "--port", str(port), "--prefill", p.url,
-                                        "--decode", d.url], port)  # fmt: skip
-        group.wait_healthy([router], 60.0)
-        for _ in range(600):  # the bad engine, before its ports are blocked
+        remote_p = attack_kind == "remote_p"
+        p, d = None if remote_p else _engine(group, "prefill"), _engine(group, "decode", d_host)
+        group.wait_healthy([d] if p is None else [p, d], 120.0)
+        for _ in range(600):  # the engine in A, before its ports are blocked
             with contextlib.suppress(Exception):
                 if client.get(f"http://{bad_host}:{bad_http}/health", timeout=1.0).status_code == 200:
                     break
             time.sleep(0.2)
+        port = free_port()
+        p_url = f"http://{bad_host}:{bad_http}" if p is None else p.url
+        router = group.start("router", ["serve", "router", "--port", str(port), "--prefill", p_url,
+                                        "--decode", d.url], port)  # fmt: skip
+        group.wait_healthy([router], 60.0)
         print("READY", flush=True)
         sys.stdin.readline()  # the parent blocked A's ports
         stop, health = threading.Event(), list[int]()
-        target = p if attack_kind == "push_reg" else d
+        target = p if attack_kind == "push_reg" and p is not None else d
         prober = threading.Thread(target=_health, args=(client, target.url, stop, health), daemon=True)
         prober.start()
         attack: list[tuple[float, int]] = []
         attacks = {
             "kv_params": lambda: _attack(client, d.url, bad_host, bad_side),
-            "push_reg": lambda: _rogue_push_reg(_side_port(p), bad_host, bad_side),
+            "push_reg": lambda: _rogue_push_reg(_side_port(p or d), bad_host, bad_side),
         }
         attacking = attack_kind in attacks
         timer = threading.Timer(ATTACK_AT_S, lambda: attack.append(attacks[attack_kind]()))
@@ -170,9 +194,11 @@ def _drive(bad_host: str, bad_http: int, bad_side: int, attack_kind: str) -> Non
             timer.join()
         stop.set()
         prober.join()
-        for line in target.log_path.read_text(errors="replace").splitlines():  # what the engine made of it
-            if bad_host in line or "stuck" in line or "held" in line:
+        log_text = target.log_path.read_text(errors="replace")
+        for line in log_text.splitlines():  # what the engine made of it
+            if bad_host in line or "stuck" in line or "held" in line or " ERROR " in line:
                 print(f"{target.name}: {line}", file=sys.stderr)
+        handshakes_s, handshakes_failed = _handshakes(log_text, bad_host)
         lat = sorted(t for t, s in results if s == 200)
         print("RESULT " + json.dumps({
             "requests": len(results),
@@ -182,6 +208,9 @@ def _drive(bad_host: str, bad_http: int, bad_side: int, attack_kind: str) -> Non
             "attack": attack,
             "health_not_200": sum(1 for s in health if s != 200),
             "health_probes": len(health),
+            "first_s": results[0][0],
+            "handshakes_s": handshakes_s,
+            "handshakes_failed": handshakes_failed,
         }), flush=True)  # fmt: skip
 
 
@@ -326,5 +355,101 @@ def test_one_push_reg_naming_a_blackholed_decode_costs_p_nothing(
     _assert_only_the_attack_failed(r, before=bool(ucx))
 
 
+def _second_link(net: NetnsPair) -> tuple[str, str]:
+    """A second veth between A and B (its /30 next to the first's) whose every packet A drops (SYNs
+    counted): a network both hosts are on that is firewalled between them. Its two interface names."""
+    a2, b2 = f"{net.a.ifname}x", f"{net.b.ifname}x"
+    octet = net.a.addr.split(".")[2]
+    net.run(net.a, ["ip", "link", "add", a2, "type", "veth", "peer", "name", b2])
+    net.run(net.a, ["ip", "link", "set", b2, "netns", net.b.ns])
+    for side, ifname, host in ((net.a, a2, 1), (net.b, b2, 2)):
+        net.run(side, ["ip", "addr", "add", f"10.214.{octet}.{host}/30", "dev", ifname])
+        net.run(side, ["ip", "link", "set", ifname, "up"])
+    chain = f"inet {_TABLE}"
+    rules = (
+        f"add table inet {_TABLE}\n"
+        f"add chain {chain} in {{ type filter hook input priority 0; policy accept; }}\n"
+        f"add chain {chain} out {{ type filter hook output priority 0; policy accept; }}\n"
+        f'add rule {chain} in iifname "{a2}" tcp flags & (syn | ack) == syn counter drop\n'
+        f'add rule {chain} in iifname "{a2}" drop\n'
+        f'add rule {chain} out oifname "{a2}" tcp flags & (syn | ack) == syn counter drop\n'
+        f'add rule {chain} out oifname "{a2}" drop\n'
+    )
+    done = subprocess.run(net.command(net.a, ["nft", "-f", "-"]), input=rules, capture_output=True,
+                          text=True, timeout=10, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return a2, b2
+
+
+def _syns(net: NetnsPair, chain: str) -> int:
+    listing = net.run(net.a, ["nft", "list", "chain", "inet", _TABLE, chain])
+    return sum(int(n) for n in re.findall(r"counter packets (\d+)", listing))
+
+
+def _run_multihomed(net: NetnsPair, tmp_path: Path, ucx: dict[str, str], p_devices: str | None,
+                    d_devices: str | None) -> dict[str, Any]:  # fmt: skip
+    """P in A on both links, D, the router and the load in B; ``*_devices``: each one's UCX_NET_DEVICES
+    (``both``: its two interfaces; None: unset, kvwire's choice)."""
+    a2, b2 = _second_link(net)
+    log = open(tmp_path / "children.log", "wb")  # noqa: SIM115 (closed in the finally below)
+    p_http, p_side = free_port(), free_port()
+
+    def env(side: Side, second: str, devices: str | None) -> dict[str, str]:
+        out = _env(side, ucx)
+        del out["UCX_NET_DEVICES"]
+        if devices is not None:
+            out["UCX_NET_DEVICES"] = f"{side.ifname},{second}" if devices == "both" else devices
+        return out
+
+    try:
+        p = ["serve", "prefill", "--host", net.a.addr, "--port", str(p_http), "--preset", "tiny",
+             "--side-channel-port", str(p_side), "--engine-id", "prefill-multi", "--insecure"]  # fmt: skip
+        p_env = env(net.a, a2, p_devices)
+        net.popen(net.a, [sys.executable, "-m", "kvwire.cli", *p], env=p_env, stdout=log, stderr=log)
+        argv = [sys.executable, str(Path(__file__).resolve()), "drive", net.a.addr, str(p_http),
+                str(p_side), "remote_p", net.b.addr]  # fmt: skip
+        driver = net.popen(net.b, argv, env=env(net.b, b2, d_devices), stderr=log)
+        _read_tagged(driver, "READY", 240.0)
+        assert driver.stdin is not None
+        driver.stdin.write(b"go\n")
+        driver.stdin.flush()
+        r: dict[str, Any] = json.loads(_read_tagged(driver, "RESULT", LOAD_S + 300.0))
+        r["syns_to_p_dropped"], r["syns_from_p_dropped"] = _syns(net, "in"), _syns(net, "out")
+        print(f"multi-homed P, {ucx or 'kvwire defaults'}, P {p_devices}, D {d_devices}: {json.dumps(r)}")
+        return r
+    finally:
+        net.kill_processes()
+        _kill_namespaces(net)
+        subprocess.run(net.command(net.a, ["nft", "delete", "table", "inet", _TABLE]), check=False)
+        subprocess.run(net.command(net.a, ["ip", "link", "del", a2]), check=False)
+        log.close()
+        print((tmp_path / "children.log").read_text(errors="replace")[-4000:])
+
+
+@pytest.mark.parametrize(
+    ("ucx", "p_devices", "d_devices"),
+    [(BEFORE, "all", "all"), ({}, None, None), ({}, "both", None)],
+    ids=["before-ucx-defaults", "kvwire-defaults", "p-advertises-both"],
+)
+def test_a_p_advertising_an_interface_d_cannot_reach(
+    net: NetnsPair, tmp_path: Path, ucx: dict[str, str], p_devices: str | None, d_devices: str | None
+) -> None:
+    """P and D are on two networks, the second firewalled between them (A drops it). Before, with UCX's
+    own defaults (every interface, blocking connect), D dialled P's second address: its handshake hung
+    and the requests failed. With kvwire's, each engine's UCX uses the interface of its side channel's
+    address, and D's, even when P advertises both (UCX routes the second address off that interface),
+    never dials the dropped one: no request fails, handshakes take milliseconds, D's /health stays 200."""
+    r = _run_multihomed(net, tmp_path, ucx, p_devices, d_devices)
+    if ucx:
+        assert r["syns_to_p_dropped"] > 0, r  # D dialled P's unreachable address
+        assert r["failed"] > r["requests"] / 10, r
+        return
+    assert r["syns_to_p_dropped"] == 0 and r["syns_from_p_dropped"] == 0, r
+    assert r["failed"] <= r["requests"] // 100, r
+    assert r["health_not_200"] == 0, r
+    assert r["handshakes_failed"] == 0 and r["handshakes_s"], r
+    assert max(r["handshakes_s"]) <= MAX_P99_S and r["p99_s"] <= MAX_P99_S, r
+
+
 if __name__ == "__main__":
-    _drive(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+    _drive(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], (sys.argv[6:] or [None])[0])

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvwire.config import Backend
 from kvwire.connector import ConnectorConfig, Consumer, Producer, RemoteEngine
 from kvwire.engine.config import Role
 from kvwire.engine.engine import Engine
@@ -24,6 +25,7 @@ from kvwire.metrics import HandshakeStats, KvMetrics, TransferStats
 from kvwire.protocol.messages import TransferMode
 from kvwire.transport.base import Agent, PeerMode, make_agent_name
 from kvwire.transport.factory import create_agent
+from kvwire.transport.ucx_env import limit_net_devices
 
 
 def remote_engine(params: KvTransferParams | None) -> RemoteEngine:
@@ -121,6 +123,8 @@ def attach_connector(engine: Engine, s: ConnectorSettings) -> ProducerHooks | Co
     info = EngineInfo(s.engine_id, s.incarnation, s.model_id, kv.spec, kv.tp_size, kv.pp_size, s.mode)
     agents: list[Agent] = []
     ranks: list[LocalRank] = []
+    if s.backend == Backend.NIXL.value:  # UCX on the interface peers dial (ucx_env.py)
+        limit_net_devices(s.advertise_host or s.host)
     try:
         for (pp, tp), cache in sorted(kv.caches.items()):
             name = make_agent_name(s.engine_id, s.incarnation, pp, tp)

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvwire.config import Backend
 from kvwire.connector import (
     Consumer,
     ConsumerEvent,
@@ -30,6 +31,7 @@ from kvwire.integrations.vllm.params import KvRole, Op, OpKind, Settings, remote
 from kvwire.kv.regions import ExternalKV
 from kvwire.transport.base import Agent, make_agent_name
 from kvwire.transport.factory import create_agent
+from kvwire.transport.ucx_env import limit_net_devices
 
 log = logging.getLogger("kvwire.vllm")
 
@@ -121,6 +123,8 @@ class WorkerSide:
         engine_id = p.engine_id if not (self.role is KvRole.BOTH and tag == "d") else f"{p.engine_id}-d"
         info = EngineInfo(engine_id, p.incarnation, p.model_id, kv.spec, p.tp_size, p.pp_size, s.mode)
         name = make_agent_name(engine_id, p.incarnation, p.pp_rank, p.tp_rank)
+        if s.backend == Backend.NIXL.value:  # UCX on the interface peers dial (ucx_env.py)
+            limit_net_devices(s.side_channel_host)
         agent = create_agent(s.backend, name, connect_timeout_s=s.handshake_timeout_s)
         self._agents.append(agent)
         rank = LocalRank(pp_rank=p.pp_rank, tp_rank=p.tp_rank, agent=agent, cache=kv)
