@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
 import pytest
 
-from kvwire.transport.ucx_env import apply_ucx_defaults, syn_count, ucx_defaults
+from kvwire.transport.ucx_env import (
+    _ipv4_of,
+    apply_ucx_defaults,
+    interface_of,
+    limit_net_devices,
+    syn_count,
+    ucx_defaults,
+)
 
 
 @pytest.mark.parametrize(
@@ -52,3 +60,56 @@ def test_the_first_nixl_agent_sets_them_before_ucx_reads_them() -> None:
         )
         assert done.returncode == 0, done.stderr[-2000:]
         assert done.stdout.strip().splitlines()[-1] == want
+
+
+def _addresses() -> dict[str, str]:
+    """Every interface of this host that has an IPv4 address, by name (``lo`` at least)."""
+    out = {}
+    for _, name in socket.if_nameindex():
+        addr = _ipv4_of(name)
+        if addr is not None:
+            out[name] = addr
+    return out
+
+
+def test_interface_of_finds_the_interface_holding_an_address() -> None:
+    found = _addresses()
+    assert found.get("lo") == "127.0.0.1"
+    for name, addr in found.items():
+        loopback = addr.startswith("127.")
+        assert interface_of(addr) == (None if loopback else name), (name, addr)
+    for other in ("0.0.0.0", "::1", "fe80::1", "localhost", "192.0.2.77", "not an address"):
+        assert interface_of(other) is None  # 192.0.2.0/24 is TEST-NET-1: no host holds it
+
+
+def test_net_devices_limited_only_where_the_user_and_rdma_leave_it_open() -> None:
+    mine = next((a for a in _addresses().values() if not a.startswith("127.")), None)
+    env: dict[str, str] = {}
+    # Loopback, 0.0.0.0 and unknown addresses change nothing.
+    for host in ("127.0.0.1", "0.0.0.0", "192.0.2.77"):
+        assert limit_net_devices(host, env, rdma=False) is None
+    assert env == {}
+    if mine is not None:
+        assert limit_net_devices(mine, {"UCX_NET_DEVICES": "all"}, rdma=False) is None  # the user's wins
+        assert limit_net_devices(mine, env, rdma=True) is None  # RDMA devices would be turned off
+        assert env == {}
+        device = limit_net_devices(mine, env, rdma=False)
+        assert device is not None and env == {"UCX_NET_DEVICES": device}
+        assert limit_net_devices(mine, env, rdma=False) is None  # set now: kept
+
+
+def test_interface_of_inside_a_namespace() -> None:
+    """In a namespace pair (where this host can make one): the veth's address maps to the veth."""
+    from kvwire.testing.netns import NetnsPair, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"network namespaces unavailable: {reason}")
+    code = "import sys\nfrom kvwire.transport.ucx_env import interface_of\nprint(interface_of(sys.argv[1]))\n"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    with NetnsPair() as net:
+        for side in (net.a, net.b):
+            argv = net.command(side, [sys.executable, "-c", code, side.addr])
+            done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=False)
+            assert done.returncode == 0, done.stderr[-2000:]
+            assert done.stdout.strip() == side.ifname

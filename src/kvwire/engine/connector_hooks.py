@@ -99,7 +99,14 @@ def attach_connector(engine: Engine, s: ConnectorSettings) -> ProducerHooks | Co
     kv = engine.kv
     info = EngineInfo(s.engine_id, s.incarnation, s.model_id, kv.spec, kv.tp_size, kv.pp_size, s.mode)
     caches = sorted(kv.caches.items())
-    agents, ranks = open_ranks(s.backend, s.engine_id, s.incarnation, caches, s.config.handshake_timeout_s)
+    agents, ranks = open_ranks(
+        s.backend,
+        s.engine_id,
+        s.incarnation,
+        caches,
+        s.config.handshake_timeout_s,
+        s.advertise_host or s.host,
+    )
     try:
         config = dataclasses.replace(s.config, mode=s.mode)
         at = Endpoint(s.host, s.port, s.advertise_host, s.secret)

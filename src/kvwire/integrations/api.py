@@ -28,6 +28,7 @@ from kvwire.kv.regions import CacheMemory
 from kvwire.kv_params import KvTransferParams
 from kvwire.transport.base import Agent, make_agent_name
 from kvwire.transport.registry import create_agent
+from kvwire.transport.ucx_env import limit_net_devices
 
 __all__ = [
     "Connector",
@@ -62,10 +63,15 @@ def open_ranks(
     incarnation: str,
     caches: Iterable[tuple[tuple[int, int], CacheMemory]],
     connect_timeout_s: float | None = None,
+    advertise_host: str | None = None,
 ) -> tuple[list[Agent], list[LocalRank]]:
     """One agent per ``((pp_rank, tp_rank), cache)`` of this process, of the transport named ``backend``
     (``kvwire.transport.registry``), paired with its cache. On a failure the agents made so far are closed
-    and the error raised."""
+    and the error raised. ``advertise_host``: the address peers dial for the side channel; NIXL's UCX is kept
+    to that address's interface (``limit_net_devices``: a multi-homed host otherwise advertises interfaces a
+    peer cannot reach, and UCX may carry notifications over one of them)."""
+    if advertise_host is not None and backend == "nixl":
+        limit_net_devices(advertise_host)
     agents: list[Agent] = []
     ranks: list[LocalRank] = []
     try:

@@ -59,7 +59,7 @@ from kvwire.transport.base import (
 )
 from kvwire.transport.offload import DEFAULT_GRACE_S, CallWorker
 from kvwire.transport.registry import AgentOptions, FullAgentFactory, Transport
-from kvwire.transport.ucx_env import DEFAULT_CONNECT_TIMEOUT_S, apply_ucx_defaults
+from kvwire.transport.ucx_env import DEFAULT_CONNECT_TIMEOUT_S, apply_ucx_defaults, has_infiniband
 
 _MAGIC = b"KVWN\x01"
 _FULL = b"F"
@@ -80,13 +80,6 @@ def unwrap_metadata(metadata: bytes) -> tuple[bytes, PeerMode]:
     return metadata, PeerMode.FULL
 
 
-def _has_infiniband() -> bool:
-    try:
-        return bool(os.listdir("/sys/class/infiniband"))
-    except OSError:
-        return False
-
-
 def _nixl(connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> tuple[Any, Any, Any]:
     # Before the first agent creates UCX's context, which reads them: a connect to an unreachable peer
     # must neither block the agent nor outlive the handshake's deadline by minutes (ucx_env.py).
@@ -94,7 +87,7 @@ def _nixl(connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> tuple[Any, An
     # UCX's ib modules make every process that created an agent segfault at exit on hosts with Debian's
     # ibverbs-providers (nixl-on-cpu.md); UCX reads this when the first agent is created.
     # Only where no InfiniBand device exists: on RDMA clusters those modules are the fast path.
-    if not _has_infiniband():
+    if not has_infiniband():
         os.environ.setdefault("UCX_MODULES", "^ib*")
     try:
         # NIXL configures its logger on import with a handler writing to the sys.stdout of that moment:

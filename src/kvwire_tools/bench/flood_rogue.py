@@ -173,15 +173,25 @@ class Sent:
 
 
 class Rogue:
-    """A NIXL agent in this process named like a D life, that loaded P's connection-only metadata."""
+    """A NIXL agent in this process named like a D life, that loaded P's connection-only metadata. Its
+    push_regs name ``host``:``listener_port``; ``engine_id`` and ``incarnation`` may be a real D's, so
+    that P takes the rogue for that D (tests/faults/test_blackholed_request.py)."""
 
-    def __init__(self, p_metadata: bytes, listener_port: int) -> None:
+    def __init__(
+        self,
+        p_metadata: bytes,
+        listener_port: int,
+        *,
+        host: str = "127.0.0.1",
+        engine_id: str = ROGUE_ENGINE_ID,
+        incarnation: str | None = None,
+    ) -> None:
         from kvwire.transport.base import make_agent_name, new_incarnation
         from kvwire.transport.nixl import NixlAgent
 
-        self.incarnation = new_incarnation()
-        self.listener_port = listener_port
-        self.agent = NixlAgent(make_agent_name(ROGUE_ENGINE_ID, self.incarnation, 0, 0))
+        self.incarnation = incarnation or new_incarnation()
+        self.listener_port, self.host, self.engine_id = listener_port, host, engine_id
+        self.agent = NixlAgent(make_agent_name(engine_id, self.incarnation, 0, 0))
         try:
             self.peer = self.agent.add_peer(p_metadata)
         except BaseException:
@@ -195,11 +205,11 @@ class Rogue:
         return encode_notif(
             PushReg(
                 transfer_id=f"flood-{self.incarnation}-{i}",
-                engine_id=ROGUE_ENGINE_ID,
+                engine_id=self.engine_id,
                 incarnation=self.incarnation,
                 tp_rank=0,
                 tp_size=1,
-                host="127.0.0.1",
+                host=self.host,
                 port=self.listener_port,
                 block_ids=[i % 64],
                 num_tokens=16,
@@ -213,7 +223,7 @@ class Rogue:
         ids = [f"ghost-{self.incarnation}-{k}" for k in range(first, first + count)]
         return encode_notif(
             Heartbeat(
-                transfer_id="", engine_id=ROGUE_ENGINE_ID, incarnation=self.incarnation, transfer_ids=ids
+                transfer_id="", engine_id=self.engine_id, incarnation=self.incarnation, transfer_ids=ids
             )
         )
 

@@ -118,7 +118,12 @@ class WorkerSide:
         engine_id = p.engine_id if cls is Producer or self.role is not KvRole.BOTH else f"{p.engine_id}-d"
         info = EngineInfo(engine_id, p.incarnation, p.model_id, kv.spec, p.tp_size, p.pp_size, s.mode)
         agents, ranks = open_ranks(
-            s.backend, engine_id, p.incarnation, [((p.pp_rank, p.tp_rank), kv)], s.handshake_timeout_s
+            s.backend,
+            engine_id,
+            p.incarnation,
+            [((p.pp_rank, p.tp_rank), kv)],
+            s.handshake_timeout_s,
+            advertise_host=s.side_channel_host,
         )
         self._agents += agents
         port = s.rank_port(p.pp_rank, p.tp_rank, p.tp_size) + offset
