@@ -219,7 +219,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         routing = bench.routing() if args.routing_requests > 0 else []
     doc = envelope("fleet", cases)
     doc["routing"] = routing
-    doc["router_cost"] = router_cost((2, 4, 8, 16, 32), args.cost_picks)
+    doc["router_cost"] = router_cost((1, 2, 4, 8, 16, 32), args.cost_picks)
     return doc
 
 
@@ -242,10 +242,14 @@ def goals(doc: Mapping[str, Any]) -> list[str]:
         ratio = routing_ratio(doc)
         if ratio is None or ratio > ROUTING_GOAL:
             missed.append(f"routing: prefix-aware TTFT p50 {ratio}x round robin's (goal <= {ROUTING_GOAL})")
+    cost = {c["engines"]: c["pick_us"] for c in doc.get("router_cost", [])}
+    if 2 in cost and 32 in cost and cost[32] > COST_GOAL * cost[2]:
+        missed.append(f"router cost: {cost[32]} us at 32 engines > {COST_GOAL}x {cost[2]} us at 2")
     return missed
 
 
 ROUTING_GOAL = 0.7
+COST_GOAL = 1.3  # "flat from 2 to 32 engines", with room for this host's noise
 
 
 def routing_ratio(doc: Mapping[str, Any]) -> float | None:
