@@ -36,6 +36,9 @@ class RecordLoad(msgspec.Struct, frozen=True):
     running: int = 0
     waiting: int = 0
     free_blocks: int = 0
+    cached_blocks: int = 0  # in the engine's prefix cache
+    prefix_query_tokens: int = 0  # prompt tokens admitted with the prefix cache on, since start
+    prefix_hit_tokens: int = 0  # of which found in the cache
 
 
 class EngineRecord(msgspec.Struct, frozen=True):

@@ -111,6 +111,9 @@ class EngineConfig:
     # Requests waiting for blocks or a slot; beyond it new requests are refused (503).
     max_waiting: int = 1024
     kv_load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.FAIL
+    # Keep whole prompt blocks after a request and reuse them (engine.prefix_cache). Off by default: the
+    # cached blocks stay allocated, which leak checks of a quiet engine would otherwise have to allow for.
+    prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.pp_size < 1:

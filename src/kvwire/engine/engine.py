@@ -36,7 +36,22 @@ log = logging.getLogger(__name__)
 class Load:
     running: int
     waiting: int
-    free_blocks: int
+    free_blocks: int  # free and evictable cached blocks
+    cached_blocks: int = 0  # blocks the prefix cache holds
+    prefix_query_tokens: int = 0  # prompt tokens admitted with the prefix cache on, since start
+    prefix_hit_tokens: int = 0  # of which were found there (not prefilled)
+    prefix_cache: bool = False
+
+    def report(self) -> dict[str, int]:
+        """``/health``'s and the etcd record's ``load`` (the prefix cache's figures when it is on)."""
+        out = {"running": self.running, "waiting": self.waiting, "free_blocks": self.free_blocks}
+        if self.prefix_cache:
+            out |= {
+                "cached_blocks": self.cached_blocks,
+                "prefix_query_tokens": self.prefix_query_tokens,
+                "prefix_hit_tokens": self.prefix_hit_tokens,
+            }
+        return out
 
 
 def _load_failed(req: Request, reason: str) -> KVLoadFailed:
@@ -141,7 +156,12 @@ class Engine:
 
     def load(self) -> Load:
         s = self.scheduler
-        return Load(len(s.running), len(s.waiting) + len(s.waiting_for_kv), self.kv.allocator.num_free)
+        queued = len(s.waiting) + len(s.waiting_for_kv)
+        if s.prefix_cache is None:
+            return Load(len(s.running), queued, s.num_free)
+        st = s.prefix_cache.stats()
+        hits = (st.cached_blocks, st.query_tokens, st.hit_tokens)
+        return Load(len(s.running), queued, s.num_free, *hits, prefix_cache=True)
 
     # -- engine thread -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -276,8 +296,10 @@ class Engine:
     def _advance(self, req: Request, outputs: list[tuple[Request, RequestOutput]]) -> None:
         try:
             if req.needs_prefill:
-                self.model.prefill(self.kv, req.block_ids, np.asarray(req.prompt[:-1], dtype=np.int64))
+                tokens = np.asarray(req.prompt[:-1], dtype=np.int64)
+                self.model.prefill(self.kv, req.block_ids, tokens, req.cached_tokens)
                 req.needs_prefill = False
+                self.scheduler.prefilled(req)
             logits = self.model.step(self.kv, req.block_ids, req.next_token, req.next_position)
         except Exception as exc:  # a bug in the model must end one request, not the engine
             log.exception("request %s failed in the model", req.request_id)

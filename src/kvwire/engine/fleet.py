@@ -63,7 +63,7 @@ def engine_record(server: EngineServer, url: str) -> EngineRecord:
         seed=ident.seed,
         mode=mode.value if mode is not None else None,
         authenticated=ident.authenticated,
-        load=RecordLoad(load.running, load.waiting, load.free_blocks),
+        load=RecordLoad(**load.report()),
         kv_blocks=server.engine.kv.allocator.num_blocks,
         block_size=server.engine.kv.spec.block_size,
         draining=server.draining,

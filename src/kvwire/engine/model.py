@@ -3,10 +3,17 @@
 Math is float32; K and V are rounded to the cache's dtype when stored, and the attention always uses
 the rounded values (the prefill uses them straight away, the single-token step reads them back).
 
-Exactness: a prompt of n tokens is computed as ``prefill(tokens[:n-1])`` (one batched forward) and then
+Exactness: a prompt of n tokens is computed as ``prefill(tokens[:n-1])`` (batched forwards) and then
 ``step(tokens[n-1], n-1)``; every decode step is ``step``. Both work on one sequence at a time, so no
 matmul ever mixes rows of two requests and results never depend on what else is running. Whatever
 engine (and TP/PP layout) ran ``prefill``, the same cache bytes give the same ``step`` results.
+
+The prefill runs in chunks of ``prefill_chunk(cfg)`` positions aligned to multiples of it, each chunk
+reading the positions before it back from the cache. So the KV of a position in a whole chunk depends
+only on the tokens up to that chunk's end, computed with the same array shapes whatever follows: this is
+what lets the prefix cache (``engine.prefix_cache``) skip whole cached chunks (``prefill(..., start=s)``)
+and still write the same bytes as a prefill from position 0. (One forward over all positions would not:
+BLAS and numpy's pairwise sums round differently when the row count or key length changes.)
 """
 
 from __future__ import annotations
@@ -21,8 +28,14 @@ from kvwire.engine.paged import PagedKV
 _F32 = np.float32
 # Query rows per chunk of the batched causal attention: bounds the score matrix's memory.
 _PREFILL_CHUNK = 128
-# Positions per slice of a windowed model's prefill (see ``Model.prefill``).
-_WINDOWED_PREFILL_SLICE = 256
+# Positions per prefill chunk (at least one KV block). 16 (one block) doubles a tiny model's prefill on
+# this CPU (numpy's per-call cost over 4x more chunks); 64 costs ~1.1x one forward over all positions.
+_PREFILL_CHUNK_TOKENS = 64
+
+
+def prefill_chunk(cfg: ModelConfig) -> int:
+    """Positions per prefill chunk: a multiple of the block size, so cached prefixes end on a chunk."""
+    return cfg.block_size * max(1, _PREFILL_CHUNK_TOKENS // cfg.block_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,23 +174,25 @@ class Model:
         return out.reshape(c.q_heads, m, d).transpose(1, 0, 2).reshape(m, c.q_heads * d)
 
     # -- the two forward functions -------------------------------------------------------------------------
-    def prefill(self, kv: PagedKV, block_ids: list[int], tokens: np.ndarray) -> None:
-        """The batched forward over positions ``[0, len(tokens))``: fills the cache, returns nothing.
+    def prefill(self, kv: PagedKV, block_ids: list[int], tokens: np.ndarray, start: int = 0) -> None:
+        """The batched forward over positions ``[start, len(tokens))``: fills the cache, returns nothing.
 
-        A windowed model runs it in slices of positions through all layers (each slice reads the window
-        before it back from the cache), so its working set stays in CPU caches; a full-attention model
-        runs all positions at once. Either way the computation depends only on the tokens.
+        Runs in aligned chunks of ``prefill_chunk`` positions through all layers, each reading the
+        positions before it (its window, for a windowed model) back from the cache; ``start`` (a multiple
+        of the chunk) says the cache already holds ``[0, start)`` for these tokens: a prefix cache hit.
         """
+        chunk = prefill_chunk(self.cfg)
+        if start % chunk or not 0 <= start <= len(tokens):
+            raise ValueError(f"prefill start {start} is not a multiple of {chunk} within the prompt")
         m = len(tokens)
-        step = max(m, 1) if self.cfg.window is None else _WINDOWED_PREFILL_SLICE
-        for start in range(0, m, step):
-            self._prefill_slice(kv, block_ids, tokens, start, min(m, start + step))
+        for pos in range(start, m, chunk):
+            self._prefill_slice(kv, block_ids, tokens, pos, min(m, pos + chunk))
 
     def _prefill_slice(
         self, kv: PagedKV, block_ids: list[int], tokens: np.ndarray, start: int, end: int
     ) -> None:
         w = self.cfg.window
-        k0 = start if w is None else max(0, start - w + 1)
+        k0 = 0 if w is None else max(0, start - w + 1)
         pos = np.arange(start, end)
         x = self.w.embed[tokens[start:end]]
         for layer, lw in enumerate(self.w.layers):

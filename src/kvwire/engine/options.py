@@ -95,6 +95,8 @@ def engine_options() -> list[Option]:
         Option("seed", int, 0, "weights seed (P, D and a colocated reference must agree)", ENGINES),
         Option("num_blocks", int, None, "KV blocks in the cache", ENGINES, default_text="the preset's"),
         Option("max_num_seqs", int, 64, "requests running at once", ENGINES),
+        Option("prefix_cache", bool, False, "keep whole prompt blocks after a request and reuse them for "
+               "prompts with the same prefix (answers unchanged: docs/fleet.md)", frozenset({P, C})),
         Option("engine_id", str, None, "the engine's id on the wire", ENGINES, default_text="ROLE-<random>"),
         Option(
             "api_key", str, None, "key every /v1 request must carry (Authorization: Bearer KEY)", ENGINES,

@@ -92,6 +92,8 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     needs_prefill: bool = True
+    prefix_keys: list[bytes] | None = None  # prefix cache keys of the prompt's whole chunks (P, colocated)
+    cached_tokens: int = 0  # leading prompt tokens found in the prefix cache: not prefilled
     error: Exception | None = None
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None

@@ -5,7 +5,9 @@ id), ``running`` (one step each per engine step). New requests join between step
 block it can ever need when admitted (prompt plus ``max_tokens``), so a running request never runs out of
 blocks and nothing is preempted. Blocks lent to a connector are tracked until it gives them back:
 ``held`` (P: finished requests whose KV is being sent) and ``fenced`` (D: failed or aborted loads waiting
-for RELEASED).
+for RELEASED). With a prefix cache (``engine.prefix_cache``), a request that prefills here starts with the
+cached blocks of its prompt's longest cached prefix and gets fresh blocks for the rest; evictable cached
+blocks count as free.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvwire.engine.config import EngineConfig
+from kvwire.engine.model import prefill_chunk
+from kvwire.engine.prefix_cache import PrefixCache
 from kvwire.engine.request import Request, RequestState, TransferRole
 from kvwire.errors import EngineOverloaded, InvalidRequest, UnknownTransfer
 from kvwire.kv.allocator import BlockAllocator
@@ -35,6 +39,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.held: dict[str, list[int]] = {}
         self.fenced: dict[str, list[int]] = {}
+        self.prefix_cache = (
+            PrefixCache(allocator, self.block_size, prefill_chunk(cfg.model)) if cfg.prefix_cache else None
+        )
 
     # -- sizes ---------------------------------------------------------------------------------------------
     def blocks_needed(self, req: Request) -> int:
@@ -54,6 +61,12 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.waiting_for_kv or self.running)
+
+    @property
+    def num_free(self) -> int:
+        """Blocks a request can get: free ones and evictable cached ones."""
+        cache = self.prefix_cache
+        return self.allocator.num_free + (cache.num_evictable if cache is not None else 0)
 
     def has_lent_blocks(self) -> bool:
         return bool(self.waiting_for_kv or self.held or self.fenced)
@@ -77,14 +90,18 @@ class Scheduler:
         budget = self.cfg.max_prefill_tokens
         while self.waiting and self.num_active < self.cfg.max_num_seqs:
             req = self.waiting[0]
-            need = self.blocks_needed(req)
             local = req.role is not TransferRole.REMOTE_PREFILL
-            if need > self.allocator.num_free or (local and out.prefills and len(req.prompt) > budget):
+            hit = self._cached_prefix(req) if local else []
+            need = self.blocks_needed(req) - len(hit)
+            uncached = len(req.prompt) - len(hit) * self.block_size
+            cache = self.prefix_cache
+            free = cache.available(hit) if cache is not None else self.allocator.num_free
+            if need > free or (local and out.prefills and uncached > budget):
                 break
             self.waiting.popleft()
-            req.block_ids = self.allocator.allocate(need)
+            req.block_ids = self._allocate(req, hit, need)
             if local:
-                budget -= len(req.prompt)
+                budget -= uncached
                 req.state = RequestState.RUNNING
                 self.running.append(req)
                 out.prefills.append(req)
@@ -95,6 +112,33 @@ class Scheduler:
                 self.waiting_for_kv[req.transfer_id] = req
                 out.remote.append(req)
         return out
+
+    def _cached_prefix(self, req: Request) -> list[int]:
+        cache = self.prefix_cache
+        if cache is None:
+            return []
+        if req.prefix_keys is None:
+            req.prefix_keys = cache.keys(req.prompt)
+        return cache.match(req.prefix_keys)
+
+    def _allocate(self, req: Request, hit: list[int], need: int) -> list[int]:
+        cache = self.prefix_cache
+        if cache is None or req.role is TransferRole.REMOTE_PREFILL:
+            return self.allocator.allocate(need)
+        cache.acquire(hit, len(req.prompt))
+        cache.make_room(need)
+        req.cached_tokens = len(hit) * self.block_size
+        return hit + self.allocator.allocate(need)
+
+    def _free(self, blocks: list[int]) -> None:
+        self.allocator.free(blocks)
+        if self.prefix_cache is not None:
+            self.prefix_cache.released(blocks)
+
+    def prefilled(self, req: Request) -> None:
+        """The request's prefill wrote its blocks: the prefix cache may keep them."""
+        if self.prefix_cache is not None and req.prefix_keys:
+            self.prefix_cache.insert(req.prefix_keys, req.block_ids)
 
     # -- transfer events -----------------------------------------------------------------------------------
     def kv_ready(self, transfer_id: str) -> Request:
@@ -142,7 +186,7 @@ class Scheduler:
         blocks = self.held.pop(transfer_id, None)
         if blocks is None:
             raise UnknownTransfer(f"producer event for transfer {transfer_id!r}, which holds no blocks")
-        self.allocator.free(blocks)
+        self._free(blocks)
 
     # -- ends ----------------------------------------------------------------------------------------------
     def finish(self, req: Request, state: RequestState, *, hold: bool = False) -> None:
@@ -158,7 +202,7 @@ class Scheduler:
             self.held[req.transfer_id] = req.block_ids
             return
         if req.block_ids:
-            self.allocator.free(req.block_ids)
+            self._free(req.block_ids)
         req.block_ids = []
 
     def abort_waiting_for_kv(self, transfer_id: str, state: RequestState) -> Request:

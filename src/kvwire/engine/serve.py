@@ -67,6 +67,7 @@ def build_server(values: dict[str, Any], role: Role, env: EnvConfig) -> EngineSe
         num_blocks=values["num_blocks"] or model.default_num_blocks,
         seed=values["seed"],
         max_num_seqs=values["max_num_seqs"],
+        prefix_cache=bool(values.get("prefix_cache", False)),
         kv_load_failure_policy=LoadFailurePolicy(values.get("kv_load_failure_policy", "fail")),
     )
     engine = Engine(cfg, prefault=True)

@@ -210,7 +210,7 @@ class EngineServer:
             "seed": ident.seed,
             "mode": ident.mode.value if ident.mode is not None else None,
             "authenticated": ident.authenticated,
-            "load": {"running": load.running, "waiting": load.waiting, "free_blocks": load.free_blocks},
+            "load": load.report(),
             "kv_blocks": self.engine.kv.allocator.num_blocks,
             "block_size": self.engine.kv.spec.block_size,
         }
@@ -221,9 +221,10 @@ class EngineServer:
                 hook()
             except Exception:
                 log.exception("metrics scrape hook failed")
-        alloc = self.engine.kv.allocator
-        fenced = self.engine.scheduler.fenced_blocks
-        self.metrics.set_blocks(BlockStats(in_use=alloc.num_used, quarantined=fenced, total=alloc.num_blocks))
+        alloc, sched = self.engine.kv.allocator, self.engine.scheduler
+        in_use = alloc.num_blocks - sched.num_free  # evictable prefix cache blocks are not in use
+        fenced = sched.fenced_blocks
+        self.metrics.set_blocks(BlockStats(in_use=in_use, quarantined=fenced, total=alloc.num_blocks))
 
     def accounting(self) -> dict[str, Any]:
         """Where every block is and how many requests are live: leak checks read it once the engine is quiet
@@ -243,8 +244,8 @@ class EngineServer:
         return {
             "blocks": {
                 "total": alloc.num_blocks,
-                "free": alloc.num_free,
-                "in_use": alloc.num_used,
+                "free": sched.num_free,  # evictable prefix cache blocks are free for the taking
+                "in_use": alloc.num_blocks - sched.num_free,
                 "quarantined": alloc.num_quarantined,
                 "held": held,
                 "fenced": sum(len(b) for b in list(sched.fenced.values())),

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter, Gauge
 
 from kvwire.apikey import ApiKeyMiddleware
-from kvwire.config import Policy, RouterConfig
+from kvwire.config import RouterConfig
 from kvwire.logsetup import transfer_extra
 from kvwire.metrics import CONTENT_TYPE, KvMetrics, MetricRole, Outcome
 from kvwire.protocol.messages import TransferMode
@@ -48,7 +48,6 @@ from kvwire.router.openai_api import ApiError, ApiKind, ErrorType, ParsedRequest
 from kvwire.router.policy import (
     EngineView,
     NoHealthyEngine,
-    Picker,
     PrefillSite,
     Role,
     decide_prefill,
@@ -89,7 +88,6 @@ class Router:
         self.registry = EngineRegistry(
             self.client, config.prefill_urls, config.decode_urls, config.health_timeout_s, config.engines
         )
-        self.picker = Picker(config.policy)
         self.fleet = FleetDiscovery(config.discovery, self.registry) if config.discovery else None
         self.metrics = KvMetrics(MetricRole.ROUTER, config.model, transfers=False)
         if self.fleet is not None:
@@ -240,9 +238,7 @@ class Router:
         self.metrics.record_request(outcome, time.monotonic() - start, lat.ttft_s, lat.token_gaps_s)
 
     def _pick_one(self, role: Role, hashes: list[bytes], tokens: int) -> EngineView:
-        prefix_aware = role is Role.PREFILL and self.picker.policy is Policy.PREFIX_AWARE
-        cached = self.registry.cached_tokens(hashes) if prefix_aware else None
-        return self.picker.pick(role, self.registry.views(role), cached, tokens)
+        return self.registry.pick(role, self.config.policy, hashes, tokens)
 
     async def _pick(self, hashes: list[bytes], tokens: int) -> tuple[EngineView, EngineView]:
         picks = []

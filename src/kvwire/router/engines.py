@@ -2,6 +2,10 @@
 
 Health is polled in the background and refreshed at once when a leg to an engine fails, so a restarted
 prefill engine (new engine id, incarnation or side-channel port) is picked up without waiting for the poll.
+
+Picks (``EngineRegistry.pick``) follow ``policy.Picker``'s rules without looking at every engine: the
+engines a pick may choose (healthy, not draining) are kept per role in ``Ranking``s by load and by
+prefill queue, updated where a load changes, so a pick's cost does not grow with the fleet.
 """
 
 from __future__ import annotations
@@ -17,14 +21,16 @@ from typing import Any
 
 import aiohttp
 
+from kvwire.config import Policy
 from kvwire.protocol.messages import TransferMode
 from kvwire.router import dialects
 from kvwire.router.dialects import DEFAULT_KIND
 from kvwire.router.health import HealthInfo as HealthInfo
 from kvwire.router.health import split_fragment
 from kvwire.router.http import EngineClient
-from kvwire.router.policy import EngineView, Load, Role
+from kvwire.router.policy import QUEUE_TOKENS, EngineView, Load, NoHealthyEngine, Role, prefill_cost
 from kvwire.router.prefix import BLOCK_TOKENS, PrefixIndex
+from kvwire.router.ranking import Ranking
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +71,7 @@ class EngineState:
     checked_at: float = 0.0
     discovered: bool = False  # from etcd: leaves the view when its record goes
     draining: bool = False  # its record says it is draining: finish what it has, send it nothing new
+    in_fleet: bool = True  # listed in the registry's engines (a departed one lingers while ours end)
     _refreshing: asyncio.Task[None] | None = field(default=None, repr=False)
 
     def view(self) -> EngineView:
@@ -72,6 +79,23 @@ class EngineState:
         return EngineView(
             self.url, self.healthy and not self.draining, load, self.inflight, self.prefill_tokens
         )
+
+    @property
+    def pickable(self) -> bool:
+        return self.in_fleet and self.healthy and not self.draining
+
+    def busy(self) -> int:
+        """See ``policy.busy``."""
+        load = self.info.load if self.info is not None else None
+        return max(load.running + load.waiting, self.inflight) if load is not None else self.inflight
+
+    def load_key(self) -> tuple[int, ...]:
+        """``policy.least_loaded``'s order: fewest requests, then most free blocks."""
+        return (self.busy(), -self.info.load.free_blocks if self.info is not None else 0)
+
+    def queue_key(self) -> tuple[int, ...]:
+        """``policy.prefill_cost`` without the prompt: what P computes before a new prompt."""
+        return (self.prefill_tokens + QUEUE_TOKENS * self.busy(),)
 
     def summary(self) -> dict[str, Any]:
         info = self.info
@@ -86,6 +110,18 @@ class EngineState:
             "load": vars(info.load) if info else None,
             "error": self.error,
         }
+
+
+def _load_key(state: EngineState) -> tuple[int, ...]:
+    return state.load_key()
+
+
+def _queue_key(state: EngineState) -> tuple[int, ...]:
+    return state.queue_key()
+
+
+def _pickable(state: EngineState) -> bool:
+    return state.pickable
 
 
 class EngineRegistry:
@@ -106,6 +142,10 @@ class EngineRegistry:
             for role, urls in ((Role.PREFILL, prefill), (Role.DECODE, decode))
         }
         self._by_url = {e.url: e for states in self.engines.values() for e in states}
+        self._by_load: dict[Role, Ranking[EngineState]] = {r: Ranking(_load_key, _pickable) for r in Role}
+        self._by_queue: dict[Role, Ranking[EngineState]] = {r: Ranking(_queue_key, _pickable) for r in Role}
+        self._rotation: dict[Role, list[EngineState] | None] = {r: None for r in Role}  # None: to rebuild
+        self._turn = {r: 0 for r in Role}
         # What each P probably holds in its prefix cache (kept under every policy, to report hit rates).
         self.prefix = PrefixIndex()
         # Prompt blocks sent to P, and of those the ones P was believed to hold (``/health``).
@@ -132,6 +172,65 @@ class EngineRegistry:
     def views(self, role: Role) -> list[EngineView]:
         return [e.view() for e in self.engines[role]]
 
+    # -- picks ---------------------------------------------------------------------------------------------
+    def _touch(self, state: EngineState) -> None:
+        """The state's load, health or membership may have changed: re-rank it."""
+        role, ranks = state.role, (self._by_load[state.role], self._by_queue[state.role])
+        if state.pickable:
+            if state.url not in self._by_load[role]:
+                self._rotation[role] = None
+            for rank in ranks:
+                rank.update(state)
+        elif state.url in self._by_load[role]:
+            self._rotation[role] = None
+            for rank in ranks:
+                rank.remove(state.url)
+
+    def pick(
+        self, role: Role, policy: Policy, hashes: Sequence[bytes] = (), prompt_tokens: int = 0
+    ) -> EngineView:
+        """One engine for a request by ``policy`` (``policy.Picker``'s rules): O(1) for round robin and
+        least loaded, and for prefix aware O(blocks + the Ps holding the prompt's first block)."""
+        turn = self._turn[role]
+        self._turn[role] = turn + 1
+        if policy is Policy.ROUND_ROBIN:
+            rotation = self._rotation[role]
+            if rotation is None:
+                rotation = self._rotation[role] = [s for s in self.engines[role] if s.pickable]
+            if not rotation:
+                raise NoHealthyEngine(role)
+            chosen = rotation[turn % len(rotation)]
+            if not chosen.pickable:  # changed without a _touch (tests set fields): look again
+                self._rotation[role] = None
+                return self.pick(role, policy, hashes, prompt_tokens)
+            return chosen.view()
+        if policy is Policy.PREFIX_AWARE and role is Role.PREFILL:
+            return self._cheapest_prefill(hashes, prompt_tokens).view()
+        best = self._by_load[role].best()
+        if best is None:
+            raise NoHealthyEngine(role)
+        return best.view()
+
+    def _cheapest_prefill(self, hashes: Sequence[bytes], prompt_tokens: int) -> EngineState:
+        """The lowest ``prefill_cost``: the P with the shortest queue (the ranking's top), unless a P
+        holding some of the prompt costs less (only those are looked at)."""
+        best = self._by_queue[Role.PREFILL].best()
+        if best is None:
+            raise NoHealthyEngine(Role.PREFILL)
+        held = self.prefix.overlaps(hashes)
+
+        def cost(state: EngineState) -> int:
+            return prefill_cost(state.view(), held.get(state.url, 0) * BLOCK_TOKENS, prompt_tokens)
+
+        best_cost = cost(best)
+        for url in held:
+            state = self._by_url.get(url)
+            if state is not None and state.role is Role.PREFILL and state.pickable:
+                c = cost(state)
+                if c < best_cost:
+                    best, best_cost = state, c
+        return best
+
     def models(self) -> set[str]:
         return {e.info.model for e in self._by_url.values() if e.info is not None and e.info.model}
 
@@ -153,6 +252,7 @@ class EngineRegistry:
             state.healthy, state.info, state.error = True, info, None
             self._size_prefix(state)
         state.checked_at = time.monotonic()
+        self._touch(state)
 
     async def check_all(self, role: Role | None = None) -> None:
         states = [*self._by_url.values()] if role is None else [*self.engines[role]]
@@ -175,7 +275,7 @@ class EngineRegistry:
     def in_view(self, url: str) -> bool:
         """Whether the engine is still in the fleet (a discovered one may leave while a request awaits)."""
         state = self._by_url.get(url)
-        return state is not None and state in self.engines[state.role]
+        return state is not None and state.in_fleet
 
     async def info_of(self, url: str) -> HealthInfo | None:
         state = self._by_url.get(url)
@@ -192,12 +292,14 @@ class EngineRegistry:
         for state in filter(None, map(self._by_url.get, urls)):
             state.inflight += 1
             state.sent += 1
+            self._touch(state)
 
     def end(self, *urls: str) -> None:
         for url in urls:
             state = self._by_url.get(url)
             if state is not None:
                 state.inflight -= 1
+                self._touch(state)
                 self._drop_if_gone(url)
 
     def prefill_begin(self, url: str, tokens: int) -> None:
@@ -205,11 +307,13 @@ class EngineRegistry:
         state = self._by_url.get(url)
         if state is not None:
             state.prefill_tokens += tokens
+            self._touch(state)
 
     def prefill_end(self, url: str, tokens: int) -> None:
         state = self._by_url.get(url)
         if state is not None:
             state.prefill_tokens -= tokens
+            self._touch(state)
             self._drop_if_gone(url)
 
     def prefix_sent(self, url: str, hashes: list[bytes]) -> None:
@@ -239,7 +343,8 @@ class EngineRegistry:
                 state.static = info
                 if state.info is not None and state.info.incarnation == info.incarnation:
                     info = dataclasses.replace(info, model=state.info.model)
-            if state not in self.engines[role]:
+            if not state.in_fleet:
+                state.in_fleet = True
                 self.engines[role].append(state)
             if state.info is None or state.info.incarnation != info.incarnation:
                 if state.info is not None:
@@ -248,11 +353,13 @@ class EngineRegistry:
                 state.healthy, state.error = True, None
             state.info, state.draining = info, draining.get(url, False)
             self._size_prefix(state)
+            self._touch(state)
         for role, states in self.engines.items():
             for state in [s for s in states if s.discovered and (role, s.url) not in found]:
                 log.info("%s engine %s left the fleet", role.value, state.url)
                 states.remove(state)
-                state.healthy = False
+                state.healthy = state.in_fleet = False
+                self._touch(state)
                 self.prefix.forget(state.url)
                 self._drop_if_gone(state.url)
 
@@ -260,7 +367,7 @@ class EngineRegistry:
     def _discovered(url: str, role: Role, old: EngineState | None) -> EngineState:
         """A discovered engine's state; one that changed role keeps its counts of requests in flight,
         which end (by URL) on the new state."""
-        state = EngineState(url, role, discovered=True)
+        state = EngineState(url, role, discovered=True, in_fleet=False)
         if old is not None:
             state.inflight, state.prefill_tokens = old.inflight, old.prefill_tokens
         return state
@@ -272,7 +379,7 @@ class EngineRegistry:
     def _drop_if_gone(self, url: str) -> None:
         """Forget a departed engine once no request of ours is on it (the table stays bounded)."""
         state = self._by_url.get(url)
-        if state is None or not state.discovered or state in self.engines[state.role]:
+        if state is None or not state.discovered or state.in_fleet:
             return
         if state.inflight <= 0 and state.prefill_tokens <= 0:
             del self._by_url[url]

@@ -79,7 +79,12 @@ class PrefixIndex:
         return out
 
     def overlap(self, url: str, hashes: Sequence[bytes]) -> int:
-        return self.overlaps(hashes).get(url, 0)
+        """How many leading blocks of ``hashes`` one engine holds (whatever the other engines hold)."""
+        for i, h in enumerate(hashes):
+            holders = self._holders.get(h)
+            if holders is None or url not in holders:
+                return i
+        return len(hashes)
 
     def record(self, url: str, hashes: Sequence[bytes]) -> None:
         held = self._engines.setdefault(url, OrderedDict())

@@ -17,8 +17,10 @@ Scenarios, each on the same fleet (``--p`` prefill and ``--d`` decode engines, a
 Every answer is compared with the colocated reference engine's (temperature 0): ``mismatched`` counts the
 differences. ``routing`` sends the same shared-prefix requests (few-shot prompts: a long shared prefix and
 a short question) through two routers on the same fleet, one per policy; ``prefix_hit_rate`` is the share
-of prompt blocks the chosen P already held by the router's index. The reference engines keep no prefix
-cache, so a hit saves them nothing: TTFT is reported, the saving needs an engine with one (vLLM's).
+of prompt blocks the chosen P already held by the router's index; ``engine_hit_rate`` the share of prompt
+tokens the prefill engines found in their prefix caches (``--prefix-cache``, on for every P here; the
+colocated reference keeps none). Each policy gets its own prefixes, so the second does not find the
+first's in the caches. Goal: prefix-aware TTFT p50 <= 0.7x round robin's.
 """
 
 from __future__ import annotations
@@ -70,9 +72,15 @@ class Bench:
         self.prompts = plain_prompts(16, args.seed)
         groups = args.prefix_groups
         per_group = max(1, args.routing_requests // groups)
-        self.shared = shared_prefix_prompts(groups, per_group, args.prefix_bytes, args.seed)
+        # Each policy its own prefixes (same shape, other seed): the second must not find the first's
+        # prefixes in the engines' caches.
+        self.shared = {
+            policy: shared_prefix_prompts(groups, per_group, args.prefix_bytes, args.seed + 1 + i)
+            for i, policy in enumerate(POLICIES)
+        }
+        every = [*self.prompts, *(p for prompts in self.shared.values() for p in prompts)]
         assert fleet.colocated is not None
-        self.reference = reference_answers(fleet.colocated, [*self.prompts, *self.shared], self.setup)
+        self.reference = reference_answers(fleet.colocated, every, self.setup)
         self.router = fleet.routers[_MAIN]
 
     def load(self, requests: int, prompts: Sequence[str] | None = None, policy: str = _MAIN) -> Load:
@@ -154,17 +162,30 @@ class Bench:
         out = []
         for policy in POLICIES:
             router = self.fleet.routers[policy]
-            before = _prefix_blocks(router.url)
-            outcome = self.load(self.args.routing_requests, self.shared, policy).join()
-            after = _prefix_blocks(router.url)
+            before, engines_before = _prefix_blocks(router.url), self._engine_hits()
+            outcome = self.load(self.args.routing_requests, self.shared[policy], policy).join()
+            after, engines_after = _prefix_blocks(router.url), self._engine_hits()
             total = after["total"] - before["total"]
             hit_rate = (after["hit"] - before["hit"]) / total if total else 0.0
+            queried = engines_after[0] - engines_before[0]
+            engine_rate = (engines_after[1] - engines_before[1]) / queried if queried else 0.0
             case = outcome.case()
             out.append({
                 "policy": policy, "prefix_hit_rate": round(hit_rate, 3), "ttft_p50_ms": case["ttft_p50_ms"],
-                "failed": case["failed"], "mismatched": case["mismatched"],
+                "engine_hit_rate": round(engine_rate, 3), "failed": case["failed"],
+                "mismatched": case["mismatched"],
             })  # fmt: skip
         return out
+
+    def _engine_hits(self) -> tuple[int, int]:
+        """Prompt tokens the prefill engines looked up in their prefix caches, and found there."""
+        queried = hit = 0
+        for name, server in self.fleet.engines.items():
+            if name.startswith("prefill") and _alive(server):
+                load = httpx.get(server.url + "/health", timeout=5.0).json()["load"]
+                queried += int(load.get("prefix_query_tokens", 0))
+                hit += int(load.get("prefix_hit_tokens", 0))
+        return queried, hit
 
 
 def _new_life(url: str, old_engine_id: str) -> Callable[[dict[str, dict[str, Any]]], bool]:
@@ -198,7 +219,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         routing = bench.routing() if args.routing_requests > 0 else []
     doc = envelope("fleet", cases)
     doc["routing"] = routing
-    doc["router_cost"] = router_cost((2, 4, 8, 16, 32), args.cost_picks)
+    doc["router_cost"] = router_cost((1, 2, 4, 8, 16, 32), args.cost_picks)
     return doc
 
 
@@ -213,7 +234,29 @@ def goals(doc: Mapping[str, Any]) -> list[str]:
             missed.append(f"{c['scenario']}: {c['failed']} failed, {c['mismatched']} mismatched")
         if c["scenario"] == "join" and c["join_to_traffic_s"] > 2.0:
             missed.append(f"join: first traffic after {c['join_to_traffic_s']} s")
+    routing = {r["policy"]: r for r in doc["routing"]}
+    for r in routing.values():
+        if r["failed"] or r["mismatched"]:
+            missed.append(f"routing {r['policy']}: {r['failed']} failed, {r['mismatched']} mismatched")
+    if len(routing) == 2:
+        ratio = routing_ratio(doc)
+        if ratio is None or ratio > ROUTING_GOAL:
+            missed.append(f"routing: prefix-aware TTFT p50 {ratio}x round robin's (goal <= {ROUTING_GOAL})")
+    cost = {c["engines"]: c["pick_us"] for c in doc.get("router_cost", [])}
+    if 2 in cost and 32 in cost and cost[32] > COST_GOAL * cost[2]:
+        missed.append(f"router cost: {cost[32]} us at 32 engines > {COST_GOAL}x {cost[2]} us at 2")
     return missed
+
+
+ROUTING_GOAL = 0.7
+COST_GOAL = 1.3  # "flat from 2 to 32 engines", with room for this host's noise
+
+
+def routing_ratio(doc: Mapping[str, Any]) -> float | None:
+    """Prefix-aware TTFT p50 over round robin's, same run."""
+    by = {r["policy"]: r["ttft_p50_ms"] for r in doc["routing"]}
+    rr, pa = by.get("round_robin"), by.get("prefix_aware")
+    return round(pa / rr, 3) if rr and pa is not None else None
 
 
 def print_results(doc: Mapping[str, Any]) -> None:
@@ -234,8 +277,12 @@ def print_results(doc: Mapping[str, Any]) -> None:
         [*(c[k] for k in keys), _ms(c["ttft_p50_ms"]), _ms(c["ttft_p99_ms"])] for c in doc["cases"]
     ]
     print_table("fleet scenarios", cols, rows)
-    rows = [[r["policy"], f"{r['prefix_hit_rate']:.2f}", _ms(r["ttft_p50_ms"])] for r in doc["routing"]]
-    print_table("routing (shared-prefix workload)", ("policy", "prefix hit rate", "TTFT p50"), rows)
+    rows = [
+        [r["policy"], f"{r['prefix_hit_rate']:.2f}", f"{r['engine_hit_rate']:.2f}", _ms(r["ttft_p50_ms"])]
+        for r in doc["routing"]
+    ]
+    heads = ("policy", "prefix hit rate (router)", "engine hit rate", "TTFT p50")
+    print_table("routing (shared-prefix workload)", heads, rows)
     rows = [[c["engines"], f"{c['pick_us']:.1f}"] for c in doc["router_cost"]]
     print_table("router pick cost", ("engines", "us per request"), rows)
 

@@ -62,6 +62,8 @@ class FleetProcs:
         args += ["--num-blocks", str(s.num_blocks), "--log-level", "warning"]
         if role != "colocated":
             args += ["--backend", s.backend, "--discovery", self.etcd.url, "--discovery-ttl", str(s.ttl_s)]
+        if role == "prefill":
+            args.append("--prefix-cache")  # as vLLM's default; the colocated reference keeps none
         return args
 
     def start_engine(self, name: str) -> Server:
