@@ -8,7 +8,6 @@ import statistics
 from dataclasses import dataclass
 
 import pytest
-from kvwire.bench.fleet_cost import pick_us
 
 from kvwire.config import Policy
 from kvwire.router.engines import EngineRegistry, HealthInfo
@@ -16,6 +15,7 @@ from kvwire.router.http import EngineClient
 from kvwire.router.policy import Load, Picker, Role, busy, prefill_cost
 from kvwire.router.prefix import block_hashes
 from kvwire.router.ranking import Ranking
+from kvwire_tools.bench.fleet_cost import pick_us
 
 
 @dataclass
