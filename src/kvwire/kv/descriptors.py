@@ -12,7 +12,10 @@ Rules:
   ``num_cached_tokens`` must be a multiple of D's block size. The unit of copy is a P block: the last one
   moves whole, so D's positions past ``num_tokens`` inside the last P block receive P's (unused) bytes.
 * Block sizes. D's block size must be a multiple of P's (P block ``i`` lands in D block ``i // r`` at
-  token slot ``(i % r) * P's block size``).
+  token slot ``(i % r) * P's block size``). A fused K/V cache (vLLM >= 0.34) splits too: with ``[K|V]``
+  token rows a head's P block is one run of D's head rows; with a K tile then a V tile per head
+  (``spec.kv_tiles``, vLLM's CPU backend) each tile is planned as a head of its own, so a head's P block
+  is two runs (its K rows, its V rows).
 * Layouts. Both sides use ``spec.layout``. HND (``[heads, tokens, head_dim]``): a head slice of a block is
   contiguous, so one descriptor per block (per head when block sizes differ). NHD
   (``[tokens, heads, head_dim]``): whole blocks are contiguous, but a head slice (TP sizes differ) is
@@ -113,6 +116,7 @@ class _Geometry:
     dst_heads: int
     src_bs: int
     dst_bs: int
+    tiles: bool = False  # K and V tiles planned as heads of their own (heads and slices doubled)
 
     @property
     def src_block_len(self) -> int:
@@ -157,6 +161,8 @@ def plan_transfer(
     if not slices or not layers or first_p >= last_p:
         return TransferPlan()
     geo = _geometry(spec, src, dst)
+    if geo.tiles:
+        slices = _tile_slices(slices)
     if small:
         # A few blocks: numpy's per-call overhead (dozens of tiny arrays) costs more than the Python loop.
         src_py = cast("list[int]", src_ids)
@@ -187,6 +193,18 @@ def _pair_slices(
 
 @functools.lru_cache(maxsize=256)
 def _geometry_of(spec: KVSpec, src_tp: int, src_bs: int, dst_tp: int, dst_bs: int) -> _Geometry:
+    if spec.kv_tiles and src_bs != dst_bs:
+        # A head's block is a K tile then a V tile, each [block_size, head_dim]: as two heads of half the
+        # width, the HND sub-block rule moves each tile's rows into the same tile of D's larger block.
+        return _Geometry(
+            spec.layout,
+            spec.head_bytes // 2,
+            2 * spec.heads_per_rank(src_tp),
+            2 * spec.heads_per_rank(dst_tp),
+            src_bs,
+            dst_bs,
+            tiles=True,
+        )
     return _Geometry(
         spec.layout,
         spec.head_bytes,
@@ -194,6 +212,13 @@ def _geometry_of(spec: KVSpec, src_tp: int, src_bs: int, dst_tp: int, dst_bs: in
         spec.heads_per_rank(dst_tp),
         src_bs,
         dst_bs,
+    )
+
+
+def _tile_slices(slices: tuple[HeadSlice, ...]) -> tuple[HeadSlice, ...]:
+    """Head slices in tiles (two per head: K, V) for ``_Geometry.tiles``."""
+    return tuple(
+        HeadSlice(s.src_rank, s.dst_rank, 2 * s.src_head, 2 * s.dst_head, 2 * s.num_heads) for s in slices
     )
 
 

@@ -5,9 +5,9 @@ Both are defined over tokens, not descriptors, so that P (over its source blocks
 the bytes landed in) compute them alike whatever their block sizes and however the planner coalesced the
 copy. The payload of (P rank, D rank) for a request is, for every layer both ranks hold (ascending), every
 region kind (``spec.kinds`` order), every head slice P rank writes into D rank (``pair_slices`` order),
-every head of the slice, and (K then V for a fused cache) the rows of tokens ``[num_cached_tokens,
-num_tokens)``: ``head_dim * itemsize`` bytes per token. Bytes P copies past ``num_tokens`` (the tail of
-its last block) are not part of it: nothing reads them.
+every head of the slice, and (a fused cache: K then V in tiles, ``spec.kv_tiles``, else ``[K|V]`` rows)
+the rows of tokens ``[num_cached_tokens, num_tokens)``: ``head_bytes`` per token and head. Bytes P copies
+past ``num_tokens`` (the tail of its last block) are not part of it: nothing reads them.
 
 The digest is CRC-32 (``zlib.crc32``, 4 bytes big-endian) of that stream: it catches a ``done`` whose
 bytes never landed or landed elsewhere (it is not a MAC: the shared secret's tags authenticate peers).
@@ -92,8 +92,8 @@ def _hnd(spec: KVSpec, scope: DigestScope, mem: np.ndarray, crc: int) -> int:
     hashed straight from memory, one span per (head, half, block), with no copy (2.3 GiB/s against 1.5
     gathering it, a Llama-3-8B-shaped 1k-token request)."""
     bs, t0, t1 = spec.block_size, scope.first_token, scope.end_token
-    row = spec.head_dim * spec.itemsize
-    halves = spec.head_bytes // row  # 2 for a fused cache: a head's K tile, then its V tile
+    halves = 2 if spec.kv_tiles else 1  # a fused head's K tile, then its V tile (else [K|V] token rows)
+    row = spec.head_bytes // halves
     block_len = mem.shape[1]
     spans = []  # (offset of the block's first payload row, bytes) in token order
     for i in range(t0 // bs, -(-t1 // bs)):

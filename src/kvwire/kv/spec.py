@@ -46,6 +46,11 @@ class KVSpec:
     # K and V of one head stored together in each block (vLLM's CPU backend: a block is, per head, a
     # [block_size, head_dim] K tile then a V tile): one region per layer whose head unit is twice as wide.
     kv_fused: bool = False
+    # How a fused head's block holds K and V: False, each token row is K then V (FlashAttention and the
+    # other GPU backends of vLLM >= 0.34); True, a [block_size, head_dim] K tile then a V tile (vLLM's CPU
+    # backend). The same bytes move either way when P and D share a block size; a split by tokens (D's
+    # blocks larger than P's) needs to know which.
+    kv_tiles: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -55,6 +60,8 @@ class KVSpec:
                 raise LayoutError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kv_fused and (self.mla or self.layout is not Layout.HND):
             raise LayoutError("a fused K/V cache is HND and not MLA")
+        if self.kv_tiles and not self.kv_fused:
+            raise LayoutError("kv_tiles describes a fused K/V cache (kv_fused)")
         if self.mla and self.kv_heads != 1:
             raise LayoutError("an MLA cache has one latent head (kv_heads=1)")
 

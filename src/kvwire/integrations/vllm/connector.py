@@ -64,6 +64,14 @@ def _tp_pp_rank() -> tuple[int, int]:
     return int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group)
 
 
+def _cpu_backend() -> bool:
+    """vLLM's CPU attention backend stores a fused head block as a K tile then a V tile; its GPU backends
+    as ``[K|V]`` token rows (kvwire splits blocks by tokens when P's and D's block sizes differ)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
 class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -102,6 +110,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             head_dim=int(mc.get_head_size()),
             block_size=block_size,
             mla=bool(getattr(mc, "use_mla", False)),
+            kv_tiles=_cpu_backend(),
         )
         self._worker = WorkerSide(kv_role, settings, place)
 

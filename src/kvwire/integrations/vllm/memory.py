@@ -127,11 +127,13 @@ def kv_from_vllm(
     tp_rank: int = 0,
     mla: bool = False,
     layout: Layout | None = None,
+    kv_tiles: bool = False,
 ) -> ExternalKV:
     """One vLLM worker's ``kv_caches`` (layer name -> tensor, as ``register_kv_caches`` gets them) as an
     ``ExternalKV``: each layer tensor registered once, K and V as regions, zero copy. ``num_layers`` and
     ``kv_heads`` are the model's totals; ``layout`` forces a layout when the tensor cannot tell (heads ==
-    block_size)."""
+    block_size). ``kv_tiles``: a fused cache holds per head a K tile then a V tile (vLLM's CPU backend),
+    not ``[K|V]`` token rows (the GPU backends); the strides cannot tell, the platform does."""
     if not kv_caches:
         raise LayoutError("vLLM gave no KV cache tensors")
     spec0: KVSpec | None = None
@@ -151,6 +153,7 @@ def kv_from_vllm(
             layout=layout or ll.layout,
             mla=mla,
             kv_fused=ll.kv_fused,
+            kv_tiles=kv_tiles and ll.kv_fused,
         )
         if spec0 is not None and spec != spec0:
             raise LayoutError(f"layer {name}: {spec} differs from the first layer's {spec0}")

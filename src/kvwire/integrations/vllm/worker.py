@@ -50,6 +50,7 @@ class RankPlace:
     head_dim: int
     block_size: int
     mla: bool = False
+    kv_tiles: bool = False  # vLLM's CPU backend: a fused head block is a K tile then a V tile
 
 
 @dataclass(slots=True)
@@ -88,6 +89,7 @@ class WorkerSide:
             tp_size=p.tp_size,
             tp_rank=p.tp_rank,
             mla=p.mla,
+            kv_tiles=p.kv_tiles,
         )
         log.info(
             "kvwire: rank pp%d/tp%d registers %d regions (%s, %d blocks of %d B, %s)",
