@@ -54,6 +54,12 @@ def _check_model(engine: EngineInfo, md: Metadata) -> None:
         raise IncompatiblePeer(
             f"KV geometry (heads, head_dim, dtype, layout, mla, kv_fused, kv_tiles) {theirs} != ours {ours}"
         )
+    groups = (tuple(kv.layer_groups), tuple(kv.group_windows))
+    if groups != (spec.layer_groups, spec.group_windows):
+        raise IncompatiblePeer(
+            f"KV cache groups (layer groups, sliding windows) {groups} != ours "
+            f"{(spec.layer_groups, spec.group_windows)}"
+        )
 
 
 def _region(r: RegionMsg) -> RegionInfo:

@@ -112,6 +112,8 @@ def _kv_info(rank: LocalRank) -> KVInfo:
         mla=spec.mla,
         kv_fused=spec.kv_fused,
         kv_tiles=spec.kv_tiles,
+        layer_groups=list(spec.layer_groups),
+        group_windows=list(spec.group_windows),
     )
 
 

@@ -36,6 +36,7 @@ from typing import cast
 import numpy as np
 
 from kvwire.errors import BlockRangeError, LayoutError
+from kvwire.kv.groups import first_token, grouped, layer_runs, num_groups, segment
 from kvwire.kv.mapping import HeadSlice, RankLayout, pair_slices
 from kvwire.kv.spec import KVSpec, Layout
 from kvwire.protocol.types import Desc
@@ -141,8 +142,48 @@ def plan_transfer(
 
     Empty when the ranks share no heads or no layers, or D's prefix hit covers every P block.
     Raises ``LayoutError`` for an unsupported geometry and ``BlockRangeError`` for block ids outside
-    either cache or a block listed twice.
+    either cache or a block listed twice. A hybrid model's KV cache groups (``kv/groups.py``): each run of
+    layers of one group is planned with that group's blocks and first token.
     """
+    if not grouped(spec):
+        return _plan(spec, src, dst, src_blocks, dst_blocks, num_tokens, num_cached_tokens, None)
+    if src.block_size != dst.block_size:
+        raise LayoutError(
+            f"a hybrid model's KV cache groups need one block size on P and D, got {src.block_size} and "
+            f"{dst.block_size}"
+        )
+    common = range(max(src.first_layer, dst.first_layer), min(src.layers.stop, dst.layers.stop))
+    runs = layer_runs(spec, common)
+    parts: list[TransferPlan] = []
+    for g in range(num_groups(spec)):
+        s_ids = segment(spec, src_blocks, g, num_tokens, src.block_size)
+        d_ids = segment(spec, dst_blocks, g, num_tokens, dst.block_size)
+        first = first_token(spec, g, num_tokens, num_cached_tokens)
+        mine = [r for gg, r in runs if gg == g] or [range(0)]  # range(0): the ids are still checked
+        parts += [_plan(spec, src, dst, s_ids, d_ids, num_tokens, first, r) for r in mine]
+    parts = [p for p in parts if not p.empty]
+    if not parts:
+        return TransferPlan()
+    return TransferPlan(
+        np.concatenate([p.src_array for p in parts]),
+        np.concatenate([p.dst_array for p in parts]),
+        num_runs=sum(p.num_runs for p in parts),
+        num_regions=sum(p.num_regions for p in parts),
+        nbytes=sum(p.nbytes for p in parts),
+    )
+
+
+def _plan(
+    spec: KVSpec,
+    src: RankLayout,
+    dst: RankLayout,
+    src_blocks: Sequence[int],
+    dst_blocks: Sequence[int],
+    num_tokens: int,
+    num_cached_tokens: int,
+    only_layers: range | None,
+) -> TransferPlan:
+    """``plan_transfer`` for one block list (one group), over ``only_layers`` when given."""
     first_p, last_p, ratio = _token_range(src, dst, num_tokens, num_cached_tokens)
     if len(src_blocks) < last_p:
         raise BlockRangeError(f"{num_tokens} tokens need {last_p} P blocks, got {len(src_blocks)}")
@@ -158,6 +199,10 @@ def plan_transfer(
     dst_used = check(dst_blocks[d_first:d_last], dst.num_blocks, "D")
     slices = _pair_slices(spec, src.tp_size, dst.tp_size, src.tp_rank, dst.tp_rank)
     layers = range(max(src.first_layer, dst.first_layer), min(src.layers.stop, dst.layers.stop))
+    if only_layers is not None:
+        layers = range(
+            max(layers.start, only_layers.start), max(layers.start, min(layers.stop, only_layers.stop))
+        )
     if not slices or not layers or first_p >= last_p:
         return TransferPlan()
     geo = _geometry(spec, src, dst)

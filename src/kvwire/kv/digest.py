@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import ctypes
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from kvwire.kv import groups
 from kvwire.kv.mapping import HeadSlice, layer_window, pair_slices
 from kvwire.kv.regions import CacheMemory
 from kvwire.kv.spec import KVSpec, Layout
@@ -58,9 +59,13 @@ def p_layers(spec: KVSpec, p_pp_size: int, p_pp_rank: int) -> range:
 def payload_bytes(
     spec: KVSpec, layers: range, slices: tuple[HeadSlice, ...], first_token: int, end_token: int
 ) -> int:
-    """Bytes of the payload (module doc): what ``done.nbytes`` states."""
+    """Bytes of the payload (module doc): what ``done.nbytes`` states. A sliding-window group's layers
+    count from their group's first token (``kv/groups.py``)."""
     heads = sum(s.num_heads for s in slices)
-    return len(layers) * len(spec.kinds) * heads * max(0, end_token - first_token) * spec.head_bytes
+    tokens = sum(
+        max(0, end_token - groups.layer_first_token(spec, ly, end_token, first_token)) for ly in layers
+    )
+    return len(spec.kinds) * heads * tokens * spec.head_bytes
 
 
 def _region_array(base: int, block_len: int, num_blocks: int) -> np.ndarray:
@@ -79,11 +84,20 @@ def kv_digest(cache: CacheMemory, scope: DigestScope) -> bytes | None:
         return crc.to_bytes(DIGEST_BYTES, "big")
     regions = {(r.layer, r.kind): r for r in cache.regions()}
     for layer in scope.layers:
+        here = scope
+        if groups.grouped(spec):  # the layer's group: its blocks and, for a sliding window, its first token
+            group, end = spec.layer_groups[layer], scope.end_token
+            ids = tuple(groups.segment(spec, scope.block_ids, group, end, spec.block_size))
+            here = replace(
+                scope, block_ids=ids, first_token=groups.first_token(spec, group, end, scope.first_token)
+            )
+            if here.first_token >= end:
+                continue
         for kind in spec.kinds:
             r = regions[(layer, kind)]
             mem = _region_array(r.base_addr, r.block_len, r.num_blocks)
             hash_region = _hnd if spec.layout is Layout.HND else _nhd
-            crc = hash_region(spec, scope, mem, crc)
+            crc = hash_region(spec, here, mem, crc)
     return crc.to_bytes(DIGEST_BYTES, "big")
 
 

@@ -51,6 +51,10 @@ class KVSpec:
     # backend). The same bytes move either way when P and D share a block size; a split by tokens (D's
     # blocks larger than P's) needs to know which.
     kv_tiles: bool = False
+    # A hybrid model's KV cache groups (kv/groups.py): each layer's group, each group's sliding window in
+    # tokens (0: full attention). Empty: one group.
+    layer_groups: tuple[int, ...] = ()
+    group_windows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -64,6 +68,19 @@ class KVSpec:
             raise LayoutError("kv_tiles describes a fused K/V cache (kv_fused)")
         if self.mla and self.kv_heads != 1:
             raise LayoutError("an MLA cache has one latent head (kv_heads=1)")
+        self._check_groups()
+
+    def _check_groups(self) -> None:
+        if not self.layer_groups and not self.group_windows:
+            return
+        if len(self.layer_groups) != self.num_layers:
+            raise LayoutError(f"layer_groups names {len(self.layer_groups)} layers, not {self.num_layers}")
+        if sorted(set(self.layer_groups)) != list(range(len(self.group_windows))):
+            raise LayoutError(
+                f"layer_groups {self.layer_groups} do not use groups 0..{len(self.group_windows) - 1}"
+            )
+        if any(w < 0 for w in self.group_windows):
+            raise LayoutError(f"negative sliding window in {self.group_windows}")
 
     @property
     def np_dtype(self) -> np.dtype[np.generic]:

@@ -51,6 +51,8 @@ class RankPlace:
     block_size: int
     mla: bool = False
     kv_tiles: bool = False  # vLLM's CPU backend: a fused head block is a K tile then a V tile
+    layer_groups: tuple[int, ...] = ()  # a hybrid model's KV cache groups (integrations/vllm/hma.py)
+    group_windows: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -90,6 +92,8 @@ class WorkerSide:
             tp_rank=p.tp_rank,
             mla=p.mla,
             kv_tiles=p.kv_tiles,
+            layer_groups=p.layer_groups,
+            group_windows=p.group_windows,
         )
         log.info(
             "kvwire: rank pp%d/tp%d registers %d regions (%s, %d blocks of %d B, %s)",
