@@ -183,7 +183,8 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         n, bs = len(request.prompt_token_ids), self._block_size
         ids: list[int] = []
         try:
-            if not aborted and self._groups.window_lost(block_ids, n, bs, self._null_block):
+            sends = self._s().sends(request.kv_transfer_params)
+            if sends and not aborted and self._groups.window_lost(block_ids, n, bs, self._null_block):
                 # P no longer holds a block D's sliding window needs: D is told at once and recomputes.
                 raise LayoutError("a sliding window's first block is already freed on P: not sent")
             ids = self._groups.flat(block_ids, n, bs) if not aborted else []
