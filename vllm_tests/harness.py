@@ -18,7 +18,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.metrics.stats import PrefillStats
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
@@ -82,8 +82,11 @@ def build_scheduler(
     num_blocks: int,
     extra: dict[str, Any],
     prefix_caching: bool,
+    window: int = 0,
 ) -> Scheduler:
-    """vLLM's scheduler as EngineCore builds it, on CPU, with kvwire named in the KV transfer config."""
+    """vLLM's scheduler as EngineCore builds it, on CPU, with kvwire named in the KV transfer config.
+    ``window``: a hybrid model, layer 0 full attention and layer 1 a sliding window of that many tokens,
+    with vLLM's hybrid KV cache manager on (two KV cache groups)."""
     model_config = ModelConfig(
         model=str(model_dir),
         tokenizer=str(model_dir),
@@ -98,7 +101,7 @@ def build_scheduler(
         max_model_len=MAX_LEN,
         is_encoder_decoder=False,
         enable_chunked_prefill=True,
-        disable_hybrid_kv_cache_manager=True,  # KvwireConnector is not SupportsHMA
+        disable_hybrid_kv_cache_manager=None if window else True,
     )
     cache_config = CacheConfig(block_size=BS, cache_dtype="auto", enable_prefix_caching=prefix_caching)
     kv_transfer_config = KVTransferConfig(
@@ -116,12 +119,18 @@ def build_scheduler(
         kv_transfer_config=kv_transfer_config,
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
+    if window:
+        # vLLM turns HMA off on a CPU platform (support_hybrid_kv_cache); a GPU's keeps it on, as here.
+        vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.float32)
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(LAYER_NAMES, spec)],
-    )
+    groups = [KVCacheGroupSpec(LAYER_NAMES, spec)]
+    if window:
+        sw = SlidingWindowSpec(
+            block_size=BS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.float32,
+            sliding_window=window,
+        )  # fmt: skip
+        groups = [KVCacheGroupSpec(LAYER_NAMES[:1], spec), KVCacheGroupSpec(LAYER_NAMES[1:], sw)]
+    kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
     return Scheduler(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
@@ -142,11 +151,14 @@ class Engine:
         num_blocks: int,
         extra: dict[str, Any],
         prefix_caching: bool = True,
+        window: int = 0,
     ) -> None:
         self.port = free_port()
         self.engine_id = f"{role.name.lower()}-{self.port}"
         settings = {"mode": mode, "side_channel_port": self.port, **extra}
-        self.sched = build_scheduler(model_dir, role, self.engine_id, num_blocks, settings, prefix_caching)
+        self.sched = build_scheduler(
+            model_dir, role, self.engine_id, num_blocks, settings, prefix_caching, window
+        )
         self.pool = self.sched.kv_cache_manager.block_pool
         self._guard_double_free()
         self.free0 = self.pool.get_num_free_blocks()
@@ -160,10 +172,13 @@ class Engine:
             words = self.backing.view(np.uint32)
             words[...] = rng.integers(0, 1 << 32, size=words.shape, dtype=np.uint32)
         place = RankPlace(
-            self.engine_id, f"inc-{self.port}", "tiny-llama", 1, 0, 1, 0, LAYERS, KV_HEADS, HEAD_DIM, BS
-        )
+            self.engine_id, f"inc-{self.port}", "tiny-llama", 1, 0, 1, 0, LAYERS, KV_HEADS, HEAD_DIM, BS,
+            layer_groups=(0, 1) if window else (), group_windows=(0, window) if window else (),
+        )  # fmt: skip
         self.worker = WorkerSide(role, settings_from_extra(settings), place)
-        self.worker.register({name: self.backing[i] for i, name in enumerate(LAYER_NAMES)})
+        # A hybrid model's groups share tensors, as vLLM allocates them (a block is one group's at a time).
+        layers = {name: self.backing[0 if window else i] for i, name in enumerate(LAYER_NAMES)}
+        self.worker.register(layers)
         self.events: list[ProducerEvent | ConsumerEvent] = []  # what kvwire told the worker, in order
         self._record_events()
         self.reqs: dict[str, Request] = {}
@@ -303,8 +318,8 @@ class Engine:
         """vLLM is done with these requests: finished and their blocks returned."""
         return all(rid in self.reqs and rid not in self.sched.requests for rid in rids)
 
-    def blocks_of(self, rid: str) -> list[int]:
-        return list(self.sched.kv_cache_manager.get_blocks(rid).get_block_ids()[0])
+    def blocks_of(self, rid: str, group: int = 0) -> list[int]:
+        return list(self.sched.kv_cache_manager.get_blocks(rid).get_block_ids()[group])
 
     def held(self) -> int:
         return int(self.free0 - self.pool.get_num_free_blocks())
@@ -337,8 +352,9 @@ def make_engine(model_dir: Path) -> Iterator[MakeEngine]:
         num_blocks: int = 32,
         extra: dict[str, Any] | None = None,
         prefix_caching: bool = True,
+        window: int = 0,
     ) -> Engine:
-        engine = Engine(model_dir, role, mode, num_blocks, extra or {}, prefix_caching)
+        engine = Engine(model_dir, role, mode, num_blocks, extra or {}, prefix_caching, window)
         made.append(engine)
         return engine
 

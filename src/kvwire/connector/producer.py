@@ -25,6 +25,7 @@ from kvwire.core.io import Abort, Finished
 from kvwire.core.producer import ProducerCore, PullProducerCore
 from kvwire.core.producer_push import PushProducerCore
 from kvwire.errors import BlockRangeError
+from kvwire.kv.groups import moved_ids
 from kvwire.kv.mapping import RankLayout
 from kvwire.protocol.messages import TransferMode
 from kvwire.protocol.ranks import RankKey
@@ -43,8 +44,9 @@ class Producer(ConnectorBase[ProducerEvent]):
     def request_finished(self, transfer_id: str, block_ids: Sequence[int], num_tokens: int) -> None:
         ids = tuple(int(b) for b in block_ids)
         num_blocks = self.core.num_blocks
-        bad = [b for b in ids if not 0 <= b < num_blocks]
-        if bad or len(set(ids)) != len(ids):
+        used = moved_ids(self.engine.spec, ids, int(num_tokens), 0)  # a hybrid model's: its groups' blocks
+        bad = [b for b in used if not 0 <= b < num_blocks]
+        if bad or len(set(used)) != len(used):
             raise BlockRangeError(f"{transfer_id}: bad or repeated local block ids {bad[:4] or ids[:8]}")
         self._call(Finished(transfer_id, ids, int(num_tokens)))
 

@@ -41,6 +41,7 @@ from kvwire.errors import (
     UnexpectedSender,
 )
 from kvwire.kv.digest import DigestScope, common_layers, p_layers, pair_heads, payload_bytes
+from kvwire.kv.groups import grouped, moved_ids
 from kvwire.kv.mapping import HeadSlice, source_ranks
 from kvwire.protocol.messages import (
     Cancel,
@@ -65,13 +66,16 @@ _Pair = tuple[range, tuple[tuple[int, int], ...], tuple[HeadSlice, ...]]
 
 def check_allocation(engine: EngineInfo, num_blocks: int, inp: Allocated) -> None:
     """The engine's ``request_allocated`` arguments, checked before anything is sent (raises)."""
-    ids, spec, tid = inp.block_ids, engine.spec, inp.transfer_id
+    spec, tid = engine.spec, inp.transfer_id
+    n, cached = inp.num_tokens, inp.num_cached_tokens
+    ids = list(inp.block_ids)
+    if grouped(spec) and 0 <= cached <= n:  # a hybrid model's: the blocks its groups' tokens occupy
+        ids = moved_ids(spec, ids, n, cached)
     if any(not 0 <= b < num_blocks for b in ids) or len(set(ids)) != len(ids):
         raise BlockRangeError(f"{tid}: local block ids out of range or repeated")
-    n, cached = inp.num_tokens, inp.num_cached_tokens
     if n <= 0 or not 0 <= cached <= n or cached % spec.block_size:
         raise LayoutError(f"{tid}: bad token counts {n}/{cached}")
-    if len(ids) * spec.block_size < n:
+    if len(inp.block_ids) * spec.block_size < n:
         raise BlockRangeError(f"{tid}: {len(ids)} blocks cannot hold {n} tokens")
 
 

@@ -17,6 +17,7 @@ from kvwire.core.events import ProducerEvent, ProducerOutcome
 from kvwire.core.io import Abort, Finished, Input, TouchPeer
 from kvwire.core.producer_records import Phase, Replies, Request, expected_d_ranks
 from kvwire.errors import BlockRangeError, IllegalTransition
+from kvwire.kv.groups import moved_ids
 from kvwire.protocol.messages import Done, Failed, Heartbeat, Notification
 from kvwire.protocol.ranks import RankKey
 from kvwire.protocol.states import ProducerTrigger as PT
@@ -95,7 +96,8 @@ class ProducerCore(CoreBase):
 
     def _finished(self, now: float, inp: Finished) -> None:
         ids = list(inp.block_ids)
-        if any(not 0 <= b < self.num_blocks for b in ids) or len(set(ids)) != len(ids):
+        used = moved_ids(self.engine.spec, ids, inp.num_tokens, 0)  # a hybrid model's: its groups' blocks
+        if any(not 0 <= b < self.num_blocks for b in used) or len(set(used)) != len(used):
             raise BlockRangeError(f"{inp.transfer_id}: bad or repeated local block ids {ids[:8]}")
         req = self._requests.get(inp.transfer_id)
         if req is not None and req.phase is Phase.HELD:

@@ -60,6 +60,7 @@ from kvwire.core.producer_records import (
 from kvwire.errors import BlockRangeError, IllegalTransition, LayoutError
 from kvwire.kv.descriptors import TransferPlan, plan_transfer
 from kvwire.kv.digest import DigestScope, common_layers, pair_heads, payload_bytes
+from kvwire.kv.groups import moved_ids
 from kvwire.kv.mapping import HeadSlice
 from kvwire.protocol.codec import encode_notif
 from kvwire.protocol.messages import Cancel, Done, Failed, FailReason, Heartbeat, Notification, PushReg
@@ -298,7 +299,9 @@ class PushProducerCore(ProducerCore):
         if not reg.machine.registration_ended:
             try:
                 # Refuse a bad registration at once, not at write time: P writes only inside D's cache.
-                check_d_blocks(reg.msg.block_ids, peer.num_blocks)
+                msg = reg.msg
+                ids = moved_ids(self.engine.spec, msg.block_ids, msg.num_tokens, msg.num_cached_tokens)
+                check_d_blocks(ids, peer.num_blocks)
             except BlockRangeError as exc:
                 self._log_info("registration %s from %s refused: %s", req.transfer_id, reg.sender, exc)
                 self._fail(req, reg, PT.ABORT, FailReason.BAD_REGISTRATION)

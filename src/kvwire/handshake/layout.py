@@ -40,11 +40,25 @@ def validate_layout(engine: EngineInfo, local: LocalRank, md: Metadata) -> RankL
 
 def _check_model(engine: EngineInfo, md: Metadata) -> None:
     spec, kv = engine.spec, md.kv
-    theirs = (kv.kv_heads, kv.head_dim, kv.dtype, kv.layout, kv.mla, kv.kv_fused)
-    ours = (spec.kv_heads, spec.head_dim, spec.dtype, spec.layout.value, spec.mla, spec.kv_fused)
+    theirs = (kv.kv_heads, kv.head_dim, kv.dtype, kv.layout, kv.mla, kv.kv_fused, kv.kv_tiles)
+    ours = (
+        spec.kv_heads,
+        spec.head_dim,
+        spec.dtype,
+        spec.layout.value,
+        spec.mla,
+        spec.kv_fused,
+        spec.kv_tiles,
+    )
     if theirs != ours:
         raise IncompatiblePeer(
-            f"KV geometry (heads, head_dim, dtype, layout, mla, kv_fused) {theirs} != ours {ours}"
+            f"KV geometry (heads, head_dim, dtype, layout, mla, kv_fused, kv_tiles) {theirs} != ours {ours}"
+        )
+    groups = (tuple(kv.layer_groups), tuple(kv.group_windows))
+    if groups != (spec.layer_groups, spec.group_windows):
+        raise IncompatiblePeer(
+            f"KV cache groups (layer groups, sliding windows) {groups} != ours "
+            f"{(spec.layer_groups, spec.group_windows)}"
         )
 
 
@@ -72,12 +86,6 @@ def _check_geometry(engine: EngineInfo, local: LocalRank, md: Metadata, layout: 
             raise LayoutError(f"region kind {r.kind.value} in a {'MLA' if spec.mla else 'K/V'} cache")
         if r.block_len != block_len:
             raise LayoutError(f"region {r.layer}/{r.kind.value}: block_len {r.block_len} != {block_len}")
-    if spec.kv_fused and layout.block_size != local.cache.spec.block_size:
-        # A fused head unit holds K then V rows of the whole block: it cannot be split by tokens.
-        raise LayoutError(
-            f"fused K/V caches need equal block sizes, got {layout.block_size} and "
-            f"{local.cache.spec.block_size}"
-        )
     small, large = sorted((layout.block_size, local.cache.spec.block_size))
     if large % small:
         raise LayoutError(f"block sizes {layout.block_size} and {local.cache.spec.block_size} do not divide")

@@ -111,6 +111,9 @@ def _kv_info(rank: LocalRank) -> KVInfo:
         layout=spec.layout.value,
         mla=spec.mla,
         kv_fused=spec.kv_fused,
+        kv_tiles=spec.kv_tiles,
+        layer_groups=list(spec.layer_groups),
+        group_windows=list(spec.group_windows),
     )
 
 

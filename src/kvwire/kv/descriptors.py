@@ -12,7 +12,10 @@ Rules:
   ``num_cached_tokens`` must be a multiple of D's block size. The unit of copy is a P block: the last one
   moves whole, so D's positions past ``num_tokens`` inside the last P block receive P's (unused) bytes.
 * Block sizes. D's block size must be a multiple of P's (P block ``i`` lands in D block ``i // r`` at
-  token slot ``(i % r) * P's block size``).
+  token slot ``(i % r) * P's block size``). A fused K/V cache (vLLM >= 0.34) splits too: with ``[K|V]``
+  token rows a head's P block is one run of D's head rows; with a K tile then a V tile per head
+  (``spec.kv_tiles``, vLLM's CPU backend) each tile is planned as a head of its own, so a head's P block
+  is two runs (its K rows, its V rows).
 * Layouts. Both sides use ``spec.layout``. HND (``[heads, tokens, head_dim]``): a head slice of a block is
   contiguous, so one descriptor per block (per head when block sizes differ). NHD
   (``[tokens, heads, head_dim]``): whole blocks are contiguous, but a head slice (TP sizes differ) is
@@ -33,6 +36,7 @@ from typing import cast
 import numpy as np
 
 from kvwire.errors import BlockRangeError, LayoutError
+from kvwire.kv.groups import first_token, grouped, layer_runs, num_groups, segment
 from kvwire.kv.mapping import HeadSlice, RankLayout, pair_slices
 from kvwire.kv.spec import KVSpec, Layout
 from kvwire.protocol.types import Desc
@@ -116,6 +120,7 @@ class _Geometry:
     dst_heads: int
     src_bs: int
     dst_bs: int
+    tiles: bool = False  # K and V tiles planned as heads of their own (heads and slices doubled)
 
     @property
     def src_block_len(self) -> int:
@@ -140,8 +145,48 @@ def plan_transfer(
 
     Empty when the ranks share no heads or no layers, or D's prefix hit covers every P block.
     Raises ``LayoutError`` for an unsupported geometry and ``BlockRangeError`` for block ids outside
-    either cache or a block listed twice.
+    either cache or a block listed twice. A hybrid model's KV cache groups (``kv/groups.py``): each run of
+    layers of one group is planned with that group's blocks and first token.
     """
+    if not grouped(spec):
+        return _plan(spec, src, dst, src_blocks, dst_blocks, num_tokens, num_cached_tokens, None)
+    if src.block_size != dst.block_size:
+        raise LayoutError(
+            f"a hybrid model's KV cache groups need one block size on P and D, got {src.block_size} and "
+            f"{dst.block_size}"
+        )
+    common = range(max(src.first_layer, dst.first_layer), min(src.layers.stop, dst.layers.stop))
+    runs = layer_runs(spec, common)
+    parts: list[TransferPlan] = []
+    for g in range(num_groups(spec)):
+        s_ids = segment(spec, src_blocks, g, num_tokens, src.block_size)
+        d_ids = segment(spec, dst_blocks, g, num_tokens, dst.block_size)
+        first = first_token(spec, g, num_tokens, num_cached_tokens)
+        mine = [r for gg, r in runs if gg == g] or [range(0)]  # range(0): the ids are still checked
+        parts += [_plan(spec, src, dst, s_ids, d_ids, num_tokens, first, r) for r in mine]
+    parts = [p for p in parts if not p.empty]
+    if not parts:
+        return TransferPlan()
+    return TransferPlan(
+        np.concatenate([p.src_array for p in parts]),
+        np.concatenate([p.dst_array for p in parts]),
+        num_runs=sum(p.num_runs for p in parts),
+        num_regions=sum(p.num_regions for p in parts),
+        nbytes=sum(p.nbytes for p in parts),
+    )
+
+
+def _plan(
+    spec: KVSpec,
+    src: RankLayout,
+    dst: RankLayout,
+    src_blocks: Sequence[int],
+    dst_blocks: Sequence[int],
+    num_tokens: int,
+    num_cached_tokens: int,
+    only_layers: range | None,
+) -> TransferPlan:
+    """``plan_transfer`` for one block list (one group), over ``only_layers`` when given."""
     first_p, last_p, ratio = _token_range(src, dst, num_tokens, num_cached_tokens)
     if len(src_blocks) < last_p:
         raise BlockRangeError(f"{num_tokens} tokens need {last_p} P blocks, got {len(src_blocks)}")
@@ -160,9 +205,15 @@ def plan_transfer(
     dst_used = check(dst_blocks[d_first:d_last], dst.num_blocks, "D")
     slices = _pair_slices(spec, src.tp_size, dst.tp_size, src.tp_rank, dst.tp_rank)
     layers = range(max(src.first_layer, dst.first_layer), min(src.layers.stop, dst.layers.stop))
+    if only_layers is not None:
+        layers = range(
+            max(layers.start, only_layers.start), max(layers.start, min(layers.stop, only_layers.stop))
+        )
     if not slices or not layers or first_p >= last_p:
         return TransferPlan()
     geo = _geometry(spec, src, dst)
+    if geo.tiles:
+        slices = _tile_slices(slices)
     if small:
         # A few blocks: numpy's per-call overhead (dozens of tiny arrays) costs more than the Python loop.
         src_py = cast("list[int]", src_ids)
@@ -201,6 +252,18 @@ def _pair_slices(
 
 @functools.lru_cache(maxsize=256)
 def _geometry_of(spec: KVSpec, src_tp: int, src_bs: int, dst_tp: int, dst_bs: int) -> _Geometry:
+    if spec.kv_tiles and src_bs != dst_bs:
+        # A head's block is a K tile then a V tile, each [block_size, head_dim]: as two heads of half the
+        # width, the HND sub-block rule moves each tile's rows into the same tile of D's larger block.
+        return _Geometry(
+            spec.layout,
+            spec.head_bytes // 2,
+            2 * spec.heads_per_rank(src_tp),
+            2 * spec.heads_per_rank(dst_tp),
+            src_bs,
+            dst_bs,
+            tiles=True,
+        )
     return _Geometry(
         spec.layout,
         spec.head_bytes,
@@ -208,6 +271,13 @@ def _geometry_of(spec: KVSpec, src_tp: int, src_bs: int, dst_tp: int, dst_bs: in
         spec.heads_per_rank(dst_tp),
         src_bs,
         dst_bs,
+    )
+
+
+def _tile_slices(slices: tuple[HeadSlice, ...]) -> tuple[HeadSlice, ...]:
+    """Head slices in tiles (two per head: K, V) for ``_Geometry.tiles``."""
+    return tuple(
+        HeadSlice(s.src_rank, s.dst_rank, 2 * s.src_head, 2 * s.dst_head, 2 * s.num_heads) for s in slices
     )
 
 

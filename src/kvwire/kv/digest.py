@@ -5,9 +5,9 @@ Both are defined over tokens, not descriptors, so that P (over its source blocks
 the bytes landed in) compute them alike whatever their block sizes and however the planner coalesced the
 copy. The payload of (P rank, D rank) for a request is, for every layer both ranks hold (ascending), every
 region kind (``spec.kinds`` order), every head slice P rank writes into D rank (``pair_slices`` order),
-every head of the slice, and (K then V for a fused cache) the rows of tokens ``[num_cached_tokens,
-num_tokens)``: ``head_dim * itemsize`` bytes per token. Bytes P copies past ``num_tokens`` (the tail of
-its last block) are not part of it: nothing reads them.
+every head of the slice, and (a fused cache: K then V in tiles, ``spec.kv_tiles``, else ``[K|V]`` rows)
+the rows of tokens ``[num_cached_tokens, num_tokens)``: ``head_bytes`` per token and head. Bytes P copies
+past ``num_tokens`` (the tail of its last block) are not part of it: nothing reads them.
 
 The digest is CRC-32 (``zlib.crc32``, 4 bytes big-endian) of that stream: it catches a ``done`` whose
 bytes never landed or landed elsewhere (it is not a MAC: the shared secret's tags authenticate peers).
@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import ctypes
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from kvwire.kv import groups
 from kvwire.kv.mapping import HeadSlice, layer_window, pair_slices
 from kvwire.kv.regions import CacheMemory
 from kvwire.kv.spec import KVSpec, Layout
@@ -58,9 +59,13 @@ def p_layers(spec: KVSpec, p_pp_size: int, p_pp_rank: int) -> range:
 def payload_bytes(
     spec: KVSpec, layers: range, slices: tuple[HeadSlice, ...], first_token: int, end_token: int
 ) -> int:
-    """Bytes of the payload (module doc): what ``done.nbytes`` states."""
+    """Bytes of the payload (module doc): what ``done.nbytes`` states. A sliding-window group's layers
+    count from their group's first token (``kv/groups.py``)."""
     heads = sum(s.num_heads for s in slices)
-    return len(layers) * len(spec.kinds) * heads * max(0, end_token - first_token) * spec.head_bytes
+    tokens = sum(
+        max(0, end_token - groups.layer_first_token(spec, ly, end_token, first_token)) for ly in layers
+    )
+    return len(spec.kinds) * heads * tokens * spec.head_bytes
 
 
 def _region_array(base: int, block_len: int, num_blocks: int) -> np.ndarray:
@@ -79,11 +84,20 @@ def kv_digest(cache: CacheMemory, scope: DigestScope) -> bytes | None:
         return crc.to_bytes(DIGEST_BYTES, "big")
     regions = {(r.layer, r.kind): r for r in cache.regions()}
     for layer in scope.layers:
+        here = scope
+        if groups.grouped(spec):  # the layer's group: its blocks and, for a sliding window, its first token
+            group, end = spec.layer_groups[layer], scope.end_token
+            ids = tuple(groups.segment(spec, scope.block_ids, group, end, spec.block_size))
+            here = replace(
+                scope, block_ids=ids, first_token=groups.first_token(spec, group, end, scope.first_token)
+            )
+            if here.first_token >= end:
+                continue
         for kind in spec.kinds:
             r = regions[(layer, kind)]
             mem = _region_array(r.base_addr, r.block_len, r.num_blocks)
             hash_region = _hnd if spec.layout is Layout.HND else _nhd
-            crc = hash_region(spec, scope, mem, crc)
+            crc = hash_region(spec, here, mem, crc)
     return crc.to_bytes(DIGEST_BYTES, "big")
 
 
@@ -92,8 +106,8 @@ def _hnd(spec: KVSpec, scope: DigestScope, mem: np.ndarray, crc: int) -> int:
     hashed straight from memory, one span per (head, half, block), with no copy (2.3 GiB/s against 1.5
     gathering it, a Llama-3-8B-shaped 1k-token request)."""
     bs, t0, t1 = spec.block_size, scope.first_token, scope.end_token
-    row = spec.head_dim * spec.itemsize
-    halves = spec.head_bytes // row  # 2 for a fused cache: a head's K tile, then its V tile
+    halves = 2 if spec.kv_tiles else 1  # a fused head's K tile, then its V tile (else [K|V] token rows)
+    row = spec.head_bytes // halves
     block_len = mem.shape[1]
     spans = []  # (offset of the block's first payload row, bytes) in token order
     for i in range(t0 // bs, -(-t1 // bs)):

@@ -46,6 +46,15 @@ class KVSpec:
     # K and V of one head stored together in each block (vLLM's CPU backend: a block is, per head, a
     # [block_size, head_dim] K tile then a V tile): one region per layer whose head unit is twice as wide.
     kv_fused: bool = False
+    # How a fused head's block holds K and V: False, each token row is K then V (FlashAttention and the
+    # other GPU backends of vLLM >= 0.34); True, a [block_size, head_dim] K tile then a V tile (vLLM's CPU
+    # backend). The same bytes move either way when P and D share a block size; a split by tokens (D's
+    # blocks larger than P's) needs to know which.
+    kv_tiles: bool = False
+    # A hybrid model's KV cache groups (kv/groups.py): each layer's group, each group's sliding window in
+    # tokens (0: full attention). Empty: one group.
+    layer_groups: tuple[int, ...] = ()
+    group_windows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -55,8 +64,23 @@ class KVSpec:
                 raise LayoutError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kv_fused and (self.mla or self.layout is not Layout.HND):
             raise LayoutError("a fused K/V cache is HND and not MLA")
+        if self.kv_tiles and not self.kv_fused:
+            raise LayoutError("kv_tiles describes a fused K/V cache (kv_fused)")
         if self.mla and self.kv_heads != 1:
             raise LayoutError("an MLA cache has one latent head (kv_heads=1)")
+        self._check_groups()
+
+    def _check_groups(self) -> None:
+        if not self.layer_groups and not self.group_windows:
+            return
+        if len(self.layer_groups) != self.num_layers:
+            raise LayoutError(f"layer_groups names {len(self.layer_groups)} layers, not {self.num_layers}")
+        if sorted(set(self.layer_groups)) != list(range(len(self.group_windows))):
+            raise LayoutError(
+                f"layer_groups {self.layer_groups} do not use groups 0..{len(self.group_windows) - 1}"
+            )
+        if any(w < 0 for w in self.group_windows):
+            raise LayoutError(f"negative sliding window in {self.group_windows}")
 
     @property
     def np_dtype(self) -> np.dtype[np.generic]:

@@ -107,6 +107,10 @@ class KVInfo(msgspec.Struct, kw_only=True):
     layout: str  # "HND" | "NHD"
     mla: bool
     kv_fused: bool = False  # K and V of a head together in each block: one "kv" region per layer
+    kv_tiles: bool = False  # fused as a K tile then a V tile per head (vLLM's CPU backend), not [K|V] rows
+    # A hybrid model's KV cache groups (kv/groups.py): each layer's group, each group's sliding window.
+    layer_groups: list[NonNeg] = []
+    group_windows: list[NonNeg] = []
 
 
 class RegionMsg(msgspec.Struct, kw_only=True):

@@ -8,8 +8,10 @@ model's dtype). The test process plays vLLM's scheduler: ``VllmEngine`` holds th
 rank reported it (``Aggregator``, vLLM's ``KVOutputAggregator`` rule).
 
 A request's KV is handled in its logical form, ``[layers, kv_heads, tokens, 2 * head_dim]`` 16-bit
-words (per token a K row then a V row, FlashAttention's ``[K|V]`` row): ``write_tokens`` puts a rank's
-head slice into its blocks and ``read_tokens`` reads it back, without kvwire's mapping code.
+words (per token a K row then a V row): ``write_tokens`` puts a rank's head slice into its blocks and
+``read_tokens`` reads it back, without kvwire's mapping code, in FlashAttention's ``[K|V]`` token rows or,
+with ``Model.kv_tiles``, in vLLM's CPU backend's K tile then V tile per head. A PP engine's rank holds
+its stage's layers only (vLLM's split, ``layer_window``).
 torch is imported only inside the worker process's functions (it is not a kvwire dependency).
 """
 
@@ -28,6 +30,7 @@ import numpy as np
 from kvwire.integrations.vllm.params import KvRole, Op, settings_from_extra
 from kvwire.integrations.vllm.scheduler import LocalEngine, SchedulerSide
 from kvwire.integrations.vllm.worker import Finished, RankPlace, WorkerSide
+from kvwire.kv.mapping import layer_window
 from kvwire.testing.child import CommandChild, serve_commands
 from kvwire.testing.engines import wait_for
 
@@ -44,6 +47,7 @@ class Model:
     head_dim: int = 64
     block_size: int = 16
     num_blocks: int = 64
+    kv_tiles: bool = False  # K tile then V tile per head (vLLM's CPU backend), else [K|V] token rows
 
     def heads(self, tp_size: int, tp_rank: int) -> range:
         """The KV heads rank ``tp_rank`` holds (replicated when there are fewer heads than ranks)."""
@@ -60,20 +64,23 @@ def _torch() -> Any:
     return importlib.import_module("torch")
 
 
-def allocate_kv_caches(model: Model, heads: int, dtype: str, device: str = "cpu") -> dict[str, Any]:
+def allocate_kv_caches(
+    model: Model, heads: int, dtype: str, device: str = "cpu", layers: range | None = None
+) -> dict[str, Any]:
     """vLLM 0.34's ``allocate_kv_cache`` + ``create_kv_cache_views`` for the LBHNC layout: one zeroed
     int8 buffer on ``device`` (``cpu``, or ``cuda`` on a GPU machine: VRAM), a 5-D byte view
     ``[L, B, H, N, C * itemsize]`` with layer-outermost strides, and per layer that view's slice cast to
-    ``dtype`` (``float16`` or ``bfloat16``)."""
+    ``dtype`` (``float16`` or ``bfloat16``). ``layers``: the ones this rank holds (a PP stage's)."""
     torch = _torch()
+    layers = layers if layers is not None else range(model.num_layers)
     tdtype = getattr(torch, dtype)
     item = torch.empty((), dtype=tdtype).element_size()
-    L, B, H, N, C = model.num_layers, model.num_blocks, heads, model.block_size, 2 * model.head_dim
+    L, B, H, N, C = len(layers), model.num_blocks, heads, model.block_size, 2 * model.head_dim
     raw = torch.zeros(L * B * H * N * C * item, dtype=torch.int8, device=device)
     shape = (L, B, H, N, C * item)
     strides = (B * H * N * C * item, H * N * C * item, N * C * item, C * item, 1)
     view_5d = torch.as_strided(raw, size=shape, stride=strides, storage_offset=raw.storage_offset())
-    return {layer_name(i): view_5d[i].view(tdtype) for i in range(L)}
+    return {layer_name(layer): view_5d[i].view(tdtype) for i, layer in enumerate(layers)}
 
 
 def logical_kv(model: Model, num_tokens: int, seed: int) -> np.ndarray:
@@ -101,28 +108,52 @@ def _store(tensor: Any, key: Any, words: np.ndarray) -> None:
     tensor.view(torch.int16)[key] = host.to(tensor.device)
 
 
-def write_tokens(caches: dict[str, Any], block_ids: Sequence[int], kv: np.ndarray, block_size: int) -> None:
-    """Write ``kv`` (``[layers, this rank's heads, tokens, C]``) token by token into ``block_ids``."""
-    for i in range(kv.shape[0]):
-        tensor = caches[layer_name(i)]
+def _layers(caches: dict[str, Any]) -> list[str]:
+    """The cache's layer names in layer order."""
+    return sorted(caches, key=lambda n: int(n.split(".")[2]))
+
+
+def _untiled(block: np.ndarray, tokens: int) -> np.ndarray:
+    """One tiled block ``[heads, block_size, C]`` (K tile, V tile per head): its first ``tokens`` as rows."""
+    heads, block_size, width = block.shape
+    tiles = block.reshape(heads, 2 * block_size, width // 2)
+    return np.concatenate([tiles[:, :tokens], tiles[:, block_size : block_size + tokens]], axis=2)
+
+
+def write_tokens(
+    caches: dict[str, Any], block_ids: Sequence[int], kv: np.ndarray, block_size: int, tiles: bool = False
+) -> None:
+    """Write ``kv`` (``[this rank's layers, this rank's heads, tokens, C]``) token by token into
+    ``block_ids`` (``tiles``: as vLLM's CPU backend lays a block out)."""
+    for i, name in enumerate(_layers(caches)):
+        tensor = caches[name]
         for j, b in enumerate(block_ids):
             lo, hi = j * block_size, min(kv.shape[2], (j + 1) * block_size)
-            if lo < hi:
+            if lo >= hi:
+                continue
+            if tiles:  # the block's K tile (rows 0..) and V tile (rows block_size..) of each head
+                block = _words(tensor)[b].copy()
+                heads, half = block.shape[0], kv.shape[3] // 2
+                t = block.reshape(heads, 2 * block_size, half)
+                t[:, : hi - lo] = kv[i, :, lo:hi, :half]
+                t[:, block_size : block_size + hi - lo] = kv[i, :, lo:hi, half:]
+                _store(tensor, b, block)
+            else:
                 _store(tensor, (b, slice(None), slice(0, hi - lo), slice(None)), kv[i, :, lo:hi, :])
 
 
 def read_tokens(
-    caches: dict[str, Any], block_ids: Sequence[int], num_tokens: int, block_size: int
+    caches: dict[str, Any], block_ids: Sequence[int], num_tokens: int, block_size: int, tiles: bool = False
 ) -> np.ndarray:
-    """``[layers, this rank's heads, num_tokens, C]`` read back from ``block_ids``."""
-    layers = [_words(caches[layer_name(i)]) for i in range(len(caches))]
+    """``[this rank's layers, this rank's heads, num_tokens, C]`` read back from ``block_ids``."""
+    layers = [_words(caches[name]) for name in _layers(caches)]
     _, heads, _, width = layers[0].shape
     out = np.zeros((len(layers), heads, num_tokens, width), dtype=np.uint16)
     for i, words in enumerate(layers):
         for j, b in enumerate(block_ids):
             lo, hi = j * block_size, min(num_tokens, (j + 1) * block_size)
             if lo < hi:
-                out[i, :, lo:hi, :] = words[b, :, : hi - lo, :]
+                out[i, :, lo:hi, :] = _untiled(words[b], hi - lo) if tiles else words[b, :, : hi - lo, :]
     return out
 
 
@@ -134,6 +165,7 @@ class _Rank:
         self.caches: dict[str, Any] = {}
         self.model = Model()
         self.heads = range(0)
+        self.layers = range(0)
 
     def engine(
         self,
@@ -146,16 +178,18 @@ class _Rank:
     ) -> dict[str, Any]:
         self.close_engine()
         rp = RankPlace(**place)
-        self.model = Model(rp.num_layers, rp.kv_heads, rp.head_dim, rp.block_size, num_blocks)
+        self.model = Model(rp.num_layers, rp.kv_heads, rp.head_dim, rp.block_size, num_blocks, rp.kv_tiles)
         self.heads = self.model.heads(rp.tp_size, rp.tp_rank)
-        self.caches = allocate_kv_caches(self.model, len(self.heads), dtype, device)
+        self.layers = layer_window(rp.num_layers, rp.pp_size, rp.pp_rank)
+        self.caches = allocate_kv_caches(self.model, len(self.heads), dtype, device, self.layers)
         side = WorkerSide(KvRole(role), settings_from_extra(extra), rp)
         side.register(self.caches)
         self.side = side
         storages = {t.untyped_storage().data_ptr() for t in self.caches.values()}
-        t0 = self.caches[layer_name(0)]
-        ptrs = [self.caches[layer_name(i)].data_ptr() for i in range(self.model.num_layers)]
+        t0 = self.caches[layer_name(self.layers.start)]
+        ptrs = [self.caches[name].data_ptr() for name in _layers(self.caches)]
         return {
+            "layers": [self.layers.start, self.layers.stop],
             "layer_offsets": [p - ptrs[0] for p in ptrs],
             "heads": [self.heads.start, self.heads.stop],
             "shape": list(t0.shape),
@@ -174,8 +208,9 @@ class _Rank:
             for t in self.caches.values():
                 shape = _words(t).shape
                 _store(t, ..., rng.integers(1, 1 << 16, size=shape, dtype=np.uint16))
-        kv = logical_kv(self.model, num_tokens, seed)[:, self.heads.start : self.heads.stop]
-        write_tokens(self.caches, block_ids, kv, self.model.block_size)
+        kv = logical_kv(self.model, num_tokens, seed)[self.layers.start : self.layers.stop]
+        kv = kv[:, self.heads.start : self.heads.stop]
+        write_tokens(self.caches, block_ids, kv, self.model.block_size, self.model.kv_tiles)
 
     def step(self, ops: bytes) -> dict[str, list[str]]:
         """One vLLM step on this rank: bind the scheduler's ops, then ``get_finished``."""
@@ -189,7 +224,7 @@ class _Rank:
         }
 
     def gather(self, block_ids: list[int], num_tokens: int) -> np.ndarray:
-        return read_tokens(self.caches, block_ids, num_tokens, self.model.block_size)
+        return read_tokens(self.caches, block_ids, num_tokens, self.model.block_size, self.model.kv_tiles)
 
     def dirty_blocks(self, used: list[int]) -> list[tuple[str, int]]:
         """(layer, block) of every block outside ``used`` holding a nonzero byte."""
@@ -274,7 +309,8 @@ def free_port_run(n: int, tries: int = 50) -> int:
 
 
 class VllmEngine:
-    """One vLLM engine: its ``SchedulerSide`` here, a ``WorkerSide`` in each of ``workers`` (TP ranks)."""
+    """One vLLM engine: its ``SchedulerSide`` here, a ``WorkerSide`` in each of ``workers``: rank
+    ``pp_rank * tp_size + tp_rank``, with ``tp_size = len(workers) // pp_size``."""
 
     def __init__(
         self,
@@ -288,31 +324,34 @@ class VllmEngine:
         incarnation: str | None = None,
         extra: dict[str, Any] | None = None,
         device: str = "cpu",
+        pp_size: int = 1,
     ) -> None:
         self.role = role
         self.workers = list(workers)
-        self.tp_size = len(self.workers)
+        self.pp_size = pp_size
+        self.tp_size = len(self.workers) // pp_size
         self.model = model
-        self.port = free_port_run(self.tp_size)
+        self.port = free_port_run(len(self.workers))
         self.extra = {"mode": mode, "side_channel_port": self.port, **(extra or {})}
         self.settings = settings_from_extra(self.extra)
         self.engine_id = engine_id
         inc = incarnation or f"{engine_id}-inc"
-        local = LocalEngine(engine_id, self.settings.side_channel_host, self.port, self.tp_size, 1)
+        local = LocalEngine(engine_id, self.settings.side_channel_host, self.port, self.tp_size, pp_size)
         self.sched = SchedulerSide(role, self.settings, local, model.block_size)
-        self.agg = Aggregator(self.tp_size)
+        self.agg = Aggregator(len(self.workers))
         self.reported = Finished()  # every aggregated report so far
         self.steps = 0
         place = {
             "engine_id": engine_id, "incarnation": inc, "model_id": "kvwire-vllm-test",
-            "tp_size": self.tp_size, "pp_size": 1, "pp_rank": 0, "num_layers": model.num_layers,
+            "tp_size": self.tp_size, "pp_size": pp_size, "num_layers": model.num_layers,
             "kv_heads": model.kv_heads, "head_dim": model.head_dim, "block_size": model.block_size,
+            "kv_tiles": model.kv_tiles,
         }  # fmt: skip
         for r, w in enumerate(self.workers):
             w.send(
                 "engine",
                 role=role.value,
-                place=place | {"tp_rank": r},
+                place=place | {"pp_rank": r // self.tp_size, "tp_rank": r % self.tp_size},
                 extra=self.extra,
                 num_blocks=model.num_blocks,
                 dtype=dtype,
@@ -342,9 +381,15 @@ class VllmEngine:
         return got
 
     def gather(self, block_ids: list[int], num_tokens: int) -> np.ndarray:
-        """The request's logical KV as every rank together holds it (heads concatenated in rank order)."""
+        """The request's logical KV as every rank together holds it (each rank's layers and heads in
+        place; a head replicated on several ranks is read from the last)."""
         parts: list[np.ndarray] = self.call_all("gather", block_ids=block_ids, num_tokens=num_tokens)
-        return np.concatenate(parts, axis=1)
+        m = self.model
+        out = np.zeros((m.num_layers, m.kv_heads, num_tokens, 2 * m.head_dim), dtype=np.uint16)
+        for info, part in zip(self.infos, parts, strict=True):
+            (l0, l1), (h0, h1) = info["layers"], info["heads"]
+            out[l0:l1, h0:h1] = part
+        return out
 
     def close(self) -> None:
         errors: list[BaseException] = []

@@ -21,11 +21,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvwire.config import env_config
-from kvwire.errors import ConfigError
+from kvwire.errors import ConfigError, KvwireError, LayoutError
 from kvwire.integrations.vllm.discovery import BackgroundRegistrar, start_registration
+from kvwire.integrations.vllm.hma import kv_groups
 from kvwire.integrations.vllm.identity import vllm_model_id
 from kvwire.integrations.vllm.params import KvRole, Op, incarnation_of, settings_from_extra
 from kvwire.integrations.vllm.scheduler import LocalEngine, SchedulerSide
@@ -64,7 +66,15 @@ def _tp_pp_rank() -> tuple[int, int]:
     return int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group)
 
 
-class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
+def _cpu_backend() -> bool:
+    """vLLM's CPU attention backend stores a fused head block as a K tile then a V tile; its GPU backends
+    as ``[K|V]`` token rows (kvwire splits blocks by tokens when P's and D's block sizes differ)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         _configure_logging()
@@ -79,6 +89,14 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         incarnation = settings.incarnation or incarnation_of(engine_id, str(vllm_config.instance_id))
         block_size = int(vllm_config.cache_config.block_size)
         tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
+        # vLLM's hybrid KV cache manager: one block list per group (full attention, sliding window).
+        self._groups = kv_groups(kv_cache_config, int(mc.hf_text_config.num_hidden_layers))
+        if self._groups.hybrid and pp > 1:
+            raise ConfigError(
+                "kvwire moves a hybrid model's KV cache groups without PP (pipeline_parallel_size 1)"
+            )
+        self._null_block = 0  # vLLM's null block (BlockPool.null_block); bound in bind_gpu_block_pool
+        self._block_size = block_size
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._fleet: BackgroundRegistrar | None = None
@@ -102,6 +120,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             head_dim=int(mc.get_head_size()),
             block_size=block_size,
             mla=bool(getattr(mc, "use_mla", False)),
+            kv_tiles=_cpu_backend(),
+            layer_groups=self._groups.layer_groups,
+            group_windows=self._groups.group_windows,
         )
         self._worker = WorkerSide(kv_role, settings, place)
 
@@ -121,9 +142,25 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             request.request_id, request.kv_transfer_params, len(request.prompt_token_ids), num_computed_tokens
         )
 
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        null = getattr(gpu_block_pool, "null_block", None)
+        self._null_block = int(null.block_id) if null is not None else 0
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        """D loads every group's blocks of the request (a hybrid model's sliding-window groups too)."""
+        ids = getattr(self._kv_cache_config, "transfer_group_ids", None)
+        return tuple(ids) if ids is not None else tuple(super().get_loaded_kv_cache_group_ids(request))
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        ids = list(blocks.get_block_ids()[0]) if num_external_tokens else []
-        self._s().allocated(request.request_id, ids, len(request.prompt_token_ids), num_external_tokens)
+        n = len(request.prompt_token_ids)
+        ids: list[int] = []
+        try:
+            ids = (
+                self._groups.flat(blocks.get_block_ids(), n, self._block_size) if num_external_tokens else []
+            )
+        except KvwireError as exc:  # never raise in vLLM's scheduler: no blocks, the worker fails the load
+            log.warning("kvwire: %s: %s", request.request_id, exc)
+        self._s().allocated(request.request_id, ids, n, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvwireMetadata:
         idle = int(getattr(scheduler_output, "total_num_scheduled_tokens", 1)) == 0
@@ -135,15 +172,26 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``SupportsHMA``: the request's blocks per KV cache group (one group without HMA)."""
         status = str(getattr(request.status, "name", request.status))
         aborted = "ABORT" in status or "ERROR" in status
-        return self._s().finished(
-            request.request_id,
-            request.kv_transfer_params,
-            list(block_ids),
-            len(request.prompt_token_ids),
-            aborted,
-        )
+        n, bs = len(request.prompt_token_ids), self._block_size
+        ids: list[int] = []
+        try:
+            sends = self._s().sends(request.kv_transfer_params)
+            if sends and not aborted and self._groups.window_lost(block_ids, n, bs, self._null_block):
+                # P no longer holds a block D's sliding window needs: D is told at once and recomputes.
+                raise LayoutError("a sliding window's first block is already freed on P: not sent")
+            ids = self._groups.flat(block_ids, n, bs) if not aborted else []
+        except KvwireError as exc:  # never raise in vLLM's scheduler: D's registration fails at once
+            log.warning("kvwire: %s: %s", request.request_id, exc)
+            aborted = True
+        return self._s().finished(request.request_id, request.kv_transfer_params, ids, n, aborted)
 
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and self._sched.has_pending_sends()

@@ -127,17 +127,25 @@ def kv_from_vllm(
     tp_rank: int = 0,
     mla: bool = False,
     layout: Layout | None = None,
+    kv_tiles: bool = False,
+    layer_groups: tuple[int, ...] = (),
+    group_windows: tuple[int, ...] = (),
 ) -> ExternalKV:
     """One vLLM worker's ``kv_caches`` (layer name -> tensor, as ``register_kv_caches`` gets them) as an
     ``ExternalKV``: each layer tensor registered once, K and V as regions, zero copy. ``num_layers`` and
     ``kv_heads`` are the model's totals; ``layout`` forces a layout when the tensor cannot tell (heads ==
-    block_size)."""
+    block_size). ``kv_tiles``: a fused cache holds per head a K tile then a V tile (vLLM's CPU backend),
+    not ``[K|V]`` token rows (the GPU backends); the strides cannot tell, the platform does.
+    ``layer_groups``/``group_windows``: a hybrid model's KV cache groups (``kv/groups.py``), whose layers
+    share tensors (a block belongs to one group at a time): a tensor shared by several layers is
+    registered once."""
     if not kv_caches:
         raise LayoutError("vLLM gave no KV cache tensors")
     spec0: KVSpec | None = None
     regions: list[tuple[int, RegionKind, int]] = []
     buffers: list[MemoryBuffer] = []
     num_blocks: set[int] = set()
+    shared: set[tuple[int, int]] = set()  # (address, size) of the buffers registered so far
     heads = 1 if mla else KVSpec(1, kv_heads, head_dim).heads_per_rank(tp_size)  # this rank's share
     for name, tensor in sorted(kv_caches.items(), key=lambda kv: layer_index(kv[0])):
         v = view_of(tensor)
@@ -151,6 +159,9 @@ def kv_from_vllm(
             layout=layout or ll.layout,
             mla=mla,
             kv_fused=ll.kv_fused,
+            kv_tiles=kv_tiles and ll.kv_fused,
+            layer_groups=tuple(layer_groups),
+            group_windows=tuple(group_windows),
         )
         if spec0 is not None and spec != spec0:
             raise LayoutError(f"layer {name}: {spec} differs from the first layer's {spec0}")
@@ -162,7 +173,9 @@ def kv_from_vllm(
         num_blocks.add(ll.num_blocks)
         idx = layer_index(name)
         regions.extend((idx, kind, v.addr + off) for kind, off in zip(spec.kinds, ll.offsets, strict=True))
-        buffers.append(MemoryBuffer(v.addr, v.nbytes, v.kind, v.device_id, tensor))
+        if (v.addr, v.nbytes) not in shared:
+            shared.add((v.addr, v.nbytes))
+            buffers.append(MemoryBuffer(v.addr, v.nbytes, v.kind, v.device_id, tensor))
     if len(num_blocks) != 1 or spec0 is None:
         raise LayoutError(f"layers hold different block counts: {sorted(num_blocks)}")
     return ExternalKV(spec0, num_blocks.pop(), regions, buffers, tp_size=tp_size, tp_rank=tp_rank)

@@ -155,6 +155,16 @@ class SchedulerSide:
         self._ops.append(Op(OpKind.SEND, req_id, tid, list(block_ids), num_prompt_tokens))
         return True, self._params_for_d(tid, block_ids)
 
+    def sends(self, raw: dict[str, Any] | None) -> bool:
+        """Whether ``finished`` would send this request's KV to a D (P's role, ``do_remote_decode``)."""
+        if not self.role.produces:
+            return False
+        try:
+            params = parse_params(raw)
+        except InvalidRequest:
+            return False
+        return params is not None and bool(params.do_remote_decode)
+
     def _params_for_d(self, transfer_id: str, block_ids: list[int]) -> dict[str, Any]:
         pull = self.settings.mode is TransferMode.PULL
         params = KvTransferParams(

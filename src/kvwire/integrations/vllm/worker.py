@@ -56,6 +56,9 @@ class RankPlace:
     head_dim: int
     block_size: int
     mla: bool = False
+    kv_tiles: bool = False  # vLLM's CPU backend: a fused head block is a K tile then a V tile
+    layer_groups: tuple[int, ...] = ()  # a hybrid model's KV cache groups (integrations/vllm/hma.py)
+    group_windows: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -94,6 +97,9 @@ class WorkerSide:
             tp_size=p.tp_size,
             tp_rank=p.tp_rank,
             mla=p.mla,
+            kv_tiles=p.kv_tiles,
+            layer_groups=p.layer_groups,
+            group_windows=p.group_windows,
         )
         log.info(
             "kvwire: rank pp%d/tp%d registers %d regions (%s, %d blocks of %d B, %s)",
