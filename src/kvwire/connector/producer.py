@@ -6,6 +6,9 @@ Engine call sites (any thread; none waits on the network):
 * ``request_finished(transfer_id, block_ids, num_tokens)``: prefill is over; the connector now holds the
   blocks (the same block ids on every local rank) until it reports them freeable.
 * ``poll() -> list[ProducerEvent]``: exactly one event per ``request_finished``: its blocks may be freed.
+* ``layers_ready(transfer_id, block_ids, num_tokens, layers)`` (``layerwise`` push only): those layers'
+  KV is computed in the prefill's last step; each is written to D as soon as D registered, before
+  ``request_finished`` (``kvwire.core.producer_layers``).
 * ``abort(transfer_id)``: the engine drops the request; no new write starts for it (writes in flight
   finish first, then the event comes).
 * ``close()``.
@@ -21,10 +24,11 @@ from collections.abc import Sequence
 
 from kvwire.connector._base import ConnectorBase
 from kvwire.core.events import ProducerEvent
-from kvwire.core.io import Abort, Finished
+from kvwire.core.io import Abort, Finished, LayersReady
 from kvwire.core.producer import ProducerCore, PullProducerCore
+from kvwire.core.producer_layers import LayerwisePushProducerCore
 from kvwire.core.producer_push import PushProducerCore
-from kvwire.errors import BlockRangeError
+from kvwire.errors import BlockRangeError, ConfigError
 from kvwire.kv.mapping import RankLayout
 from kvwire.protocol.messages import TransferMode
 from kvwire.protocol.ranks import RankKey
@@ -37,16 +41,29 @@ class Producer(ConnectorBase[ProducerEvent]):
     core: ProducerCore
 
     def _make_core(self, layouts: dict[RankKey, RankLayout], num_blocks: int) -> ProducerCore:
-        kind = PushProducerCore if self.config.mode is TransferMode.PUSH else PullProducerCore
+        kind: type[ProducerCore] = PullProducerCore
+        if self.config.mode is TransferMode.PUSH:
+            kind = LayerwisePushProducerCore if self.config.layerwise else PushProducerCore
         return kind(self.engine, layouts, num_blocks, self.config, host=self.host)
 
     def request_finished(self, transfer_id: str, block_ids: Sequence[int], num_tokens: int) -> None:
+        self._call(Finished(transfer_id, self._checked(transfer_id, block_ids), int(num_tokens)))
+
+    def layers_ready(
+        self, transfer_id: str, block_ids: Sequence[int], num_tokens: int, layers: Sequence[int]
+    ) -> None:
+        if not isinstance(self.core, LayerwisePushProducerCore):
+            raise ConfigError("layers_ready needs a push producer with layerwise=True")
+        ids = self._checked(transfer_id, block_ids)
+        self._call(LayersReady(transfer_id, ids, int(num_tokens), tuple(int(x) for x in layers)))
+
+    def _checked(self, transfer_id: str, block_ids: Sequence[int]) -> tuple[int, ...]:
         ids = tuple(int(b) for b in block_ids)
         num_blocks = self.core.num_blocks
         bad = [b for b in ids if not 0 <= b < num_blocks]
         if bad or len(set(ids)) != len(ids):
             raise BlockRangeError(f"{transfer_id}: bad or repeated local block ids {bad[:4] or ids[:8]}")
-        self._call(Finished(transfer_id, ids, int(num_tokens)))
+        return ids
 
     def abort(self, transfer_id: str) -> None:
         self._call(Abort(transfer_id))

@@ -86,6 +86,18 @@ class Finished:
 
 
 @dataclass(frozen=True, slots=True)
+class LayersReady:
+    """P, layer-wise push: the KV of ``layers`` (the model's layer indices) is final in ``block_ids`` for
+    ``num_tokens`` tokens (the prefill's last step computed them). The engine keeps the blocks until its
+    ``Finished`` (then the connector holds them) or ``Abort``."""
+
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    layers: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Abort:
     """The engine drops the request."""
 
@@ -130,7 +142,18 @@ class Digested:
     digest: bytes | None
 
 
-Input = Tick | NotifIn | XferEnded | HandshakeDone | Outcome | Finished | Abort | Allocated | Digested
+Input = (
+    Tick
+    | NotifIn
+    | XferEnded
+    | HandshakeDone
+    | Outcome
+    | Finished
+    | LayersReady
+    | Abort
+    | Allocated
+    | Digested
+)
 
 # --- actions ------------------------------------------------------------------------------------------
 
@@ -148,14 +171,15 @@ class Send:
 @dataclass(frozen=True, slots=True)
 class PostWrite:
     """Post one WRITE of ``src`` (local) to ``dst`` (peer's) ``[n, 3]`` descriptor arrays; ``notif`` goes
-    with its last byte. Feed back an ``Outcome``; later an ``XferEnded`` (unless released first)."""
+    with its last byte (None: a layer-wise write that carries none). Feed back an ``Outcome``; later an
+    ``XferEnded`` (unless released first)."""
 
     token: int
     key: RankKey
     peer: str
     src: np.ndarray
     dst: np.ndarray
-    notif: bytes
+    notif: bytes | None
     nbytes: int
     transfer_id: str = ""  # for logs and checks: whose blocks the bytes are for
 
