@@ -13,7 +13,17 @@ import numpy as np
 from cores_env import BLOCKS, CFG, TID, TOKENS, P, freed
 
 from kvwire.core.events import ProducerOutcome
-from kvwire.core.io import Abort, Action, Digest, Finished, LayersReady, PostWrite, Release, StartHandshake
+from kvwire.core.io import (
+    Abort,
+    Action,
+    Digest,
+    Finished,
+    LayersReady,
+    PostWrite,
+    Release,
+    StartHandshake,
+    StepEnded,
+)
 from kvwire.core.producer_layers import LayerwisePushProducerCore
 from kvwire.core.producer_push import PushProducerCore
 from kvwire.protocol.codec import decode_notif
@@ -201,3 +211,27 @@ def test_layerwise_finished_without_layers_is_the_whole_request_write() -> None:
     w = t.writing(0.0)
     whole = whole_request_write(t)
     assert rows(w) == rows(whole) and w.notif == whole.notif
+
+
+def test_layerwise_after_the_step_ended_nothing_is_written_before_finished() -> None:
+    """Between the engine's step and its Finished the engine may reuse the blocks (a request that does
+    not finish): a push_reg arriving then gets its write only with Finished."""
+    t = LP()
+    t.layers(0.0, 0)
+    t.layers(0.0625, 1)
+    assert t.h.at(0.125, StepEnded(TID)) == []
+    hs = one(t.from_d(0.25, t.push_reg()), StartHandshake)
+    assert only(t.h.done(0.25, hs.token, t.d.peer_rank(mode=PeerMode.FULL)), PostWrite) == []
+    w = one(t.h.at(0.375, Finished(TID, BLOCKS, TOKENS)), PostWrite)
+    assert rows(w) == rows(whole_request_write(t))
+
+
+def test_layerwise_step_ended_with_a_write_in_flight_releases_it_and_fails() -> None:
+    t = LP()
+    t.registered(0.0)
+    w0 = one(t.layers(0.125, 0), PostWrite)
+    assert t.core.streaming({TID}) and not t.core.streaming({"other"})
+    out = t.h.at(0.25, StepEnded(TID))
+    assert out == [Release(w0.token), t.failed(FailReason.TRANSFER_TIMEOUT)]
+    assert not t.core.streaming({TID})
+    assert events(t.h.at(0.375, Finished(TID, BLOCKS, TOKENS))) == [freed(ProducerOutcome.FAILED)]

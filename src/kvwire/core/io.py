@@ -98,6 +98,15 @@ class LayersReady:
 
 
 @dataclass(frozen=True, slots=True)
+class StepEnded:
+    """P, layer-wise push: the engine step that computed ``transfer_id``'s layers is over, so its blocks are
+    protected again only by ``Finished``: no write of them starts before it (one still in flight now is
+    released: the engine waited for them first, so that is a timeout)."""
+
+    transfer_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class Abort:
     """The engine drops the request."""
 
@@ -150,6 +159,7 @@ Input = (
     | Outcome
     | Finished
     | LayersReady
+    | StepEnded
     | Abort
     | Allocated
     | Digested

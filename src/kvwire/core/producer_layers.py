@@ -20,11 +20,12 @@ after ``Finished``, as in whole-request push.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvwire.core.io import Digest, Input, LayersReady, Outcome, PostWrite, Release, XferEnded
+from kvwire.core.io import Digest, Input, LayersReady, Outcome, PostWrite, Release, StepEnded, XferEnded
 from kvwire.core.producer_push import PushProducerCore
 from kvwire.core.producer_records import Phase, Reg, Request
 from kvwire.errors import BlockRangeError, IllegalTransition
@@ -47,7 +48,8 @@ class _Stream:
     block_ids: tuple[int, ...]
     num_tokens: int
     ready: set[int] = field(default_factory=set)
-    complete: bool = False  # Finished came: every layer is computed
+    complete: bool = False  # Finished came: every layer is computed, the connector holds the blocks
+    step_over: bool = False  # the computing step ended: the blocks are safe to read again only once complete
 
 
 @dataclass(slots=True)
@@ -84,6 +86,8 @@ class LayerwisePushProducerCore(PushProducerCore):
     def _on_transfer_input(self, now: float, inp: Input) -> None:
         if isinstance(inp, LayersReady):
             self._layers_ready(now, inp)
+        elif isinstance(inp, StepEnded):
+            self._step_ended(now, inp.transfer_id)
         elif isinstance(inp, Outcome) and inp.token in self._lane_posts:
             self._lane_outcome(now, inp)
         elif (
@@ -112,6 +116,23 @@ class LayerwisePushProducerCore(PushProducerCore):
         assert req is not None
         stream.ready.update(inp.layers)
         self._stream_regs(now, req)
+
+    def _step_ended(self, now: float, transfer_id: str) -> None:
+        stream = self._streams.get(transfer_id)
+        req = self._requests.get(transfer_id)
+        if stream is None or req is None:
+            return
+        stream.step_over = True
+        for reg in [r for r in req.regs.values() if r in self._lanes and self._lanes[r].tokens]:
+            self._recall(req, reg, FailReason.TRANSFER_TIMEOUT)  # the engine's wait for them timed out
+        self._settle(now, req)
+
+    def streaming(self, transfer_ids: Collection[str]) -> bool:
+        """Whether a layer-wise write of these requests is in flight (or being posted)."""
+        return any(
+            (lane.tokens or reg.posting) and reg.msg.transfer_id in transfer_ids
+            for reg, lane in self._lanes.items()
+        )
 
     def _stream_regs(self, now: float, req: Request) -> None:
         for reg in list(req.regs.values()):
@@ -202,6 +223,8 @@ class LayerwisePushProducerCore(PushProducerCore):
                 self._write_failed(req, reg, stop)
             return
         stream = self._streams[req.transfer_id]
+        if stream.step_over and not stream.complete:
+            return  # between the engine's step and its Finished nothing protects the blocks
         todo = [ly for ly in lane.layers if ly not in lane.posted]
         ready = [ly for ly in todo if stream.complete or ly in stream.ready]
         if len(ready) == len(todo):
