@@ -294,10 +294,23 @@ class Engine:
             return  # EngineCore idles then: the worker is not polled, so kvwire must not need it to be
         out, ops = self.schedule()
         self.worker.apply(ops)
+        self._forward()
         # As KvwireConnector.get_transfer_results: a step with nothing scheduled waits for kvwire's news.
         idle = bool(getattr(out.kv_connector_metadata, "idle", False))
         wait_s = self.worker.settings.idle_step_wait_ms / 1e3 if idle else 0.0
         self.update(out, self.worker.finished(wait_s) if poll else Finished())
+
+    def _forward(self) -> None:
+        """The model's layers, as KvwireConnector sees them: ``save_kv_layer`` per layer (layer-wise push
+        streams the step's requests), then ``wait_for_save``. The fake model computes nothing: P's cache
+        holds its bytes from the start."""
+        streamer = self.worker.streamer
+        if streamer is None:
+            return
+        if streamer.active:
+            for i, name in enumerate(LAYER_NAMES):
+                streamer.layer_saved(name, self.backing[i])
+        streamer.step_over()
 
     def _complete(self, rid: str) -> bool:
         req = self.sched.requests[rid]

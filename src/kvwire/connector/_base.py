@@ -366,7 +366,7 @@ class ConnectorBase(Generic[E]):
         rank = self.ranks[action.key]
         write = isinstance(action, PostWrite)
         notif = None
-        if isinstance(action, PostWrite):
+        if isinstance(action, PostWrite) and action.notif is not None:
             notif = self._gate.outgoing(rank.agent.name, action.peer, action.notif)
         try:
             # The plan's [n, 3] arrays go to the transport as they are: no Desc object per descriptor.

@@ -22,6 +22,9 @@ class ConnectorConfig:
     """Timeouts are in seconds unless the name says otherwise; every wait the connector does is bounded."""
 
     mode: TransferMode = TransferMode.PUSH
+    # Push only: P writes each layer's KV as soon as the engine says it is computed (``LayersReady``),
+    # overlapping the transfer with the rest of the prefill; D still gets one done after every layer landed.
+    layerwise: bool = False
     # P keeps a finished request's blocks this long for D to register (or read); D's heartbeats extend it.
     kv_lease_duration_s: float = 30.0
     # P starts no write more than this after it received the push_reg (D's value is sent in the push_reg).

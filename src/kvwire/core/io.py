@@ -86,6 +86,27 @@ class Finished:
 
 
 @dataclass(frozen=True, slots=True)
+class LayersReady:
+    """P, layer-wise push: the KV of ``layers`` (the model's layer indices) is final in ``block_ids`` for
+    ``num_tokens`` tokens (the prefill's last step computed them). The engine keeps the blocks until its
+    ``Finished`` (then the connector holds them) or ``Abort``."""
+
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    layers: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StepEnded:
+    """P, layer-wise push: the engine step that computed ``transfer_id``'s layers is over, so its blocks are
+    protected again only by ``Finished``: no write of them starts before it (one still in flight now is
+    released: the engine waited for them first, so that is a timeout)."""
+
+    transfer_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class Abort:
     """The engine drops the request."""
 
@@ -130,7 +151,19 @@ class Digested:
     digest: bytes | None
 
 
-Input = Tick | NotifIn | XferEnded | HandshakeDone | Outcome | Finished | Abort | Allocated | Digested
+Input = (
+    Tick
+    | NotifIn
+    | XferEnded
+    | HandshakeDone
+    | Outcome
+    | Finished
+    | LayersReady
+    | StepEnded
+    | Abort
+    | Allocated
+    | Digested
+)
 
 # --- actions ------------------------------------------------------------------------------------------
 
@@ -148,14 +181,15 @@ class Send:
 @dataclass(frozen=True, slots=True)
 class PostWrite:
     """Post one WRITE of ``src`` (local) to ``dst`` (peer's) ``[n, 3]`` descriptor arrays; ``notif`` goes
-    with its last byte. Feed back an ``Outcome``; later an ``XferEnded`` (unless released first)."""
+    with its last byte (None: a layer-wise write that carries none). Feed back an ``Outcome``; later an
+    ``XferEnded`` (unless released first)."""
 
     token: int
     key: RankKey
     peer: str
     src: np.ndarray
     dst: np.ndarray
-    notif: bytes
+    notif: bytes | None
     nbytes: int
     transfer_id: str = ""  # for logs and checks: whose blocks the bytes are for
 

@@ -338,12 +338,19 @@ class PushProducerCore(ProducerCore):
         return None
 
     def _write(self, now: float, req: Request, reg: Reg) -> None:
+        planned = self._plan_write(req, reg)
+        if planned is not None:
+            self._begin_write(now, req, reg, *planned)
+
+    def _plan_write(self, req: Request, reg: Reg) -> tuple[TransferPlan, Done] | None:
+        """The request's descriptors into this registration's blocks and the ``done`` that ends it; None
+        when the registration cannot take them (it is then failed)."""
         msg, peer = reg.msg, reg.peer
         assert peer is not None
         bad = self._uncovered(req, reg)
         if bad is not None or peer.layout is None:
             self._fail(req, reg, PT.WRITE_FAILED, bad or FailReason.BAD_REGISTRATION)
-            return
+            return None
         try:
             plan = plan_transfer(
                 self.engine.spec,
@@ -357,7 +364,7 @@ class PushProducerCore(ProducerCore):
         except (BlockRangeError, LayoutError) as exc:
             self._log_info("registration %s from %s refused: %s", req.transfer_id, reg.sender, exc)
             self._fail(req, reg, PT.WRITE_FAILED, FailReason.BAD_REGISTRATION)
-            return
+            return None
         layers = common_layers(self.layouts[reg.key].layers, peer.layout.layers)
         slices = self._slices(msg.tp_size, reg.key[1], msg.tp_rank)
         done = Done(
@@ -370,11 +377,19 @@ class PushProducerCore(ProducerCore):
             reg_nonce=msg.reg_nonce,
             nbytes=payload_bytes(self.engine.spec, layers, slices, msg.num_cached_tokens, msg.num_tokens),
         )
+        return plan, done
+
+    def _begin_write(self, now: float, req: Request, reg: Reg, plan: TransferPlan, done: Done) -> None:
+        """Post the write (after the digest of its source, when D asked for one)."""
         reg.posting, reg.posted_at = True, now
+        msg = reg.msg
         if msg.want_digest:
             # D checks the bytes that land against this digest of the source (kv/digest.py).
             token = self._new_token()
             self._digesting[token] = (req, reg, plan, done)
+            assert reg.peer is not None and reg.peer.layout is not None
+            layers = common_layers(self.layouts[reg.key].layers, reg.peer.layout.layers)
+            slices = pair_heads(self.engine.spec, self.engine.tp_size, msg.tp_size, reg.key[1], msg.tp_rank)
             heads = tuple((s.src_head, s.num_heads) for s in slices)
             scope = DigestScope(layers, heads, tuple(req.block_ids), msg.num_cached_tokens, msg.num_tokens)
             self._do(Digest(token, reg.key, scope))
@@ -560,7 +575,7 @@ class PushProducerCore(ProducerCore):
                 if d_life(reg) != life or not holding(reg):
                     continue
                 touched.append(req)
-                if reg.token:
+                if reg.machine.writes_in_flight:
                     self._recall(req, reg, FailReason.PEER_DEAD)
                 else:
                     self._fail(req, reg, PT.PEER_DEAD)

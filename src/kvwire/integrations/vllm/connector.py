@@ -29,6 +29,7 @@ from kvwire.errors import ConfigError, KvwireError, LayoutError
 from kvwire.integrations.vllm.discovery import BackgroundRegistrar, start_registration
 from kvwire.integrations.vllm.hma import kv_groups
 from kvwire.integrations.vllm.identity import vllm_model_id
+from kvwire.integrations.vllm.layerwise import StreamPlanner
 from kvwire.integrations.vllm.params import KvRole, Op, incarnation_of, settings_from_extra
 from kvwire.integrations.vllm.scheduler import LocalEngine, SchedulerSide
 from kvwire.integrations.vllm.worker import RankPlace, WorkerSide
@@ -100,7 +101,10 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._fleet: BackgroundRegistrar | None = None
+        self._streams: StreamPlanner | None = None  # layerwise push: which P requests stream this step
         if role == KVConnectorRole.SCHEDULER:
+            if settings.layerwise and kv_role.produces:
+                self._streams = StreamPlanner(block_size)
             local = LocalEngine(engine_id, settings.side_channel_host, settings.side_channel_port, tp, pp)
             self._sched = SchedulerSide(kv_role, settings, local, block_size)
             model = settings.model_id or vllm_model_id(mc)
@@ -137,7 +141,15 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         assert self._sched is not None, "a scheduler-side method was called on a worker"
         return self._sched
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """save_kv_layer runs between the layers: not inside a captured full CUDA graph."""
+        return bool((extra_config or {}).get("layerwise"))
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self._streams is not None:
+            n = len(request.prompt_token_ids)
+            self._streams.watch(request.request_id, request.kv_transfer_params, n, request.max_tokens)
         return self._s().matched_tokens(
             request.request_id, request.kv_transfer_params, len(request.prompt_token_ids), num_computed_tokens
         )
@@ -164,7 +176,10 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def build_connector_meta(self, scheduler_output: Any) -> KvwireMetadata:
         idle = int(getattr(scheduler_output, "total_num_scheduled_tokens", 1)) == 0
-        return KvwireMetadata(self._s().take_ops(), idle=idle)
+        ops = self._s().take_ops()
+        if self._streams is not None:
+            ops += self._streams.ops(scheduler_output)
+        return KvwireMetadata(ops, idle=idle)
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._s().transfers_ended(
@@ -180,6 +195,8 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         """``SupportsHMA``: the request's blocks per KV cache group (one group without HMA)."""
         status = str(getattr(request.status, "name", request.status))
         aborted = "ABORT" in status or "ERROR" in status
+        if self._streams is not None:
+            self._streams.forget(request.request_id)
         n, bs = len(request.prompt_token_ids), self._block_size
         ids: list[int] = []
         try:
@@ -213,10 +230,18 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         """KV arrives before the request is scheduled (async load): nothing to wait for per layer."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        """P sends a finished request's blocks (scheduler's SEND), not layer by layer."""
+        """Layerwise: this layer of the step's streamed requests is computed (whole-request push: nothing,
+        P sends a finished request's blocks on the scheduler's SEND)."""
+        streamer = self._worker.streamer if self._worker is not None else None
+        if streamer is not None and streamer.active:
+            streamer.layer_saved(layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
-        """Nothing to wait for: P's blocks stay held until kvwire reports the request."""
+        """Layerwise: the step's layer writes end before it does (whole-request push: nothing to wait for,
+        P's blocks stay held until kvwire reports the request)."""
+        streamer = self._worker.streamer if self._worker is not None else None
+        if streamer is not None:
+            streamer.step_over()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         res = self.get_transfer_results(finished_req_ids)

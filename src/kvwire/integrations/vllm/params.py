@@ -45,6 +45,9 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """``kv_connector_extra_config`` keys; timeouts and knobs keep ``ConnectorConfig``'s names."""
 
     mode: TransferMode = TransferMode.PUSH
+    # Push: P writes each layer's KV to D as soon as vLLM computed it (save_kv_layer), overlapping the
+    # transfer with the rest of the prefill (layerwise.py); D still decodes only once every layer landed.
+    layerwise: bool = False
     backend: str = "nixl"
     # Where this engine's side channel listens: rank (pp, tp) of a tp_size engine at
     # side_channel_port + pp * tp_size + tp. The host is also what D is told to connect to.
@@ -101,6 +104,8 @@ def settings_from_extra(extra: Mapping[str, Any] | None) -> Settings:
         s = msgspec.convert(dict(extra or {}), Settings, strict=False)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"kv_connector_extra_config: {exc}") from exc
+    if s.layerwise and s.mode is not TransferMode.PUSH:
+        raise ConfigError("kv_connector_extra_config: layerwise needs mode push (in pull D reads P's blocks)")
     s.connector_config()  # validate the knobs now, in the engine's start-up, not at the first request
     if not 0 < s.side_channel_port < 65536:
         raise ConfigError(f"kv_connector_extra_config: side_channel_port {s.side_channel_port} out of range")
@@ -138,6 +143,7 @@ class OpKind(enum.Enum):
     LOAD = "load"  # D: blocks allocated for the remote prefix; register with P (push) or read (pull)
     ABORT = "abort"  # D: the engine dropped a request waiting for KV
     DROP = "drop"  # P: the engine dropped a request D may register for: D's registration fails at once
+    STREAM = "stream"  # P, layerwise: this step ends the request's prefill; write its layers as computed
 
 
 class Op(msgspec.Struct, frozen=True, array_like=True):

@@ -32,6 +32,7 @@ from kvwire.integrations.api import (
     remote_engine,
     start_connector,
 )
+from kvwire.integrations.vllm.layerwise import LayerStreamer
 from kvwire.integrations.vllm.memory import kv_from_vllm
 from kvwire.integrations.vllm.params import KvRole, Op, OpKind, Settings, secret
 from kvwire.kv.regions import ExternalKV
@@ -78,6 +79,7 @@ class WorkerSide:
         self.kv: ExternalKV | None = None
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
+        self.streamer: LayerStreamer | None = None  # layerwise push (P)
         self._agents: list[Agent] = []
         self._sends: dict[str, str] = {}  # P: transfer_id -> vLLM request id, until kvwire's event
         self._loads: dict[str, str] = {}  # D: transfer_id -> vLLM request id, until READY or RELEASED
@@ -109,6 +111,8 @@ class WorkerSide:
         try:
             if self.role.produces:
                 self.producer = self._start(Producer, 0)
+                if self.settings.layerwise:
+                    self.streamer = LayerStreamer(self.producer, self.settings.transfer_timeout_s)
             if self.role.consumes:
                 # kv_both: the consumer's side channel sits after every producer rank's.
                 offset = p.tp_size * p.pp_size if self.role.produces else 0
@@ -167,6 +171,8 @@ class WorkerSide:
             self.consumer.request_allocated(
                 op.transfer_id, op.block_ids, op.num_tokens, op.num_cached_tokens, remote
             )
+        elif op.kind is OpKind.STREAM and self.streamer is not None:
+            self.streamer.stream(op)
         elif op.kind is OpKind.DROP and self.producer is not None:
             self.producer.abort(op.transfer_id)  # no event follows: the engine already owns the blocks
         elif op.kind is OpKind.ABORT and self.consumer is not None:
@@ -216,5 +222,7 @@ class WorkerSide:
             self._done.failed_recving.add(req)
 
     def close(self) -> None:
+        if self.streamer is not None:
+            self.streamer.close()
         close_all((self.producer, self.consumer), self._agents)
         self._agents.clear()
