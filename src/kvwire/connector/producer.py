@@ -75,9 +75,8 @@ class Producer(ConnectorBase[ProducerEvent]):
         tids = frozenset(transfer_ids)
 
         async def settle() -> bool:
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + timeout_s
-            while core.streaming(tids) and loop.time() < deadline:
+            deadline = self._clock() + timeout_s  # the connector's one clock (virtual in tests)
+            while core.streaming(tids) and self._clock() < deadline:
                 await asyncio.sleep(self.config.poll_interval_s)
             settled = not core.streaming(tids)
             for tid in sorted(tids):
