@@ -34,10 +34,13 @@ mkdir -p "$(dirname "$json")"
 timeout "${TIMEOUT_S:-300}" "$py" -m kvwire.cli bench gpu-check --device "${DEVICE:-auto}" --json "$json" "$@"
 
 # On a GPU, vLLM's worker side too (kvwire.integrations.vllm.WorkerSide, one process per TP rank, tensors laid
-# out as vLLM 0.34 allocates them, here in VRAM): push TP 1->1, 2->1, 1->2 and pull, every KV word compared.
+# out as vLLM 0.34 allocates them, here in VRAM): push TP 1->1, 2->1, 1->2 and pull, every KV word compared;
+# different block sizes on P and D and a PP-2 P (test_vllm_worker_geometry), and layer-wise push, each layer
+# fenced by a CUDA event before its write (test_vllm_worker_layerwise).
 # It needs pytest and kvwire's dependencies (`pip install -e '.[dev]'`); WORKER_TESTS=0 skips it.
 if [ "${WORKER_TESTS:-1}" = 1 ] && [ "${DEVICE:-auto}" != cpu ] \
   && "$py" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   KVWIRE_TEST_DEVICE=cuda timeout "${TIMEOUT_S:-300}" "$py" -m pytest -q -p no:cacheprovider \
-    -W ignore::DeprecationWarning tests/integration/test_vllm_worker_nixl.py
+    -W ignore::DeprecationWarning tests/integration/test_vllm_worker_nixl.py \
+    tests/integration/test_vllm_worker_geometry.py tests/integration/test_vllm_worker_layerwise.py
 fi

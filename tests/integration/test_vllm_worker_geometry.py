@@ -10,6 +10,7 @@ KV word compared, read back in D's own block layout), and no byte outside the re
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -29,6 +30,8 @@ P_MODEL = Model(num_layers=3, kv_heads=4, head_dim=64, block_size=16, num_blocks
 N = 5 * 16 - 3  # five P blocks, the last partial
 P_BLOCKS = [4, 5, 6, 20, 9]
 _case = itertools.count()
+# `cuda` on a GPU machine (scripts/gpu-check.sh runs this file so): the same transfers with the KV in VRAM.
+DEVICE = os.environ.get("KVWIRE_TEST_DEVICE", "cpu")
 
 
 @dataclass
@@ -64,11 +67,17 @@ def _transfer(
     d_blocks = [33, 2, 3, 10, 11][: -(-N // d_model.block_size)]
     p = VllmEngine(
         KvRole.PRODUCER, pool.p[: p_tp * p_pp], engine_id=f"P{n}", model=p_model, mode=mode, dtype=dtype,
-        pp_size=p_pp,
+        pp_size=p_pp, device=DEVICE,
     )  # fmt: skip
     try:
         d = VllmEngine(
-            KvRole.CONSUMER, pool.d[:d_tp], engine_id=f"D{n}", model=d_model, mode=mode, dtype=dtype
+            KvRole.CONSUMER,
+            pool.d[:d_tp],
+            engine_id=f"D{n}",
+            model=d_model,
+            mode=mode,
+            dtype=dtype,
+            device=DEVICE,
         )
     except BaseException:
         p.close()

@@ -10,6 +10,7 @@ was computed shows on D. D must end up with exactly P's logical KV, become READY
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -34,6 +35,8 @@ D_BLOCKS = [33, 2, 3, 10, 11]
 # One layer of the request on a TP1 rank: 5 whole blocks of [4 heads, 16 tokens, K and V of 64] fp16.
 LAYER_BYTES = len(P_BLOCKS) * MODEL.kv_heads * MODEL.block_size * 2 * MODEL.head_dim * 2
 _case = itertools.count()
+# `cuda` on a GPU machine (scripts/gpu-check.sh runs this file so): KV in VRAM, layers fenced by CUDA events.
+DEVICE = os.environ.get("KVWIRE_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +55,7 @@ class Pair:
     def __init__(self, pool: list[VllmWorker], d_tp: int) -> None:
         n = next(_case)
         self.seed = 300 + n
-        kw: dict[str, Any] = {"model": MODEL, "mode": "push", "dtype": "float16"}
+        kw: dict[str, Any] = {"model": MODEL, "mode": "push", "dtype": "float16", "device": DEVICE}
         self.p = VllmEngine(KvRole.PRODUCER, pool[:1], engine_id=f"LP{n}", extra={"layerwise": True}, **kw)
         try:
             self.d = VllmEngine(KvRole.CONSUMER, pool[1 : 1 + d_tp], engine_id=f"LD{n}", **kw)
