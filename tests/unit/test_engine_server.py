@@ -118,8 +118,10 @@ async def test_stream(client: tuple[httpx.AsyncClient, EngineServer]) -> None:
         {"prompt": "x", "stream": "yes"},
         {"prompt": "x", "n": 2},
         {"prompt": "x", "max_tokens": 100000},
-        {"prompt": "x", "kv_transfer_params": {"do_remote_decode": True}},
+        {"prompt": "x", "kv_transfer_params": {"do_remote_decode": True, "transfer_id": ""}},
         {"prompt": "x", "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": "t"}},
+        {"prompt": "x", "no_stop_trim": True},  # vllm-router's SGLang-named fields: only at their neutral
+        {"prompt": "x", "skip_special_tokens": False},
         {"prompt": "x", "kv_transfer_params": "nope"},
         [1, 2],
         # sampling: out of range, or something the engine cannot honour (never silently ignored)
@@ -290,6 +292,8 @@ async def test_disaggregated_legs_over_http(caplog: pytest.LogCaptureFixture) ->
             assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
             kvp = rp.json()["kv_transfer_params"]
             assert kvp["transfer_id"] == "tx1" and kvp["remote_engine_id"] == "prefill-test"
+            # P's answer is D's leg as it is (vllm-router and vLLM's proxies hand it over unchanged)
+            assert (kvp["do_remote_prefill"], kvp["do_remote_decode"]) == (True, False)
             assert kvp["num_tokens"] == len(prompt) + 1
             got = rd.json()
             assert got["choices"][0]["token_ids"] == reference(prompt, 6)

@@ -68,11 +68,17 @@ class CompletionBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     frequency_penalty: _Penalty | None = None
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0)] | None = None
     logit_bias: dict[str, float] | None = None
+    # What vllm-router (PD mode) adds to every leg, at these values: SGLang's names, neutral here.
+    no_stop_trim: bool | None = None
+    skip_special_tokens: bool | None = None
+    return_hidden_states: bool | None = None
 
 
 # The neutral value of each parameter the engine cannot honour (an empty logit_bias is neutral too).
 _NEUTRAL: dict[str, object] = {
     "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": {},
+    # The byte tokenizer has no special tokens to skip, and the engine trims nothing off a stop string.
+    "no_stop_trim": False, "skip_special_tokens": True, "return_hidden_states": False,
 }  # fmt: skip
 
 
@@ -202,6 +208,10 @@ def _transfer(params: KvTransferParams | None) -> tuple[TransferRole, str | None
     if not (decode or prefill):
         return TransferRole.NONE, None
     tid = params.transfer_id
+    if tid is None and decode:
+        # vLLM's proxies and routers (vllm-router's PD mode) name no id in P's leg: P makes one and
+        # returns it in its answer, which they hand D as its kv_transfer_params.
+        tid = uuid.uuid4().hex
     if not tid:
         raise InvalidRequest("kv_transfer_params.transfer_id must be a non-empty string", _KV_PARAMS)
     if prefill:

@@ -321,6 +321,9 @@ class EngineServer:
         ident = self.identity
         prompt_blocks = self.engine.scheduler.prompt_blocks(req)
         return KvTransferParams(
+            # As vLLM's connectors answer: a proxy that hands P's answer to D as it is (vllm-router) works.
+            do_remote_decode=False,
+            do_remote_prefill=True,
             transfer_id=creq.transfer_id,
             remote_engine_id=ident.engine_id,
             remote_host=ident.side_channel_host,
