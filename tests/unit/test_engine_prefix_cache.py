@@ -155,3 +155,22 @@ def test_prefill_refuses_a_start_off_the_chunk_grid() -> None:
     kv = PagedKV(TINY.kv_spec(), 8, q_heads=TINY.q_heads)
     with pytest.raises(ValueError, match="multiple"):
         MODEL.prefill(kv, list(range(8)), np.zeros(100, dtype=np.int64), start=16)
+
+
+def test_a_remote_prefill_gets_blocks_the_cache_holds_but_nobody_uses() -> None:
+    """``admit`` counts evictable cached blocks as free for every request: a request whose KV comes from a
+    prefill engine must get them too (it was popped from the queue and lost on an AllocationError)."""
+    e = make(MODEL, cache=True, num_blocks=24)
+    prompt_kv(e, PREFIX)  # its whole chunks stay cached, held by nobody
+    sched = e.scheduler
+    cached = sched.prefix_cache
+    assert cached is not None and cached.num_evictable > 0
+    remote = Request(
+        "remote", tokens(20 * 16 - 1, seed=9), 1, role=TransferRole.REMOTE_PREFILL, transfer_id="t"
+    )
+    need = sched.blocks_needed(remote)
+    assert sched.allocator.num_free < need <= cached.available([])
+    sched.add(remote)
+    out = sched.admit()
+    assert out.remote == [remote] and remote.state is RequestState.WAITING_FOR_KV
+    assert len(remote.block_ids) == need and len(set(remote.block_ids)) == need

@@ -123,7 +123,11 @@ class Scheduler:
 
     def _allocate(self, req: Request, hit: list[int], need: int) -> list[int]:
         cache = self.prefix_cache
-        if cache is None or req.role is TransferRole.REMOTE_PREFILL:
+        if cache is None:
+            return self.allocator.allocate(need)
+        if req.role is TransferRole.REMOTE_PREFILL:
+            # ``admit`` counted evictable cached blocks as free for every request: make them free here too.
+            cache.make_room(need)
             return self.allocator.allocate(need)
         cache.acquire(hit, len(req.prompt))
         cache.make_room(need)
