@@ -145,3 +145,15 @@ def test_hma_plan_moves_each_group_with_its_own_blocks_and_window() -> None:
         plan_transfer(
             spec, RankLayout.from_cache(p), RankLayout.from_cache(d), p_ids[:9], d_ids, num_tokens=n_tok
         )
+
+
+def test_hma_hybrid_model_refuses_pp_and_layerwise_push_at_start() -> None:
+    """A hybrid model's groups cannot be split by PP stages, and layer-wise push streams one group's rows:
+    both stop the engine at start with the fix named; one group (or whole-request push, PP 1) goes ahead."""
+    hybrid = KvGroups(layer_groups=(0, 1), group_windows=(0, 64))
+    with pytest.raises(ConfigError, match="pipeline_parallel_size 1"):
+        hybrid.check_supported(2, layerwise=False)
+    with pytest.raises(ConfigError, match='"layerwise": false'):
+        hybrid.check_supported(1, layerwise=True)
+    hybrid.check_supported(1, layerwise=False)
+    KvGroups().check_supported(2, layerwise=True)

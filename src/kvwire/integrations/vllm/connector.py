@@ -92,10 +92,7 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
         # vLLM's hybrid KV cache manager: one block list per group (full attention, sliding window).
         self._groups = kv_groups(kv_cache_config, int(mc.hf_text_config.num_hidden_layers))
-        if self._groups.hybrid and pp > 1:
-            raise ConfigError(
-                "kvwire moves a hybrid model's KV cache groups without PP (pipeline_parallel_size 1)"
-            )
+        self._groups.check_supported(pp, settings.layerwise)
         self._null_block = 0  # vLLM's null block (BlockPool.null_block); bound in bind_gpu_block_pool
         self._block_size = block_size
         self._sched: SchedulerSide | None = None

@@ -37,6 +37,20 @@ class KvGroups:
     def hybrid(self) -> bool:
         return bool(self.group_windows)
 
+    def check_supported(self, pp_size: int, layerwise: bool) -> None:
+        """Refuse at start what kvwire cannot move for a hybrid model: PP (its stages split the groups), and
+        layer-wise push (its streams and write lanes are one group's layer-major rows; a hybrid model's
+        plan is group after group, so an early layer's write would carry other layers' rows)."""
+        if self.hybrid and pp_size > 1:
+            raise ConfigError(
+                "kvwire moves a hybrid model's KV cache groups without PP (pipeline_parallel_size 1)"
+            )
+        if self.hybrid and layerwise:
+            raise ConfigError(
+                'kv_connector_extra_config: "layerwise": true moves one KV cache group; this hybrid model '
+                'has several: set "layerwise": false (whole-request push)'
+            )
+
     def flat(self, block_ids: Sequence[Sequence[int]], num_tokens: int, block_size: int) -> list[int]:
         """vLLM's per-group block lists as kvwire's one list (one group: its list as it is)."""
         if not self.hybrid:
