@@ -133,8 +133,8 @@ class LayerStreamer:
         """vLLM's ``wait_for_save``: this step's streamed writes end before the step does."""
         if not self._step:
             return
-        if self._fence is not None:
-            self._fence.drain()
+        if self._fence is not None and not self._fence.drain(self.wait_s):
+            log.warning("kvwire: layer fences not reached within %.1f s", self.wait_s)
         tids = sorted(self._step)
         self._step.clear()
         if not self.producer.step_over(tids, self.wait_s):
@@ -165,13 +165,17 @@ class _CudaFence:
         while (item := self._queue.get()) is not None:
             event, fn = item
             try:
-                event.synchronize()  # releases the GIL while the GPU works
+                if event is not None:
+                    event.synchronize()  # releases the GIL while the GPU works
                 fn()
-            finally:
-                self._queue.task_done()
+            except Exception:  # one failed layer must not stop the thread every later drain waits on
+                log.exception("kvwire: a layer's fence or hand-off failed")
 
-    def drain(self) -> None:
-        self._queue.join()
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every callback queued so far ran; False if that took over ``timeout_s``."""
+        done = threading.Event()
+        self._queue.put((None, done.set))
+        return done.wait(timeout_s)
 
     def close(self) -> None:
         self._queue.put(None)
