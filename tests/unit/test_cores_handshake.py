@@ -222,3 +222,24 @@ def test_the_breaker_holds_only_the_life_that_tripped_it() -> None:
         b.check_at(0.5, "h", 1, "P-1")
     b.check_at(0.5, "h", 1, "P-2")
     b.check_at(1.0, "h", 1, "P-1")
+
+
+def test_handshake_machines_stay_bounded_when_peers_name_many_addresses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each address a peer names gets a handshake machine; failed ones are dropped oldest first beyond the
+    bound, while an address with a loaded peer or a handshake in flight keeps its machine."""
+    import kvwire.core.handshake as hs
+
+    monkeypatch.setattr(hs, "MAX_MACHINES", 8)
+    core = HandshakeCore(timeout_s=1.0, retries=0)
+    core.handle(0.0, Want(ADDR, NOTIF))  # stays in flight throughout
+    for port in range(100):
+        addr = PeerAddress("10.0.0.9", 8000 + port, 0, 0)
+        core.handle(0.0, Want(addr, NOTIF))
+        core.handle(0.0, Attempt(addr))
+        assert isinstance(_one(core.handle(0.0, FetchErr(addr, PeerUnreachable("reset")))), Fail)
+        assert len(core.machines) <= 8
+    assert core.state(ADDR) is HandshakeState.FETCHING and ADDR in core.flights
+    assert core.state(PeerAddress("10.0.0.9", 8099, 0, 0)) is HandshakeState.FAILED  # the newest kept
+    assert core.state(PeerAddress("10.0.0.9", 8000, 0, 0)) is HandshakeState.UNKNOWN  # the oldest gone

@@ -148,6 +148,10 @@ def trips_breaker(exc: BaseException) -> bool:
     return failure_reason(exc) in (FailureReason.TIMEOUT, FailureReason.UNREACHABLE, FailureReason.TRANSPORT)
 
 
+# Handshake machines kept per local rank; idle ones (no peer, no flight) beyond it go, oldest first.
+MAX_MACHINES = 4096
+
+
 @dataclass
 class _Flight:
     """The one handshake in flight for an address."""
@@ -368,7 +372,19 @@ class HandshakeCore:
         machine = self.machines.get(addr)
         if machine is None or machine.is_terminal:
             machine = self.machines[addr] = PeerHandshake()
+            if len(self.machines) > MAX_MACHINES:
+                self._prune_machines()
         return machine
+
+    def _prune_machines(self) -> None:
+        """Peers name the addresses (a ``push_reg``'s host and port): keep the table bounded by dropping the
+        oldest machines of addresses with neither a peer loaded nor a handshake in flight (their state only
+        says how the last handshake ended; a new one starts from UNKNOWN as for a first contact)."""
+        for addr in list(self.machines):
+            if len(self.machines) <= MAX_MACHINES:
+                return
+            if addr not in self.peers and addr not in self.flights:
+                del self.machines[addr]
 
     def _entry_loaded(self, addr: PeerAddress, machine: PeerHandshake, mode: PeerMode) -> None:
         full = mode is PeerMode.FULL

@@ -17,6 +17,7 @@ What stays the adapter's own: reading the engine's config, wrapping its KV tenso
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -29,6 +30,8 @@ from kvwire.kv_params import KvTransferParams
 from kvwire.transport.base import Agent, make_agent_name
 from kvwire.transport.registry import create_agent
 from kvwire.transport.ucx_env import limit_net_devices
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "Connector",
@@ -71,7 +74,11 @@ def open_ranks(
     to that address's interface (``limit_net_devices``: a multi-homed host otherwise advertises interfaces a
     peer cannot reach, and UCX may carry notifications over one of them)."""
     if advertise_host is not None and backend == "nixl":
-        limit_net_devices(advertise_host)
+        device = limit_net_devices(advertise_host)
+        if device is not None:  # said once: every KV byte of this process now goes over that interface
+            log.info(
+                "UCX_NET_DEVICES=%s (the interface of %s; set it yourself to choose)", device, advertise_host
+            )
     agents: list[Agent] = []
     ranks: list[LocalRank] = []
     try:
