@@ -28,11 +28,20 @@ from kvwire.router.dialects import DEFAULT_KIND
 from kvwire.router.health import HealthInfo as HealthInfo
 from kvwire.router.health import split_fragment
 from kvwire.router.http import EngineClient
-from kvwire.router.policy import QUEUE_TOKENS, EngineView, Load, NoHealthyEngine, Role, prefill_cost
+from kvwire.router.policy import (
+    EngineView,
+    Load,
+    NoHealthyEngine,
+    Role,
+    load_order,
+    prefill_cost,
+    queued_tokens,
+)
 from kvwire.router.prefix import BLOCK_TOKENS, PrefixIndex
 from kvwire.router.ranking import Ranking
 
 log = logging.getLogger(__name__)
+_NO_LOAD = Load()  # an engine that has not reported yet
 
 
 def pair_problem(p: HealthInfo, d: HealthInfo, mode: TransferMode) -> str | None:
@@ -74,28 +83,24 @@ class EngineState:
     in_fleet: bool = True  # listed in the registry's engines (a departed one lingers while ours end)
     _refreshing: asyncio.Task[None] | None = field(default=None, repr=False)
 
+    @property
+    def load(self) -> Load:
+        return self.info.load if self.info is not None else _NO_LOAD
+
     def view(self) -> EngineView:
-        load = self.info.load if self.info is not None else Load()
         return EngineView(
-            self.url, self.healthy and not self.draining, load, self.inflight, self.prefill_tokens
+            self.url, self.healthy and not self.draining, self.load, self.inflight, self.prefill_tokens
         )
 
     @property
     def pickable(self) -> bool:
         return self.in_fleet and self.healthy and not self.draining
 
-    def busy(self) -> int:
-        """See ``policy.busy``."""
-        load = self.info.load if self.info is not None else None
-        return max(load.running + load.waiting, self.inflight) if load is not None else self.inflight
-
     def load_key(self) -> tuple[int, ...]:
-        """``policy.least_loaded``'s order: fewest requests, then most free blocks."""
-        return (self.busy(), -self.info.load.free_blocks if self.info is not None else 0)
+        return load_order(self.load, self.inflight)
 
     def queue_key(self) -> tuple[int, ...]:
-        """``policy.prefill_cost`` without the prompt: what P computes before a new prompt."""
-        return (self.prefill_tokens + QUEUE_TOKENS * self.busy(),)
+        return (queued_tokens(self.prefill_tokens, self.load, self.inflight),)
 
     def summary(self) -> dict[str, Any]:
         info = self.info

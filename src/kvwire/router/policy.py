@@ -93,9 +93,23 @@ class Picker:
         return least_loaded(healthy, turn)
 
 
-def busy(engine: EngineView) -> int:
+def busy_of(load: Load, inflight: int) -> int:
     """Requests an engine is working on: its last report, or what we sent it since, whichever is more."""
-    return max(engine.load.running + engine.load.waiting, engine.inflight)
+    return max(load.running + load.waiting, inflight)
+
+
+def load_order(load: Load, inflight: int) -> tuple[int, int]:
+    """``least_loaded``'s key: fewest requests, then most free blocks (the router's rankings use it too)."""
+    return (busy_of(load, inflight), -load.free_blocks)
+
+
+def queued_tokens(prefill_tokens: int, load: Load, inflight: int) -> int:
+    """``prefill_cost`` before the prompt: what P computes ahead of a new request."""
+    return prefill_tokens + QUEUE_TOKENS * busy_of(load, inflight)
+
+
+def busy(engine: EngineView) -> int:
+    return busy_of(engine.load, engine.inflight)
 
 
 def least_loaded(engines: Sequence[EngineView], turn: int = 0) -> EngineView:
@@ -105,12 +119,14 @@ def least_loaded(engines: Sequence[EngineView], turn: int = 0) -> EngineView:
     n = len(engines)
     order = [engines[(turn + i) % n] for i in range(n)]
     # min() keeps the first of equal keys, so rotating the list first spreads ties.
-    return min(order, key=lambda e: (busy(e), -e.load.free_blocks))
+    return min(order, key=lambda e: load_order(e.load, e.inflight))
 
 
 def prefill_cost(engine: EngineView, cached_tokens: int, prompt_tokens: int) -> int:
     """Prompt tokens ``engine`` computes before this request's first token (see the module's text)."""
-    return engine.prefill_tokens + max(0, prompt_tokens - cached_tokens) + QUEUE_TOKENS * busy(engine)
+    return queued_tokens(engine.prefill_tokens, engine.load, engine.inflight) + max(
+        0, prompt_tokens - cached_tokens
+    )
 
 
 def cheapest_prefill(
