@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from kvwire.core.base import CoreBase, DropReason
+from kvwire.core.consumer_liveness import Lives
 from kvwire.core.consumer_records import Link, LocalPart, PeerLife, Request, UsedIds, sampled
 from kvwire.core.events import ConsumerEvent, ConsumerEventKind
 from kvwire.core.io import (
@@ -88,7 +89,8 @@ class ConsumerCore(CoreBase):
         if self.engine.pp_size != 1:
             raise LayoutError("a consumer (D) engine runs with pp_size 1")
         self._requests: dict[str, Request] = {}
-        self._life: dict[tuple[str, str], PeerLife] = {}  # (engine_id, incarnation) of P engines
+        self._lives = Lives()
+        self._life = self._lives.table  # (engine_id, incarnation) of P engines
         self._handshakes: dict[int, tuple[Request, LocalPart, Link]] = {}
         self._probes: dict[int, tuple[str, str]] = {}  # who is at a dead P life's address now
         # Every transfer id this life registered: single use (a done of the other request must not
@@ -228,7 +230,7 @@ class ConsumerCore(CoreBase):
         if life is None:
             return
         if inp.nobody_listens or (inp.peer is not None and inp.peer.incarnation != incarnation):
-            life.gone = True
+            self._lives.gone(life)
 
     def _on_p_handshake(
         self, now: float, req: Request, part: LocalPart, link: Link, inp: HandshakeDone
@@ -261,7 +263,7 @@ class ConsumerCore(CoreBase):
             life.last_seen = max(life.last_seen, now)
         for (engine_id, incarnation), other in self._life.items():
             if engine_id == peer.engine_id and incarnation != peer.incarnation:
-                other.gone = True  # a newer life answers at that address: the older process is over
+                self._lives.gone(other)  # a newer life answers at that address: the older process is over
         self._start(now, req, part, link, peer)
 
     def _start(self, now: float, req: Request, part: LocalPart, link: Link, peer: PeerRank) -> None:
@@ -271,8 +273,7 @@ class ConsumerCore(CoreBase):
     def _on_notif(self, now: float, key: RankKey, sender: str, msg: Notification) -> None:
         life = self._life.get((msg.engine_id, msg.incarnation))
         if life is not None:
-            life.last_seen = max(life.last_seen, now)
-            life.last_msg = now
+            self._lives.heard(life, now)
         if isinstance(msg, Heartbeat):
             self._do(TouchPeer(msg.engine_id))
             return
@@ -386,6 +387,8 @@ class PushConsumerCore(ConsumerCore):
             link.registered_at = now
             self.stats.transfers_started += 1
             part.machine.push_reg_sent(link.src)  # raises if the request drained meanwhile: a driver bug
+            if link.peer is not None:
+                self._lives.registered(link.peer, now)
         elif not link.rehandshaked and link.peer is not None:
             # The cached entry may be of a P that restarted at the same address (NIXL #795): forget that
             # life of it and handshake again, once; the new life gets the registration.
@@ -516,27 +519,39 @@ class PushConsumerCore(ConsumerCore):
         super()._timers(now)
 
     def _check_liveness(self, now: float) -> None:
-        cfg = self.config
-        for req in list(self._requests.values()):
-            for part in req.parts.values():
-                for src in part.machine.ranks.pending:
-                    link = part.links[src]
-                    peer = link.peer
-                    if peer is None:
-                        continue
-                    life = self._life[(peer.engine_id, peer.incarnation)]
-                    silent = now - max(life.last_seen, link.registered_at)
-                    if life.dead_at is None and silent > cfg.liveness_timeout_s:
-                        self._declare_dead(now, part.key, peer, life)
-                    if life.dead_at is not None and link.dead_at is None:
-                        link.dead_at = life.dead_at
-                        self._fail(req, part, CT.TIMEOUT, FailReason.PEER_DEAD)
-                    dead_at = link.dead_at
-                    ends = dead_at is not None and part.machine.accepts(CT.RANK_DEAD)
-                    if ends and self._unquarantined(now, life, dead_at):  # type: ignore[arg-type]
-                        part.machine.rank_ended(src, RankEnd.DEAD)
-            if self._requests.get(req.transfer_id) is req:
+        """Declare silent P lives dead and end the ranks whose verdict's grace (or quarantine) is over;
+        only the links that can act are visited (``Lives.due``), and a request is settled when it changed."""
+        for req, links in self._lives.due(now, self._requests, self.config.liveness_timeout_s):
+            changed = False
+            for part, link, life in links:
+                changed = self._link_liveness(now, req, part, link, life) or changed
+            if changed and self._requests.get(req.transfer_id) is req:
                 self._settle(now, req)
+
+    def _link_liveness(self, now: float, req: Request, part: LocalPart, link: Link, life: PeerLife) -> bool:
+        """One registered link of a watched life or with a verdict; whether the part changed."""
+        peer = link.peer
+        assert peer is not None
+        cfg = self.config
+        changed = False
+        silent = now - max(life.last_seen, link.registered_at)
+        if life.dead_at is None and silent > cfg.liveness_timeout_s:
+            self._declare_dead(now, part.key, peer, life)
+            changed = True
+        if life.dead_at is not None and link.dead_at is None:
+            self._lives.give_verdict(link, life)
+            self._fail(req, part, CT.TIMEOUT, FailReason.PEER_DEAD)
+            changed = True
+        dead_at = link.dead_at
+        if dead_at is None or not part.machine.accepts(CT.RANK_DEAD):
+            return changed
+        if self._unquarantined(now, life, dead_at):
+            part.machine.rank_ended(link.src, RankEnd.DEAD)
+            return True
+        grace_end = dead_at + cfg.dead_peer_grace_s
+        wake = grace_end if now < grace_end else dead_at + cfg.dead_peer_grace_s + cfg.dead_quarantine_s
+        self._lives.verdict_waits(wake)
+        return changed
 
     def _unquarantined(self, now: float, life: PeerLife, dead_at: float) -> bool:
         """Whether blocks a dead P life may still write can go back: after the grace, once the life is
@@ -569,7 +584,7 @@ class PushConsumerCore(ConsumerCore):
         self._log_warning(
             "P %s/%s silent for %.1f s: declared dead", peer.engine_id, peer.incarnation, silent
         )
-        life.dead_at = now
+        self._lives.declared_dead(peer, life, now)
         self.stats.peers_declared_dead += 1
         self._do(ForgetPeer(peer.engine_id, peer.incarnation))
         # Ask its address who is there now: a refused connection (a killed process's socket is closed) or

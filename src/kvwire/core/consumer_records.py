@@ -61,6 +61,10 @@ class PeerLife:
     # writes (a thawed P recalls before it sends anything), so that link's blocks leave quarantine.
     last_msg: float = -math.inf
     gone: bool = False  # a newer life of the engine answered: this process is over
+    # No registration with this life that may still be written is older (a lower bound: links that ended
+    # leave it low until the next liveness pass that visits the life recomputes it).
+    oldest_reg: float = math.inf
+    verdicts: bool = False  # some link holds this life's death verdict: its word may end quarantines
 
 
 class UsedIds:

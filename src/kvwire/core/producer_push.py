@@ -52,10 +52,13 @@ from kvwire.core.producer_records import (
     check_reg,
     d_life,
     engines_in_use,
+    fence_expired,
     holding,
     live_registrations,
     outcome,
     silent_d_lives,
+    sweep_due,
+    uncovered,
 )
 from kvwire.errors import BlockRangeError, IllegalTransition, LayoutError
 from kvwire.kv.descriptors import TransferPlan, plan_transfer
@@ -68,9 +71,6 @@ from kvwire.protocol.ranks import RankKey
 from kvwire.protocol.states import FAIL_REASONS, ProducerState
 from kvwire.protocol.states import ProducerTrigger as PT
 from kvwire.protocol.types import PeerMode
-
-# The states a registration's fence applies to (checked at every timer pass).
-_FENCED = (ProducerState.REGISTERED, ProducerState.CONNECTING)
 
 
 class PushProducerCore(ProducerCore):
@@ -86,6 +86,9 @@ class PushProducerCore(ProducerCore):
         self._last_input = math.inf  # no freeze before the first input
         self._stale_ticks = 0  # see _before
         self._pair_heads: dict[tuple[int, int, int], tuple[HeadSlice, ...]] = {}  # see _slices
+        # The earliest time a timer pass may act (a fence, a lease, a D life's silence): passes before it
+        # skip the sweep over every live request (sweep_due; lowered when a registration or lease begins).
+        self._sweep_at = math.inf
 
     @property
     def busy(self) -> bool:
@@ -130,6 +133,7 @@ class PushProducerCore(ProducerCore):
             self._early_by_life[life] += 1
         fence_s = min(msg.fence_ms, self.config.fence_ms) / 1000.0
         reg = req.regs[(key, sender)] = Reg(key, sender, msg, now + fence_s, received_at=now)
+        self._sweep_at = min(self._sweep_at, reg.fence_at, now + cfg.liveness_timeout_s)
         reg.machine.handle(PT.PUSH_REG)
         bad = check_reg(req, reg, self._expected)
         if stale:
@@ -205,6 +209,7 @@ class PushProducerCore(ProducerCore):
 
     # -- engine inputs ---------------------------------------------------------------------------------------
     def _prefill_done(self, now: float, req: Request) -> None:
+        self._sweep_at = min(self._sweep_at, req.lease_until)
         for reg in list(req.regs.values()):
             if reg.machine.accepts(PT.PREFILL_DONE):
                 reg.machine.handle(PT.PREFILL_DONE)
@@ -321,22 +326,6 @@ class PushProducerCore(ProducerCore):
         else:
             self._write(now, req, reg)
 
-    def _uncovered(self, req: Request, reg: Reg) -> FailReason | None:
-        """Why the registration cannot take the prompt P prefilled (None: it can). Fewer tokens, or blocks
-        that cannot hold them, would hand D a prefix as if it were the prompt (D would decode from a
-        truncated context and answer 200): ``short_registration``; more tokens: ``bad_registration``."""
-        msg, peer = reg.msg, reg.peer
-        if msg.num_tokens > req.num_tokens or msg.num_tokens <= 0:
-            return FailReason.BAD_REGISTRATION
-        d_block = peer.layout.block_size if peer is not None and peer.layout is not None else 1
-        if msg.num_tokens < req.num_tokens or len(msg.block_ids) * d_block < msg.num_tokens:
-            self._log_info(
-                "registration %s from %s covers %d of %d tokens (%d blocks): refused",
-                *(req.transfer_id, reg.sender, msg.num_tokens, req.num_tokens, len(msg.block_ids)),
-            )
-            return FailReason.SHORT_REGISTRATION
-        return None
-
     def _write(self, now: float, req: Request, reg: Reg) -> None:
         planned = self._plan_write(req, reg)
         if planned is not None:
@@ -347,7 +336,12 @@ class PushProducerCore(ProducerCore):
         when the registration cannot take them (it is then failed)."""
         msg, peer = reg.msg, reg.peer
         assert peer is not None
-        bad = self._uncovered(req, reg)
+        bad = uncovered(req, reg)
+        if bad is FailReason.SHORT_REGISTRATION:
+            self._log_info(
+                "registration %s from %s covers %d of %d tokens (%d blocks): refused",
+                *(req.transfer_id, reg.sender, reg.msg.num_tokens, req.num_tokens, len(reg.msg.block_ids)),
+            )
         if bad is not None or peer.layout is None:
             self._fail(req, reg, PT.WRITE_FAILED, bad or FailReason.BAD_REGISTRATION)
             return None
@@ -538,28 +532,31 @@ class PushProducerCore(ProducerCore):
         return self._stale_ticks > 0
 
     def _timers(self, now: float) -> None:
-        for life in silent_d_lives(self._live_reqs, self._d_seen, now, self.config.liveness_timeout_s):
-            self._d_dead(now, life)
+        due = now >= self._sweep_at
+        if due:
+            for life in silent_d_lives(self._live_reqs, self._d_seen, now, self.config.liveness_timeout_s):
+                self._d_dead(now, life)
         timeout = self.config.transfer_timeout_s
-        for reg in [r for r in self._inflight.values() if now - r.posted_at > timeout]:
+        late = [r for r in self._inflight.values() if now - r.posted_at > timeout]
+        for reg in late:
             self._recall(self._requests[reg.msg.transfer_id], reg, FailReason.TRANSFER_TIMEOUT)
-        for req in list(self._live_reqs.values()):
-            for reg in req.regs.values():  # _fail changes a registration's state, never the table
-                if now > reg.fence_at and reg.state in _FENCED:
-                    if reg.posting or (
-                        reg.state is ProducerState.CONNECTING
-                        and reg.peer is None
-                        and not reg.handshake_failed
-                    ):
-                        continue  # the handshake is bounded; its answer applies the fence
-                    self._fail(req, reg, PT.FENCE_EXPIRED)
-            self._settle(now, req)
+        if due or late:
+            self._sweep(now)
+            self._sweep_at = sweep_due(self._live_reqs, self._d_seen, self.config.liveness_timeout_s)
         if self._heartbeat_due(now):
             self._heartbeats()
             self._do(Reap(frozenset(engines_in_use(self._live_reqs))))
             held = {d_life(r) for q in self._live_reqs.values() for r in q.regs.values() if holding(r)}
             for life in [k for k in self._d_seen if k not in held]:
                 del self._d_seen[life]
+
+    def _sweep(self, now: float) -> None:
+        """Expire fences, then settle every live request (a lease may have run out)."""
+        for req in list(self._live_reqs.values()):
+            for reg in req.regs.values():  # _fail changes a registration's state, never the table
+                if fence_expired(reg, now):
+                    self._fail(req, reg, PT.FENCE_EXPIRED)
+            self._settle(now, req)
 
     def _d_dead(self, now: float, life: DLife) -> None:
         """D is silent past the liveness timeout: end everything P holds for it, then unload it.

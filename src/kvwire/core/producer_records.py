@@ -197,6 +197,51 @@ def silent_d_lives(
     return silent
 
 
+# The states whose registration the fence ends (D may not write later than it said).
+FENCED = (ProducerState.REGISTERED, ProducerState.CONNECTING)
+
+
+def fence_expired(reg: Reg, now: float) -> bool:
+    """The registration's fence passed before its write began. One waiting on its handshake or a post is
+    left alone: that is bounded, and its answer applies the fence."""
+    if not (now > reg.fence_at and reg.state in FENCED) or reg.posting:
+        return False
+    return not (reg.state is ProducerState.CONNECTING and reg.peer is None and not reg.handshake_failed)
+
+
+def uncovered(req: Request, reg: Reg) -> FailReason | None:
+    """Why the registration cannot take the prompt P prefilled (None: it can). Fewer tokens, or blocks
+    that cannot hold them, would hand D a prefix as if it were the prompt (D would decode from a
+    truncated context and answer 200): ``short_registration``; more tokens: ``bad_registration``."""
+    msg, peer = reg.msg, reg.peer
+    if msg.num_tokens > req.num_tokens or msg.num_tokens <= 0:
+        return FailReason.BAD_REGISTRATION
+    d_block = peer.layout.block_size if peer is not None and peer.layout is not None else 1
+    if msg.num_tokens < req.num_tokens or len(msg.block_ids) * d_block < msg.num_tokens:
+        return FailReason.SHORT_REGISTRATION
+    return None
+
+
+def sweep_due(requests: Mapping[str, Request], last_seen: Mapping[DLife, float], timeout_s: float) -> float:
+    """The earliest time a timer pass can act on one of ``requests``: a fence, a lease, a D life's silence.
+
+    Passes before it need not visit the requests (a live request costs nothing per pass); the core lowers
+    it when a registration or a lease begins. A registration past its fence that waits on a handshake or
+    a post keeps it in the past, so the passes go on visiting until that ends."""
+    due = math.inf
+    for req in requests.values():
+        if req.phase is Phase.HELD:
+            due = min(due, req.lease_until)
+        for reg in req.regs.values():
+            if reg.machine.state in FENCED:
+                due = min(due, reg.fence_at)
+            if not reg.machine.registration_ended:
+                received = reg.received_at
+                life = (reg.msg.engine_id, reg.msg.incarnation)
+                due = min(due, max(last_seen.get(life, received), received) + timeout_s)
+    return due
+
+
 class Replies:
     """P's notifications to D, stamped with this engine's identity."""
 

@@ -1,0 +1,108 @@
+"""D's view of the P lives its requests wait on, and which links a liveness pass must visit.
+
+The pass runs at every timer tick (50 Hz). Visiting every live request each time made it the costliest
+part of D's core (issue 21), so ``Lives`` keeps what lets a pass skip, exactly (the simulator's outcomes
+are unchanged, seed for seed):
+
+* a P life can be declared dead only once it is silent past the timeout since its last word *and* since
+  its oldest registration still open (``PeerLife.oldest_reg``: a registration's silence is counted from
+  when it was sent);
+* a dead life's links get their verdict in the pass that declares it or the next one (``_unswept``), or
+  the pass after a link registers with a life already dead;
+* a verdict ends its rank at a known time (grace, quarantine) or after a word that confirms the dead life
+  (``_verdicts_wake``, ``_verdicts_dirty``).
+
+A pass with none of these visits no request.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+
+from kvwire.core.consumer_records import Link, LocalPart, PeerLife, Request
+from kvwire.core.types import PeerRank
+
+LifeKey = tuple[str, str]  # (engine_id, incarnation) of a P engine
+
+
+def life_key(peer: PeerRank) -> LifeKey:
+    return (peer.engine_id, peer.incarnation)
+
+
+class Lives:
+    """The P lives live requests wait on, with what a liveness pass needs to skip."""
+
+    def __init__(self) -> None:
+        self.table: dict[LifeKey, PeerLife] = {}
+        self._unswept: set[LifeKey] = set()  # dead lives whose links may not all hold their verdict
+        self._verdicts_wake = math.inf  # the earliest grace or quarantine end of a verdict
+        self._verdicts_dirty = False  # a word came that may confirm a dead life
+
+    def heard(self, life: PeerLife, now: float) -> None:
+        """A notification from ``life``: a sign of life, and maybe the proof that it recalled its writes."""
+        life.last_seen = max(life.last_seen, now)
+        life.last_msg = now
+        self._verdicts_dirty |= life.verdicts
+
+    def gone(self, life: PeerLife) -> None:
+        """A newer life (or nobody) answers at its address: the process is over."""
+        life.gone = True
+        self._verdicts_dirty |= life.verdicts
+
+    def registered(self, peer: PeerRank, now: float) -> None:
+        """A registration was sent to ``peer``: its silence counts from now."""
+        life = self.table.get(life_key(peer))
+        if life is None:
+            return
+        life.oldest_reg = min(life.oldest_reg, now)
+        if life.dead_at is not None:
+            self._unswept.add(life_key(peer))  # registered with a life already dead: the next pass ends it
+
+    def declared_dead(self, peer: PeerRank, life: PeerLife, now: float) -> None:
+        life.dead_at = now
+        self._unswept.add(life_key(peer))  # links the declaring pass visited before: the next pass
+
+    def give_verdict(self, link: Link, life: PeerLife) -> None:
+        link.dead_at, life.verdicts = life.dead_at, True
+
+    def verdict_waits(self, until: float) -> None:
+        self._verdicts_wake = min(self._verdicts_wake, until)
+
+    def due(
+        self, now: float, requests: Mapping[str, Request], timeout_s: float
+    ) -> Iterator[tuple[Request, list[tuple[LocalPart, Link, PeerLife]]]]:
+        """The requests with links that may act at ``now``, each with those links (lazily: the caller
+        acts on one request before the next is looked at). Exhaust it: the last step records each silent
+        life's oldest registration."""
+        table = self.table
+        silent = {
+            k
+            for k, life in table.items()
+            if life.dead_at is None and now - max(life.last_seen, life.oldest_reg) > timeout_s
+        }
+        dead = {k for k in self._unswept if (life := table.get(k)) is not None and life.dead_at is not None}
+        self._unswept = set()
+        verdicts_due = self._verdicts_dirty or now >= self._verdicts_wake
+        if verdicts_due:
+            self._verdicts_dirty, self._verdicts_wake = False, math.inf
+        elif not silent and not dead:
+            return  # the common pass: one look at each P life
+        oldest = dict.fromkeys(silent, math.inf)  # recomputed: every link of a silent life is visited
+        for req in list(requests.values()):
+            links: list[tuple[LocalPart, Link, PeerLife]] = []
+            for part in req.parts.values():
+                for src in part.machine.ranks.pending:
+                    link = part.links[src]
+                    if link.peer is None:
+                        continue
+                    key = life_key(link.peer)
+                    if key in oldest:
+                        oldest[key] = min(oldest[key], link.registered_at)
+                    elif key not in dead if link.dead_at is None else not verdicts_due:
+                        continue
+                    links.append((part, link, table[key]))
+            if links:
+                yield req, links
+        for key, first in oldest.items():
+            table[key].oldest_reg = first
