@@ -81,14 +81,19 @@ class VllmEngine:
     # Past the tiny model's 4096 positions: its config is overridden (RoPE's table grows with it; shorter
     # prompts answer the same), and one step takes a whole prompt (no chunked prefill), on every engine.
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
+    # vLLM's statistics (its Prometheus counters on /metrics, e.g. prompt tokens by source) cost a log line
+    # every few seconds: off unless a test reads them.
+    log_stats: bool = False
 
 
 def engine_argv(python: Path, model: Path, e: VllmEngine) -> list[str]:
     argv = [
         str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--host", "127.0.0.1", "--port", str(e.port), "--block-size", str(BLOCK_SIZE),
-        "--max-model-len", str(e.max_model_len), "--enforce-eager", "--disable-log-stats",
+        "--max-model-len", str(e.max_model_len), "--enforce-eager",
     ]  # fmt: skip
+    if not e.log_stats:
+        argv.append("--disable-log-stats")
     if e.max_model_len > DEFAULT_MAX_MODEL_LEN:
         overrides = json.dumps({"max_position_embeddings": e.max_model_len})
         argv += ["--hf-overrides", overrides, "--max-num-batched-tokens", str(e.max_model_len)]
