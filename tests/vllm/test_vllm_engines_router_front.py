@@ -26,10 +26,11 @@ from kvwire.testing.procs import Server, ServerGroup, free_port
 from kvwire.testing.tiny_llama import prompt_of
 from kvwire.testing.vllm_router import router_binary, start_pd_router
 from kvwire.testing.vllm_servers import (
+    STARTUP_TIMEOUT_S,
     VllmEngine,
     kvwire_transfer_config,
     make_model,
-    start_engines,
+    start_engine,
     vllm_python,
 )
 
@@ -64,7 +65,8 @@ def colocated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Colocated]:
     tmp = tmp_path_factory.mktemp("vllm-router-front")
     model = make_model(python, tmp / "tiny")
     with ServerGroup(tmp / "logs") as group:
-        (server,) = start_engines(group, python, model, [VllmEngine("colocated", core=0)])
+        # Not waited for here: it starts while the first P and D do (front waits for all three).
+        server = start_engine(group, python, model, VllmEngine("colocated", core=0))
         yield Colocated(server, model, python)
 
 
@@ -84,7 +86,8 @@ def front(
     ]
     logs = tmp_path_factory.mktemp(f"vllm-router-front-{mode}")
     with ServerGroup(logs) as group:
-        prefill, decode = start_engines(group, colocated.python, colocated.model, engines)
+        prefill, decode = (start_engine(group, colocated.python, colocated.model, e) for e in engines)
+        group.wait_healthy([prefill, decode, colocated.server], STARTUP_TIMEOUT_S)
         router = start_pd_router(group, router_binary(ROOT), prefill, decode)
         yield Front(router, decode, colocated.server, str(colocated.model), logs)
 

@@ -113,10 +113,13 @@ def engine_env(e: VllmEngine) -> dict[str, str]:
     }
 
 
+def start_engine(group: ServerGroup, python: Path, model: Path, e: VllmEngine) -> Server:
+    """Start one engine without waiting for it (``group.wait_healthy`` does)."""
+    return group.start_argv(e.name, engine_argv(python, model, e), e.port, env=engine_env(e))
+
+
 def start_engines(group: ServerGroup, python: Path, model: Path, engines: list[VllmEngine]) -> list[Server]:
     """Start every engine and wait until all answer ``/health`` (vLLM takes ~1 min to start here)."""
-    servers = [
-        group.start_argv(e.name, engine_argv(python, model, e), e.port, env=engine_env(e)) for e in engines
-    ]
+    servers = [start_engine(group, python, model, e) for e in engines]
     group.wait_healthy(servers, STARTUP_TIMEOUT_S)
     return servers
