@@ -7,13 +7,13 @@ the transfer and answers D's parameters (``do_remote_prefill``, P's side channel
 blocks), so D loads the prompt's KV from P. Every answer must equal a colocated engine's, and D's
 ``timings`` must show a KV transfer (D computed only the last prompt token).
 
-The router comes from ``make vllm-router-env`` (``.venv-vllm-router``) or ``KVWIRE_VLLM_ROUTER``.
+The router comes from ``make vllm-router-env`` (``.venv-vllm-router``) or ``KVWIRE_VLLM_ROUTER``
+(``kvwire.testing.vllm_router``). tests/vllm/test_vllm_engines_router_front.py puts it in front of whole
+vLLM engines.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,24 +22,14 @@ import httpx
 import pytest
 
 from kvwire.protocol.messages import TransferMode
-from kvwire.testing.engines import wait_for
 from kvwire.testing.procs import Server, ServerGroup, free_port
+from kvwire.testing.vllm_router import router_binary, start_pd_router
 from kvwire_tools.demo.config import DemoConfig
 from kvwire_tools.demo.runner import _engine_args
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["hello", "x" * 31, "the quick brown fox " * 20, "0123456789" * 70]
-
-
-def router_binary() -> str:
-    found = os.environ.get("KVWIRE_VLLM_ROUTER") or shutil.which("vllm-router")
-    local = ROOT / ".venv-vllm-router" / "bin" / "vllm-router"
-    if found:
-        return found
-    if local.exists():
-        return str(local)
-    pytest.fail("vllm-router is not installed: run `make vllm-router-env` (or set KVWIRE_VLLM_ROUTER)")
 
 
 @dataclass
@@ -58,23 +48,8 @@ def front(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
             engines.append(group.start(role, _engine_args(cfg, role, port, 1), port))
         group.wait_healthy(engines, 120)
         p, d, colocated = engines
-        port = free_port()
-        argv = [
-            router_binary(), "--vllm-pd-disaggregation", "--prefill", p.url, "--decode", d.url,
-            "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
-        ]  # fmt: skip
-        router = group.start_argv("vllm-router", argv, port)
-        wait_for(lambda: ready(router.url), "vllm-router to see both engines healthy", 60)
+        router = start_pd_router(group, router_binary(ROOT), p, d)
         yield Front(router.url, colocated.url)
-
-
-def ready(url: str) -> bool:
-    """vllm-router's /readiness: JSON ``{"status": "ready", ...}`` once every worker answered its checks."""
-    try:
-        resp = httpx.get(f"{url}/readiness", timeout=2)
-        return resp.status_code == 200 and resp.json().get("status") == "ready"
-    except (httpx.HTTPError, ValueError):
-        return False
 
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=[str(len(p)) for p in PROMPTS])

@@ -81,14 +81,19 @@ class VllmEngine:
     # Past the tiny model's 4096 positions: its config is overridden (RoPE's table grows with it; shorter
     # prompts answer the same), and one step takes a whole prompt (no chunked prefill), on every engine.
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
+    # vLLM's statistics (its Prometheus counters on /metrics, e.g. prompt tokens by source) cost a log line
+    # every few seconds: off unless a test reads them.
+    log_stats: bool = False
 
 
 def engine_argv(python: Path, model: Path, e: VllmEngine) -> list[str]:
     argv = [
         str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--host", "127.0.0.1", "--port", str(e.port), "--block-size", str(BLOCK_SIZE),
-        "--max-model-len", str(e.max_model_len), "--enforce-eager", "--disable-log-stats",
+        "--max-model-len", str(e.max_model_len), "--enforce-eager",
     ]  # fmt: skip
+    if not e.log_stats:
+        argv.append("--disable-log-stats")
     if e.max_model_len > DEFAULT_MAX_MODEL_LEN:
         overrides = json.dumps({"max_position_embeddings": e.max_model_len})
         argv += ["--hf-overrides", overrides, "--max-num-batched-tokens", str(e.max_model_len)]
@@ -108,10 +113,13 @@ def engine_env(e: VllmEngine) -> dict[str, str]:
     }
 
 
+def start_engine(group: ServerGroup, python: Path, model: Path, e: VllmEngine) -> Server:
+    """Start one engine without waiting for it (``group.wait_healthy`` does)."""
+    return group.start_argv(e.name, engine_argv(python, model, e), e.port, env=engine_env(e))
+
+
 def start_engines(group: ServerGroup, python: Path, model: Path, engines: list[VllmEngine]) -> list[Server]:
     """Start every engine and wait until all answer ``/health`` (vLLM takes ~1 min to start here)."""
-    servers = [
-        group.start_argv(e.name, engine_argv(python, model, e), e.port, env=engine_env(e)) for e in engines
-    ]
+    servers = [start_engine(group, python, model, e) for e in engines]
     group.wait_healthy(servers, STARTUP_TIMEOUT_S)
     return servers
