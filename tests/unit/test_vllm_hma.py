@@ -157,3 +157,20 @@ def test_hma_hybrid_model_refuses_pp_and_layerwise_push_at_start() -> None:
         hybrid.check_supported(1, layerwise=True)
     hybrid.check_supported(1, layerwise=False)
     KvGroups().check_supported(2, layerwise=True)
+
+
+@pytest.mark.parametrize(
+    ("cached", "tokens", "layers"), [(0, 77, range(3)), (32, 77, range(1, 3)), (64, 64, range(3))]
+)
+def test_payload_bytes_of_one_group_equals_the_per_layer_count(
+    cached: int, tokens: int, layers: range
+) -> None:
+    """The plain spec's shortcut (every layer from the same token) states what the per-layer rule does."""
+    plain = KVSpec(num_layers=3, kv_heads=2, head_dim=8, block_size=BS)
+    one_group = KVSpec(
+        num_layers=3, kv_heads=2, head_dim=8, block_size=BS, layer_groups=(0, 0, 0), group_windows=(0,)
+    )
+    slices = tuple(pair_slices(plain, 1, 1, 0, 0))
+    want = payload_bytes(one_group, layers, slices, cached, tokens)
+    assert payload_bytes(plain, layers, slices, cached, tokens) == want
+    assert want == len(layers) * 2 * 2 * (tokens - cached) * plain.head_bytes

@@ -62,9 +62,12 @@ def payload_bytes(
     """Bytes of the payload (module doc): what ``done.nbytes`` states. A sliding-window group's layers
     count from their group's first token (``kv/groups.py``)."""
     heads = sum(s.num_heads for s in slices)
-    tokens = sum(
-        max(0, end_token - groups.layer_first_token(spec, ly, end_token, first_token)) for ly in layers
-    )
+    if not groups.grouped(spec):  # every layer from the same token: no per-layer sum (it runs per request)
+        tokens = len(layers) * max(0, end_token - first_token)
+    else:
+        tokens = sum(
+            max(0, end_token - groups.layer_first_token(spec, ly, end_token, first_token)) for ly in layers
+        )
     return len(spec.kinds) * heads * tokens * spec.head_bytes
 
 
