@@ -117,7 +117,11 @@ class World:
 
     def __init__(self, seed: int, faults: Faults) -> None:
         self.seed = seed
-        self.rng = random.Random(seed)
+        self.rng = random.Random(seed)  # per event: latencies, message and write faults
+        # The schedule: arrivals, each request's shape and fate, partitions, pauses and crashes. A stream of
+        # its own, drawn the same way whatever the cores do, so that two variants of a core (a breaker on
+        # and off, say) meet the same requests and the same faults under one seed: an A/B comparison.
+        self.plan = random.Random(f"kvwire-sim-schedule-{seed}")
         self.faults = faults
         self.now = 0.0
         self._queue: list[tuple[float, int, Callable[[], None]]] = []
@@ -148,8 +152,8 @@ class World:
                 return
         self.now = max(self.now, end)
 
-    def chance(self, p: float, kind: str) -> bool:
-        if p > 0 and self.rng.random() < p:
+    def chance(self, p: float, kind: str, rng: random.Random | None = None) -> bool:
+        if p > 0 and (rng or self.rng).random() < p:
             self.fault_counts[kind] += 1
             return True
         return False

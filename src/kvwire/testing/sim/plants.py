@@ -111,11 +111,12 @@ PLANTS: dict[str, Planted] = {
         Plant(producer=ServeQueuedPushRegsAfterFreeze, consumer=ReuseAfterGraceOnly),
         Faults(pause=2.0),
         "C1",
-        seed=2,
+        seed=4,
     ),
     "reuse-after-grace-only": Planted(
         Plant(consumer=ReuseAfterGraceOnly),
         Faults(pause=3.0, release_lands=1.0, slow_write=1.0, slow_write_max_s=0.5),
         "C1",
+        seed=4,
     ),
 }

@@ -126,6 +126,7 @@ class _Req:
     d_events: list[ConsumerEventKind] = field(default_factory=list)
     d_done: float | None = None
     p_done: float | None = None
+    d_after: float = 0.0  # when D allocates, after submit (push) or after P's prefill (pull)
 
 
 def _ranks(engine: SimEngine) -> list[LocalRank]:
@@ -175,13 +176,18 @@ class Simulation:
 
     # -- requests ------------------------------------------------------------------------------------------
     def submit(self, number: int) -> None:
-        w = self.world
-        tokens = w.rng.randint(1, MAX_TOKENS)
+        w, plan = self.world, self.world.plan
+        # Every draw first, whatever happens to the request: the schedule stream stays the same.
+        tokens = plan.randint(1, MAX_TOKENS)
         cached = 0
-        if tokens > SPEC.block_size and w.rng.random() < 0.2:
-            cached = SPEC.block_size * w.rng.randint(1, (tokens - 1) // SPEC.block_size)
-        p, d = w.rng.choice(self.ps), w.rng.choice(self.ds)
+        if tokens > SPEC.block_size and plan.random() < 0.2:
+            cached = SPEC.block_size * plan.randint(1, (tokens - 1) // SPEC.block_size)
+        p, d = plan.choice(self.ps), plan.choice(self.ds)
+        prefill, d_after = 0.5e-3 + plan.random() * 10e-3, plan.random() * 2e-3
+        abort = w.chance(w.faults.abort, "abort", plan)
+        side, abort_after = plan.choice(("p", "d")), plan.random() * 20e-3
         req = _Req(f"r{number}", number, p, d, tokens, cached, w.now, p_life=p.life, d_life=d.life)
+        req.d_after = d_after
         n = math.ceil(tokens / SPEC.block_size)
         p_blocks = p.allocate(req.tid, n)
         if p_blocks is None:
@@ -195,13 +201,11 @@ class Simulation:
         req.p_blocks, req.d_blocks = p_blocks, d_blocks
         self.reqs[req.tid] = req
         self.open_sides += 2
-        prefill = 0.5e-3 + w.rng.random() * 10e-3
         w.after(prefill, lambda: self._prefilled(req))
         if self.mode is TransferMode.PUSH:
-            w.after(w.rng.random() * 2e-3, lambda: self._allocate_d(req))
-        if w.chance(w.faults.abort, "abort"):
-            side = w.rng.choice(("p", "d"))
-            w.after(w.rng.random() * 20e-3, lambda: self._abort(req, side))
+            w.after(d_after, lambda: self._allocate_d(req))
+        if abort:
+            w.after(abort_after, lambda: self._abort(req, side))
 
     def _no_decode_leg(self, req: _Req) -> None:
         """Pull: the prefill leg failed, so the router never sends the decode leg: D frees its blocks."""
@@ -230,7 +234,7 @@ class Simulation:
         req.finished = True
         p.feed(Finished(req.tid, tuple(req.p_blocks), req.tokens))
         if self.mode is TransferMode.PULL:
-            self.world.after(self.world.rng.random() * 2e-3, lambda: self._allocate_d(req))
+            self.world.after(req.d_after, lambda: self._allocate_d(req))
 
     def _abort(self, req: _Req, side: str) -> None:
         if side == "p" and req.p.life == req.p_life and not req.p_freed:
@@ -295,14 +299,14 @@ class Simulation:
     # -- faults over time ------------------------------------------------------------------------------------
     def _chaos_step(self, period: float) -> None:
         """Once per ``period`` of simulated time: maybe partition a pair, pause or crash an engine."""
-        w, f = self.world, self.world.faults
-        if w.chance(f.partition * period, "partition"):
-            p, d = w.rng.choice(self.ps), w.rng.choice(self.ds)
-            w.partitions[frozenset((p.engine_id, d.engine_id))] = w.now + w.rng.random() * 8.0
-        if w.chance(f.pause * period, "pause"):
-            w.rng.choice(self.engines).pause(w.rng.random() * 10.0)
-        if w.chance(f.crash * period, "crash"):
-            self._crash(w.rng.choice(self.engines))
+        w, f, plan = self.world, self.world.faults, self.world.plan
+        if w.chance(f.partition * period, "partition", plan):
+            p, d = plan.choice(self.ps), plan.choice(self.ds)
+            w.partitions[frozenset((p.engine_id, d.engine_id))] = w.now + plan.random() * 8.0
+        if w.chance(f.pause * period, "pause", plan):
+            plan.choice(self.engines).pause(plan.random() * 10.0)
+        if w.chance(f.crash * period, "crash", plan):
+            self._crash(plan.choice(self.engines))
 
     def _crash(self, engine: SimEngine) -> None:
         # The requests of the dead life are gone from this side; the other side must still end them.
@@ -334,7 +338,7 @@ class Simulation:
         period = 0.1
         next_chaos = 0.0
         for number in range(requests):
-            t += w.rng.expovariate(rate)
+            t += w.plan.expovariate(rate)
             while next_chaos <= t:
                 w.at(next_chaos, lambda: self._chaos_step(period))
                 next_chaos += period
