@@ -28,6 +28,7 @@ from kvwire.core.io import (
     RemoteEngine,
     Send,
     StartHandshake,
+    TouchPeer,
 )
 from kvwire.protocol.codec import decode_notif, encode_notif
 from kvwire.protocol.messages import (
@@ -372,3 +373,15 @@ def test_a_failed_with_a_reason_this_version_does_not_know_still_ends_the_rank()
     assert decode_notif(bytes(raw)) == t.failed(FailReason.UNKNOWN)
     out = t.h.at(0.5, NotifIn((0, 0), t.p.agent(), bytes(raw)))
     assert events(out) == [ev(FAILED, FailReason.UNKNOWN), ev(RELEASED, FailReason.UNKNOWN)]
+
+
+def test_ps_first_word_after_a_silence_touches_it() -> None:
+    """A done (or any word) from a P life silent for a heartbeat period: ``TouchPeer`` closes a circuit a
+    partition tripped for that P (core/breaker.py). A done right after P's last word does not."""
+    t = D()
+    t.start(0.0)
+    assert TouchPeer("P") in t.from_p(2.0, t.done())
+    quick = D()
+    quick.start(0.0)
+    quick.from_p(0.5, quick.heartbeat())
+    assert TouchPeer("P") not in quick.from_p(0.75, quick.done())

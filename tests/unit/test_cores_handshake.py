@@ -34,6 +34,7 @@ from kvwire.core.handshake_io import (
     Refuse,
     Sleep,
     Start,
+    Touch,
     Unload,
     Want,
 )
@@ -222,6 +223,22 @@ def test_the_breaker_holds_only_the_life_that_tripped_it() -> None:
         b.check_at(0.5, "h", 1, "P-1")
     b.check_at(0.5, "h", 1, "P-2")
     b.check_at(1.0, "h", 1, "P-1")
+
+
+def test_a_word_from_the_engine_closes_its_circuit() -> None:
+    """A partition outlasted the handshake's deadline and tripped the breaker; the peer's first word after
+    the heal (``Touch``, from an authenticated notification) closes the circuit before the window ends."""
+    core = HandshakeCore(timeout_s=1.0, retries=0)
+    core.handle(0.0, Want(ADDR, NOTIF, engine_id="P"))
+    core.handle(0.0, Attempt(ADDR))
+    assert isinstance(_one(core.handle(1.0, FetchErr(ADDR, PeerUnreachable("timeout")))), Fail)
+    refused = _one(core.handle(1.2, Want(ADDR, NOTIF, engine_id="P")))
+    assert isinstance(refused, Refuse) and isinstance(refused.error, CircuitOpen)
+    core.handle(1.3, Touch("Q"))  # another engine's word does not
+    assert isinstance(_one(core.handle(1.4, Want(ADDR, NOTIF, engine_id="P"))), Refuse)
+    core.handle(1.5, Touch("P"))
+    assert isinstance(_one(core.handle(1.6, Want(ADDR, NOTIF, engine_id="P"))), Start)  # window ends at 2.0
+    assert core.breaker.closed_by_word == 1
 
 
 def test_handshake_machines_stay_bounded_when_peers_name_many_addresses(

@@ -31,6 +31,7 @@ from kvwire.core.io import (
     ReportFailure,
     Send,
     StartHandshake,
+    TouchPeer,
 )
 from kvwire.protocol.codec import decode_notif, encode_notif
 from kvwire.protocol.messages import (
@@ -149,7 +150,7 @@ def test_tombstone_answers_a_late_push_reg_and_cancel_until_it_is_forgotten() ->
     t2 = P()
     t2.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
     t2.h.ticks(40.0, 0.5)
-    assert t2.from_d(40.0, t2.cancel()) == [t2.cancel_ack(wrote=False)]
+    assert t2.from_d(40.0, t2.cancel()) == [TouchPeer("D"), t2.cancel_ack(wrote=False)]  # D's first word
     # Forgotten at 30 + 60: then the transfer is unknown. Until then it is known (the same cancel again,
     # a network duplicate, is dropped as one: one ending message per registration).
     t2.h.ticks(89.5, 0.5)
@@ -326,7 +327,7 @@ def test_cancel_crossing_done_gets_no_ack() -> None:
 def test_cancel_before_push_reg_refuses_that_push_reg() -> None:
     t = P()
     t.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
-    assert t.from_d(0.25, t.cancel()) == [t.cancel_ack(wrote=False)]
+    assert t.from_d(0.25, t.cancel()) == [TouchPeer("D"), t.cancel_ack(wrote=False)]  # D's first word
     with pytest.raises(Refused) as err:
         t.from_d(0.5, t.push_reg())
     assert err.value.reason is DropReason.CANCELLED
@@ -338,7 +339,7 @@ def test_a_duplicated_cancel_before_push_reg_is_acked_once() -> None:
     25000 --seed 101 found the second one)."""
     t = P()
     t.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
-    assert t.from_d(0.25, t.cancel()) == [t.cancel_ack(wrote=False)]
+    assert t.from_d(0.25, t.cancel()) == [TouchPeer("D"), t.cancel_ack(wrote=False)]  # D's first word
     with pytest.raises(Refused) as err:
         t.from_d(0.25, t.cancel())
     assert err.value.reason is DropReason.DUPLICATE
@@ -548,3 +549,14 @@ def test_the_documented_num_blocks_rule_is_the_one_p_writes() -> None:
     names["block_size"] = t.d.info.spec.block_size
     rule = _documented_num_blocks_rule()
     assert done.num_blocks == eval(rule, {"__builtins__": {}}, names) == 1, rule
+
+
+def test_ds_first_word_after_a_silence_touches_it_and_later_words_do_not() -> None:
+    """A push_reg (or cancel) from a D that said nothing for a heartbeat period is a sign of life: the
+    ``TouchPeer`` closes a circuit a partition tripped for D (core/breaker.py); words in a stream do not."""
+    t = P()
+    assert t.from_d(0.0, t.push_reg())[0] == TouchPeer("D")
+    assert TouchPeer("D") not in t.from_d(0.5, t.cancel())  # in the stream: no touch
+    later = P()
+    later.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
+    assert later.from_d(2.0, later.push_reg())[0] == TouchPeer("D")

@@ -13,6 +13,10 @@ Only network failures trip it (timeouts, an unreachable side channel, a load the
 that answers and refuses (incompatible, unauthorized, no such rank) answers fast anyway. The table is
 bounded (``max_entries``, least recently failed evicted first), so naming many addresses cannot grow it.
 
+A trip remembers the peer engine, when the caller named it: a sign of life from that engine (an
+authenticated notification after a silence, ``heard``) closes the circuit at once, so a peer that is back
+after a partition is not refused for the rest of the window.
+
 A trip remembers the peer incarnation the failed handshake was after, when it was known. A caller that
 names another incarnation (the peer restarted on the same address, or another engine took it) is not
 held by it: its handshake goes ahead, and a failure of it opens a fresh window for the new life.
@@ -38,6 +42,7 @@ class _Trip:
     failures: int
     until: float
     incarnation: str | None = None  # the life the failed handshakes were after, when known
+    engine: str | None = None  # the engine the failed handshakes were after, when known
 
 
 class Breaker:
@@ -55,6 +60,7 @@ class Breaker:
         self.opened = 0  # times a circuit opened (a first failure, or a failed probe)
         self.fast_failures = 0  # handshakes refused at once while a circuit was open
         self.evicted = 0  # entries dropped to keep the table bounded
+        self.closed_by_word = 0  # circuits closed early by a sign of life from their engine
 
     def check_at(self, now: float, host: str, port: int, incarnation: str | None = None) -> None:
         """Raise ``CircuitOpen`` while ``host:port``'s window lasts; else return (a probe, if it had one).
@@ -70,7 +76,9 @@ class Breaker:
                 f"not tried again for {left:.1f} s"
             )
 
-    def failed_at(self, now: float, host: str, port: int, incarnation: str | None = None) -> float:
+    def failed_at(
+        self, now: float, host: str, port: int, incarnation: str | None = None, engine: str | None = None
+    ) -> float:
         """A handshake with ``host:port`` (after ``incarnation``, when known) failed on the network: open
         (or reopen) its circuit; the window. Another life's failures do not lengthen it."""
         key = (host, port)
@@ -78,7 +86,8 @@ class Breaker:
         failures = 1 if trip is None or _another_life(trip, incarnation) else trip.failures + 1
         window = min(self.base_s * float(1 << min(failures - 1, 30)), self.max_s)
         kept = incarnation if incarnation is not None or trip is None else trip.incarnation
-        self._trips[key] = _Trip(failures, now + window, kept)
+        engine = engine if engine is not None or trip is None else trip.engine
+        self._trips[key] = _Trip(failures, now + window, kept, engine)
         self.opened += 1
         while len(self._trips) > self.max_entries:
             self._trips.popitem(last=False)
@@ -87,6 +96,16 @@ class Breaker:
 
     def succeeded(self, host: str, port: int) -> None:
         self._trips.pop((host, port), None)
+
+    def heard(self, engine: str) -> int:
+        """``engine`` spoke (an authenticated notification after a silence): close its circuits; how many."""
+        if not self._trips:
+            return 0
+        closed = [key for key, trip in self._trips.items() if trip.engine == engine]
+        for key in closed:
+            del self._trips[key]
+        self.closed_by_word += len(closed)
+        return len(closed)
 
     def is_open_at(self, now: float, host: str, port: int) -> bool:
         trip = self._trips.get((host, port))

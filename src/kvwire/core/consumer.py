@@ -273,6 +273,8 @@ class ConsumerCore(CoreBase):
     def _on_notif(self, now: float, key: RankKey, sender: str, msg: Notification) -> None:
         life = self._life.get((msg.engine_id, msg.incarnation))
         if life is not None:
+            if not isinstance(msg, Heartbeat) and now - life.last_seen > self.config.heartbeat_interval_s:
+                self._do(TouchPeer(msg.engine_id))  # its first word after a silence: a tripped circuit closes
             self._lives.heard(life, now)
         if isinstance(msg, Heartbeat):
             self._do(TouchPeer(msg.engine_id))

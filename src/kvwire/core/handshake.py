@@ -160,6 +160,7 @@ class _Flight:
     base: PeerRank | None  # a notif-only entry to upgrade
     stale: PeerRank | None  # any entry the answer may replace
     life: str | None  # the incarnation sought, if known (a network failure trips the breaker for it)
+    engine: str | None  # the engine sought, if known (its sign of life closes the circuit)
     upgrade: bool
     machine: PeerHandshake
     deadline: float
@@ -218,6 +219,7 @@ class HandshakeCore:
                 self._forget_agent(agent_name)
             case Touch(engine_id):
                 self.last_used[engine_id] = now
+                self.breaker.heard(engine_id)
             case Reap(in_use, ttl_s):
                 self._reap(now, in_use, ttl_s)
             case Close():
@@ -279,7 +281,8 @@ class HandshakeCore:
             self._out.append(Refuse(exc))
             return
         mode = w.mode if cached is None or fresh else max_mode(w.mode, cached.mode)
-        self._start(now, addr, mode, cached if fresh else None, cached, life)
+        engine = w.engine_id if w.engine_id is not None or cached is None else cached.engine_id
+        self._start(now, addr, mode, cached if fresh else None, cached, life, engine)
 
     def _start(
         self,
@@ -289,6 +292,7 @@ class HandshakeCore:
         base: PeerRank | None,
         stale: PeerRank | None,
         life: str | None,
+        engine: str | None = None,
     ) -> None:
         upgrade = base is not None and base.mode is PeerMode.NOTIF_ONLY and mode is PeerMode.FULL
         machine = self._machine(addr)
@@ -298,7 +302,7 @@ class HandshakeCore:
             machine.handle(HandshakeEvent.UPGRADE)
         # else a refresh: the entry stays in service (and in its state) until the reply says whose it is
         deadline = now + self.timeout_s
-        self.flights[addr] = _Flight(mode, base, stale, life, upgrade, machine, deadline, now)
+        self.flights[addr] = _Flight(mode, base, stale, life, engine, upgrade, machine, deadline, now)
         self._out.append(Start(addr))
 
     # -- one flight ------------------------------------------------------------------------------------
@@ -355,7 +359,7 @@ class HandshakeCore:
             reason = failure_reason(error)
             self.stats.failures[reason] += 1
             if trips_breaker(error):
-                self.breaker.failed_at(now, addr.host, addr.port, f.life)
+                self.breaker.failed_at(now, addr.host, addr.port, f.life, f.engine)
         self._out.append(Fail(addr, f.mode, error, reason))
 
     def _fail_flight(self, addr: PeerAddress) -> _Flight:

@@ -38,6 +38,7 @@ from kvwire.core.io import (
     ReportFailure,
     StartHandshake,
     Tick,
+    TouchPeer,
     XferEnded,
 )
 from kvwire.core.producer import ProducerCore
@@ -99,7 +100,10 @@ class PushProducerCore(ProducerCore):
         if self._thawing:
             self._on_stale_notif(now, key, sender, msg)
             return
-        self._d_seen[(msg.engine_id, msg.incarnation)] = now  # the sender was checked against these
+        life = (msg.engine_id, msg.incarnation)  # the sender was checked against these
+        last, self._d_seen[life] = self._d_seen.get(life), now
+        if not isinstance(msg, Heartbeat) and (last is None or now - last > self.config.heartbeat_interval_s):
+            self._do(TouchPeer(msg.engine_id))  # its first word after a silence: a tripped circuit closes
         if isinstance(msg, PushReg):
             self._on_push_reg(now, key, sender, msg)
         elif isinstance(msg, Cancel | Failed):

@@ -47,6 +47,7 @@ from kvwire.protocol.types import PeerMode
 
 if TYPE_CHECKING:
     from kvwire.testing.sim.engines import SimEngine
+    from kvwire.testing.sim.net import World
 
 _Flight = tuple[RankKey, PeerAddress]
 
@@ -168,21 +169,28 @@ class SimHandshakes:
             self._step(key, addr, Attempt(addr))
 
     def _fetch(self, key: RankKey, addr: PeerAddress, fetch: Fetch) -> None:
-        """The side channel: answered after a little latency, or not before the attempt's deadline."""
+        """The side channel: answered after a little latency (and after a partition or freeze that ends
+        within the attempt's deadline), or not before that deadline."""
         eng = self.engine
         w, f = eng.world, eng.world.faults
         target = w.addresses.get((addr.host, addr.port))
         delay = 200e-6 + w.rng.random() * 800e-6
         error: Exception | None = None
-        if target is None or target.paused or w.partitioned(eng.engine_id, target.engine_id):
+        back = None if target is None else _back_at(w, eng, target)
+        if target is None or (back is not None and back >= w.now + fetch.timeout_s):
             error, delay = (
                 HandshakeTimeout(f"{addr}: no answer within {fetch.timeout_s:.3g} s"),
                 fetch.timeout_s,
             )
-        elif w.chance(f.failed_handshake, "failed_handshake"):
-            error = HandshakeError(f"{addr}: side channel refused")
-        elif (addr.pp_rank, addr.tp_rank) not in target.caches:
-            error = NoSuchRank(f"{addr}: no such rank")
+        else:
+            if back is not None:
+                # TCP retransmits the connect, and a frozen process's kernel queues it: the answer comes
+                # once the link is back or the process thaws, within the attempt's deadline.
+                delay += back - w.now
+            if w.chance(f.failed_handshake, "failed_handshake"):
+                error = HandshakeError(f"{addr}: side channel refused")
+            elif (addr.pp_rank, addr.tp_rank) not in target.caches:
+                error = NoSuchRank(f"{addr}: no such rank")
         life, tlife = eng.life, (target.life if target is not None else 0)
         w.after(delay, lambda: self._fetched_at(life, key, addr, target, tlife, error))
 
@@ -239,3 +247,11 @@ class SimHandshakes:
                 self._answer(a, steps[0])
             else:
                 self._want(a, addr, rounds + 1)
+
+
+def _back_at(w: World, eng: SimEngine, target: SimEngine) -> float | None:
+    """When ``target`` can answer ``eng`` again (None: it can now): the end of their partition or of its
+    freeze, whichever is later."""
+    healed = w.partitions.get(frozenset((eng.engine_id, target.engine_id)), 0.0)
+    back = max(healed, target.paused_until)
+    return back if back > w.now else None
