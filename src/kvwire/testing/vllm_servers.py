@@ -86,14 +86,17 @@ class VllmEngine:
     # came from (``vllm:prompt_tokens_by_source``).
     log_stats: bool = False
     extra_args: tuple[str, ...] = ()  # more server flags (``--pipeline-parallel-size 2``)
+    enforce_eager: bool = True  # vLLM's CompilationMode.NONE (no torch.compile: starts fast on CPU)
 
 
 def engine_argv(python: Path, model: Path, e: VllmEngine) -> list[str]:
     argv = [
         str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--host", "127.0.0.1", "--port", str(e.port), "--block-size", str(BLOCK_SIZE),
-        "--max-model-len", str(e.max_model_len), "--enforce-eager",
+        "--max-model-len", str(e.max_model_len),
     ]  # fmt: skip
+    if e.enforce_eager:
+        argv.append("--enforce-eager")
     if not e.log_stats:
         argv.append("--disable-log-stats")
     if e.max_model_len > DEFAULT_MAX_MODEL_LEN:
