@@ -240,6 +240,15 @@ class ConsumerCore(CoreBase):
             self.stats.handshakes_failed += 1
             self._log_info("handshake with P %s for %s failed: %s", link.src, req.transfer_id, inp.error)
             self._fail(req, part, CT.HANDSHAKE_FAILED, inp.reason)
+        elif (peer.tp_size, peer.pp_size) != (req.remote.tp_size, req.remote.pp_size):
+            # The request's geometry (the router's, e.g. a vLLM prefill URL's &tp=&pp=) decides what D
+            # expects of each P rank: a P that is shaped otherwise would fail on its first done, obscurely.
+            self._log_warning(
+                "%s: P %s is tp %d pp %d, the request says tp %d pp %d (a vLLM prefill URL names them: "
+                "#...&tp=N&pp=N)", req.transfer_id, peer.engine_id, peer.tp_size, peer.pp_size,
+                req.remote.tp_size, req.remote.pp_size,
+            )  # fmt: skip
+            self._fail(req, part, CT.HANDSHAKE_FAILED, FailReason.INCOMPATIBLE)
         else:
             self._linked(now, req, part, link, peer)
         self._settle(now, req)
