@@ -47,20 +47,23 @@ class Cluster:
     logs: Path
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+@pytest.fixture(scope="module", params=["push", "pull"])
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    mode = str(request.param)
     python = vllm_python(ROOT)
-    tmp = tmp_path_factory.mktemp("vllm-mla")
+    tmp = tmp_path_factory.mktemp(f"vllm-mla-{mode}")
     model = make_model(python, tmp / "tiny-mla", module="kvwire.testing.tiny_mla")
     p_sc, d_sc = free_port(), free_port()
     engines = [
         VllmEngine("colocated", core=0),
-        VllmEngine("prefill", core=0, transfer_config=kvwire_transfer_config("kv_producer", "prefill", p_sc)),
+        VllmEngine(
+            "prefill", core=0, transfer_config=kvwire_transfer_config("kv_producer", "prefill", p_sc, mode)
+        ),
         VllmEngine(
             "decode",
             core=1,
             log_stats=True,
-            transfer_config=kvwire_transfer_config("kv_consumer", "decode", d_sc),
+            transfer_config=kvwire_transfer_config("kv_consumer", "decode", d_sc, mode),
         ),
     ]
     with ServerGroup(tmp / "logs") as group:
@@ -69,7 +72,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         router = group.start(
             "router",
             [
-                "serve", "router", "--engines", "vllm", "--port", str(router_port), "--model", str(model),
+                "serve", "router", "--engines", "vllm", "--mode", mode, "--port", str(router_port),
+                "--model", str(model),
                 "--prefill", f"{prefill.url}#engine_id=prefill&side_channel=127.0.0.1:{p_sc}",
                 "--decode", decode.url,
             ],

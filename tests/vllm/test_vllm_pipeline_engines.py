@@ -49,17 +49,18 @@ class Cluster:
     logs: Path
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+@pytest.fixture(scope="module", params=["push", "pull"])
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    mode = str(request.param)
     python = vllm_python(ROOT)
-    tmp = tmp_path_factory.mktemp("vllm-pp")
+    tmp = tmp_path_factory.mktemp(f"vllm-pp-{mode}")
     model = make_model(python, tmp / "tiny")
     # P's stage s listens on side_channel_port + s (tp 1): two consecutive free ports.
     p_sc, d_sc = free_port_run(PP), free_port()
     prefill = VllmEngine(
         "prefill",
         core=0,
-        transfer_config=kvwire_transfer_config("kv_producer", "prefill", p_sc),
+        transfer_config=kvwire_transfer_config("kv_producer", "prefill", p_sc, mode),
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per stage
         enforce_eager=False,
         extra_args=("--pipeline-parallel-size", str(PP), "--compilation-config", PP_COMPILATION),
@@ -71,7 +72,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             "decode",
             core=1,
             log_stats=True,
-            transfer_config=kvwire_transfer_config("kv_consumer", "decode", d_sc),
+            transfer_config=kvwire_transfer_config("kv_consumer", "decode", d_sc, mode),
         ),
     ]
     with ServerGroup(tmp / "logs") as group:
@@ -80,7 +81,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         router = group.start(
             "router",
             [
-                "serve", "router", "--engines", "vllm", "--port", str(router_port), "--model", str(model),
+                "serve", "router", "--engines", "vllm", "--mode", mode, "--port", str(router_port),
+                "--model", str(model),
                 # pp=2: D is told P's geometry, so it expects each stage's layers from that stage.
                 "--prefill", f"{p.url}#engine_id=prefill&side_channel=127.0.0.1:{p_sc}&pp={PP}",
                 "--decode", decode.url,
