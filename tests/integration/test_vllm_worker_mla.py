@@ -1,7 +1,9 @@
 """MLA through the vLLM connector's worker side over real NIXL (no vLLM needed): vLLM's MLA cache is one
 latent tensor per layer, ``[num_blocks, block_size, kv_lora_rank + rope_dim]`` (every TP rank holds all
 of it), registered zero copy; P and D driven as vLLM drives them, every latent word compared, at equal
-block sizes and with D's blocks twice P's."""
+block sizes and with D's blocks twice P's. vLLM's KV cache interface (0.32's CPU build, 0.34) hands each
+layer as a 4-D ``[num_blocks, 1, block_size, latent]`` view (H is 1 for MLA); the 3-D shape is older
+vLLM's."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ LAYERS, LATENT, NUM_BLOCKS = 3, 576, 24  # DeepSeek's kv_lora_rank 512 + qk_rope
 
 
 class MlaSide:
-    def __init__(self, role: KvRole, mode: str, block_size: int, seed: int | None) -> None:
+    def __init__(self, role: KvRole, mode: str, block_size: int, seed: int | None, dims: int = 4) -> None:
         port = free_port()
         self.settings = settings_from_extra({"mode": mode, "side_channel_port": port})
         eid = f"{role.value}-{port}"
@@ -32,7 +34,8 @@ class MlaSide:
         if seed is not None:
             words = self.backing.view(np.uint16)
             words[...] = np.random.default_rng(seed).integers(1, 1 << 16, size=words.shape, dtype=np.uint16)
-        self.worker.register({f"model.layers.{i}.self_attn.attn": self.backing[i] for i in range(LAYERS)})
+        views = [self.backing[i][:, None] if dims == 4 else self.backing[i] for i in range(LAYERS)]
+        self.worker.register({f"model.layers.{i}.self_attn.attn": v for i, v in enumerate(views)})
         self.block_size = block_size
         self.reported = Finished()
 
@@ -50,10 +53,12 @@ class MlaSide:
         return words.reshape(LAYERS, len(blocks) * self.block_size, LATENT)[:, :n]
 
 
-@pytest.mark.parametrize(("mode", "d_block"), [("push", 16), ("pull", 16), ("push", 32)], ids=str)
-def test_mla_latent_cache_moves_every_word(mode: str, d_block: int) -> None:
-    p = MlaSide(KvRole.PRODUCER, mode, 16, seed=5)
-    d = MlaSide(KvRole.CONSUMER, mode, d_block, seed=None)
+@pytest.mark.parametrize(
+    ("mode", "d_block", "dims"), [("push", 16, 4), ("pull", 16, 4), ("push", 32, 4), ("push", 16, 3)], ids=str
+)
+def test_mla_latent_cache_moves_every_word(mode: str, d_block: int, dims: int) -> None:
+    p = MlaSide(KvRole.PRODUCER, mode, 16, seed=5, dims=dims)
+    d = MlaSide(KvRole.CONSUMER, mode, d_block, seed=None, dims=dims)
     try:
         assert p.worker.kv is not None and p.worker.kv.spec.mla and len(p.worker.kv.regions()) == LAYERS
         n = 5 * 16 - 3

@@ -248,6 +248,18 @@ def test_d_handshake_failure_fails_and_releases() -> None:
     ]
 
 
+def test_d_fails_a_request_whose_p_is_shaped_otherwise_than_it_says() -> None:
+    """The request says P has no PP; P's rank answers as stage 0 of 2: failed at once, INCOMPATIBLE (not on
+    P's first done, whose byte count holds one stage's layers only)."""
+    p2 = TestEngine.build("P", pp=2, port=5000)
+    t = D()
+    hs = one(t.h.at(0.0, t.allocated()), StartHandshake)
+    assert hs.remote == (0, 0)
+    out = t.h.done(0.5, hs.token, p2.peer_rank((0, 0), PeerMode.NOTIF_ONLY))
+    assert not any(isinstance(a, Send) for a in out)  # nothing registered with P
+    assert events(out) == [ev(FAILED, FailReason.INCOMPATIBLE), ev(RELEASED, FailReason.INCOMPATIBLE)]
+
+
 def test_d_refuses_stray_messages_and_changes_nothing() -> None:
     t = D()
     t.start(0.0)

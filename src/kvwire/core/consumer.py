@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 from kvwire.core.base import CoreBase, DropReason
-from kvwire.core.consumer_liveness import Lives
-from kvwire.core.consumer_records import Link, LocalPart, PeerLife, Request, UsedIds, sampled
+from kvwire.core.consumer_liveness import Lives, quarantined
+from kvwire.core.consumer_records import Link, LocalPart, PeerLife, Request, UsedIds, misshapen, sampled
 from kvwire.core.events import ConsumerEvent, ConsumerEventKind
 from kvwire.core.io import (
     Abort,
@@ -242,6 +242,9 @@ class ConsumerCore(CoreBase):
             self.stats.handshakes_failed += 1
             self._log_info("handshake with P %s for %s failed: %s", link.src, req.transfer_id, inp.error)
             self._fail(req, part, CT.HANDSHAKE_FAILED, inp.reason)
+        elif (why := misshapen(peer, req.remote)) is not None:
+            self._log_warning("%s: %s", req.transfer_id, why)
+            self._fail(req, part, CT.HANDSHAKE_FAILED, FailReason.INCOMPATIBLE)
         else:
             self._linked(now, req, part, link, peer)
         self._settle(now, req)
@@ -575,11 +578,7 @@ class PushConsumerCore(ConsumerCore):
 
     def quarantined(self) -> int:
         """Requests whose blocks wait on a dead P life's confirmation (for /health and metrics)."""
-        return sum(
-            1
-            for req in self._requests.values()
-            if any(lk.dead_at is not None for part in req.parts.values() for lk in part.links.values())
-        )
+        return quarantined(self._requests)
 
     def _declare_dead(self, now: float, key: RankKey, peer: PeerRank, life: PeerLife) -> None:
         silent = now - life.last_seen

@@ -30,6 +30,15 @@ def life_key(peer: PeerRank) -> LifeKey:
     return (peer.engine_id, peer.incarnation)
 
 
+def quarantined(requests: Mapping[str, Request]) -> int:
+    """Requests with a link holding a verdict: their blocks wait on a dead P life's confirmation."""
+    return sum(
+        1
+        for req in requests.values()
+        if any(lk.dead_at is not None for part in req.parts.values() for lk in part.links.values())
+    )
+
+
 class Lives:
     """The P lives live requests wait on, with what a liveness pass needs to skip."""
 

@@ -53,6 +53,18 @@ class Request:
     aborted: bool = False
 
 
+def misshapen(peer: PeerRank, remote: RemoteEngine) -> str | None:
+    """Why P's handshake contradicts the request's geometry (None: it does not). The request's tp and pp
+    (the router's, e.g. a vLLM prefill URL's ``&tp=&pp=``) decide what D expects of each P rank: a P shaped
+    otherwise would fail on its first ``done``, obscurely."""
+    if (peer.tp_size, peer.pp_size) == (remote.tp_size, remote.pp_size):
+        return None
+    return (
+        f"P {peer.engine_id} is tp {peer.tp_size} pp {peer.pp_size}, the request says tp {remote.tp_size} "
+        f"pp {remote.pp_size} (a vLLM prefill URL names them: #...&tp=N&pp=N)"
+    )
+
+
 @dataclass
 class PeerLife:
     last_seen: float  # any sign of life: a notification or a handshake answer

@@ -49,6 +49,19 @@ def write_tokenizer(out: Path) -> None:
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=1, sort_keys=True))
 
 
+def fill_random(model: Any, seed: int) -> None:
+    """Every parameter drawn from one seeded generator: independent of transformers' init order."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+
+
 def write_model(out: Path, seed: int) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -62,13 +75,7 @@ def write_model(out: Path, seed: int) -> None:
     cfg.dtype = "bfloat16"
     with torch.no_grad():
         model: Any = LlamaForCausalLM(cfg)
-        # Every parameter drawn from one seeded generator: independent of transformers' init order.
-        gen = torch.Generator().manual_seed(seed)
-        for name, p in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        fill_random(model, seed)
         model = model.to(torch.bfloat16)
     model.save_pretrained(str(out), safe_serialization=True)
 

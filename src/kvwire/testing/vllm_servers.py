@@ -40,11 +40,12 @@ def vllm_python(root: Path | None = None, environ: Mapping[str, str] | None = No
     return python
 
 
-def make_model(python: Path, out_dir: Path, seed: int = 0) -> Path:
-    """Write the tiny random-weight Llama (``kvwire.testing.tiny_llama``) with the vLLM environment."""
+def make_model(python: Path, out_dir: Path, seed: int = 0, module: str = "kvwire.testing.tiny_llama") -> Path:
+    """Write a tiny random-weight model with the vLLM environment: the Llama of ``tiny_llama`` by default,
+    or another maker module's (``kvwire.testing.tiny_mla``)."""
     if not (out_dir / "model.safetensors").exists():
         subprocess.run(
-            [str(python), "-m", "kvwire.testing.tiny_llama", str(out_dir), "--seed", str(seed)],
+            [str(python), "-m", module, str(out_dir), "--seed", str(seed)],
             check=True, capture_output=True, timeout=300,
         )  # fmt: skip
     return out_dir
@@ -81,17 +82,21 @@ class VllmEngine:
     # Past the tiny model's 4096 positions: its config is overridden (RoPE's table grows with it; shorter
     # prompts answer the same), and one step takes a whole prompt (no chunked prefill), on every engine.
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
-    # vLLM's statistics (its Prometheus counters on /metrics, e.g. prompt tokens by source) cost a log line
-    # every few seconds: off unless a test reads them.
+    # vLLM's Prometheus counters (``/metrics``): off by default, on where a test reads where prompt tokens
+    # came from (``vllm:prompt_tokens_by_source``).
     log_stats: bool = False
+    extra_args: tuple[str, ...] = ()  # more server flags (``--pipeline-parallel-size 2``)
+    enforce_eager: bool = True  # vLLM's CompilationMode.NONE (no torch.compile: starts fast on CPU)
 
 
 def engine_argv(python: Path, model: Path, e: VllmEngine) -> list[str]:
     argv = [
         str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--host", "127.0.0.1", "--port", str(e.port), "--block-size", str(BLOCK_SIZE),
-        "--max-model-len", str(e.max_model_len), "--enforce-eager",
+        "--max-model-len", str(e.max_model_len),
     ]  # fmt: skip
+    if e.enforce_eager:
+        argv.append("--enforce-eager")
     if not e.log_stats:
         argv.append("--disable-log-stats")
     if e.max_model_len > DEFAULT_MAX_MODEL_LEN:
@@ -99,7 +104,7 @@ def engine_argv(python: Path, model: Path, e: VllmEngine) -> list[str]:
         argv += ["--hf-overrides", overrides, "--max-num-batched-tokens", str(e.max_model_len)]
     if e.transfer_config is not None:
         argv += ["--kv-transfer-config", json.dumps(e.transfer_config)]
-    return argv
+    return argv + list(e.extra_args)
 
 
 def engine_env(e: VllmEngine) -> dict[str, str]:

@@ -108,6 +108,7 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._fleet = start_registration(settings, kv_role, engine_id, incarnation, tp, pp, model)
             return
         tp_rank, pp_rank = _tp_pp_rank()
+        mla = bool(getattr(mc, "use_mla", False))
         place = RankPlace(
             engine_id=engine_id,
             incarnation=incarnation,
@@ -117,10 +118,12 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             pp_size=pp,
             pp_rank=pp_rank,
             num_layers=int(mc.hf_text_config.num_hidden_layers),
-            kv_heads=int(mc.get_total_num_kv_heads()),
+            # MLA caches one latent "head" per token (vLLM's get_head_size: kv_lora_rank + rope dim); the
+            # config's num_key_value_heads counts the query-side heads the latent expands to.
+            kv_heads=1 if mla else int(mc.get_total_num_kv_heads()),
             head_dim=int(mc.get_head_size()),
             block_size=block_size,
-            mla=bool(getattr(mc, "use_mla", False)),
+            mla=mla,
             kv_tiles=_cpu_backend(),
             layer_groups=self._groups.layer_groups,
             group_windows=self._groups.group_windows,

@@ -8,7 +8,8 @@ vLLM gives one tensor per attention layer, and the layout is read from its strid
 * Older FlashAttention: ``[2, num_blocks, block_size, kv_heads, head_dim]``: K and V as two regions,
   NHD or HND by the strides (``kv_cache_stride_order``).
 * FlashInfer's ``[num_blocks, 2, ...]`` (K and V interleaved per block outside the heads) is refused
-  with a ``LayoutError`` naming the fix. MLA (``[num_blocks, block_size, latent_dim]``): one region.
+  with a ``LayoutError`` naming the fix. MLA (``[num_blocks, block_size, latent_dim]``, or vLLM's 4-D
+  ``[num_blocks, 1, block_size, latent_dim]``): one region.
 """
 
 from __future__ import annotations
@@ -75,15 +76,29 @@ def _physical(v: BufferView) -> list[int]:
     return order
 
 
+def _mla_layout(v: BufferView, block_size: int, head_dim: int) -> LayerLayout:
+    """MLA's latent cache: ``[num_blocks, block_size, latent]``, or the 4-D ``[B, H, N, C]`` view vLLM's
+    KV cache interface gives every spec (0.32's CPU build and 0.34), whose H is 1 for MLA. Each block one
+    dense run of token rows."""
+    inner = tuple(v.shape[1:])
+    if inner not in ((block_size, head_dim), (1, block_size, head_dim)):
+        raise LayoutError(
+            f"MLA KV tensor {v.shape}: expected [num_blocks, {block_size}, {head_dim}] "
+            f"or [num_blocks, 1, {block_size}, {head_dim}]"
+        )
+    row = head_dim * v.itemsize
+    if v.strides[-1] != v.itemsize or v.strides[-2] != row or v.strides[0] != block_size * row:
+        raise LayoutError(f"MLA KV tensor {v.shape} with strides {v.strides}: a block is not one run of rows")
+    return LayerLayout((0,), v.strides[0], v.shape[0], Layout.NHD)
+
+
 def layer_layout(
     v: BufferView, block_size: int, heads: int, head_dim: int, *, mla: bool = False
 ) -> LayerLayout:
     """Read one layer tensor's layout from its shape and strides (see the module doc)."""
     order = _physical(v)
     if mla:
-        if len(v.shape) != 3 or v.shape[1:] != (block_size, head_dim):
-            raise LayoutError(f"MLA KV tensor {v.shape}: expected [num_blocks, {block_size}, {head_dim}]")
-        return LayerLayout((0,), v.strides[0], v.shape[0], Layout.NHD)
+        return _mla_layout(v, block_size, head_dim)
     if len(v.shape) == 4 and v.shape[1:] == (heads, block_size, 2 * head_dim):
         # vLLM >= 0.34 (every backend) and the 0.32 CPU backend: [blocks, heads, tokens, K and V].
         if order != [0, 1, 2, 3]:
