@@ -30,6 +30,9 @@ class KvTransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
     transfer_id: str | None = None  # kvwire's id of the transfer, the same in both legs
     remote_request_id: str | None = None  # vLLM's name for it (P's request id): read if transfer_id is not
     remote_engine_id: str | None = None
+    # The life (incarnation) of P that prefilled and holds the KV: a P restarted since holds none, and D
+    # must not read (pull) or wait on (push) its new life's blocks. Not given: not checked (older peers).
+    remote_incarnation: str | None = None
     remote_host: str | None = None  # where P's side channel listens
     remote_port: int | None = None
     remote_tp_size: int | None = None  # P's parallelism; not given: 1

@@ -37,6 +37,7 @@ from kvwire.protocol.messages import (
     FailReason,
     Heartbeat,
     PushReg,
+    TransferMode,
 )
 from kvwire.testing.core_harness import TestEngine, events, one, only, protocol, sent
 from kvwire.testing.cores_env import (
@@ -45,6 +46,7 @@ from kvwire.testing.cores_env import (
     D_BLOCKS,
     FAILED,
     PULL,
+    PUSH,
     READY,
     RELEASED,
     TID,
@@ -258,6 +260,29 @@ def test_d_fails_a_request_whose_p_is_shaped_otherwise_than_it_says() -> None:
     out = t.h.done(0.5, hs.token, p2.peer_rank((0, 0), PeerMode.NOTIF_ONLY))
     assert not any(isinstance(a, Send) for a in out)  # nothing registered with P
     assert events(out) == [ev(FAILED, FailReason.INCOMPATIBLE), ev(RELEASED, FailReason.INCOMPATIBLE)]
+
+
+@pytest.mark.parametrize("mode", [PUSH, PULL])
+def test_d_fails_a_request_whose_p_restarted_since_it_prefilled(mode: TransferMode) -> None:
+    """P's answer named the life that prefilled (remote_incarnation); the handshake finds a newer life at
+    that address, whose blocks hold none of this request's KV: failed at once (peer_dead), nothing read or
+    registered. Without the check, pull READ the new life's blocks: READY with other bytes (the simulator,
+    plant read-any-life)."""
+    t = D(mode=mode)
+    allocated = t.allocated()
+    allocated = dataclasses.replace(
+        allocated, remote=dataclasses.replace(allocated.remote, incarnation="P-life1")
+    )
+    hs = one(t.h.at(0.0, allocated), StartHandshake)
+    newer = TestEngine.build("P", mode=mode, incarnation="P-life2", port=5000)
+    peer_mode = PeerMode.NOTIF_ONLY if mode is PUSH else PeerMode.FULL
+    out = t.h.done(0.5, hs.token, newer.peer_rank(mode=peer_mode))
+    assert not any(isinstance(a, Send | PostRead) for a in out)
+    assert events(out) == [ev(FAILED, FailReason.PEER_DEAD), ev(RELEASED, FailReason.PEER_DEAD)]
+    same = D(mode=mode)  # the life that prefilled answers: served as before
+    hs = one(same.h.at(0.0, allocated), StartHandshake)
+    out = same.h.done(0.5, hs.token, same.p.peer_rank(mode=peer_mode))
+    assert any(isinstance(a, Send | PostRead) for a in out) and not events(out)
 
 
 def test_d_refuses_stray_messages_and_changes_nothing() -> None:

@@ -212,7 +212,7 @@ def test_leg_bodies_follow_the_serving_api() -> None:
     assert d["max_tokens"] == 9 and d["stream"] is True
     assert d["kv_transfer_params"] == {
         "do_remote_prefill": True, "transfer_id": "t1", "remote_engine_id": "P", "remote_host": "10.0.0.1",
-        "remote_port": 7000, "remote_tp_size": 2, "remote_pp_size": 1,
+        "remote_port": 7000, "remote_tp_size": 2, "remote_pp_size": 1, "remote_incarnation": "i",
     }  # fmt: skip
     assert base["max_tokens"] == 9  # the legs are copies
 

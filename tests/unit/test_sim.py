@@ -58,16 +58,17 @@ def test_fault_free_run_delivers_every_request() -> None:
 def test_each_planted_bug_is_caught(name: str) -> None:
     planted = PLANTS[name]
     seed = planted.seed
-    caught = simulate(6000, seed, faults=planted.faults, plant=planted.plant, stop_at_first=True)
+    mode = planted.mode
+    caught = simulate(6000, seed, faults=planted.faults, plant=planted.plant, mode=mode, stop_at_first=True)
     assert caught.violations, f"{name} went unnoticed"
     assert planted.breaks in caught.violations[0]
     if planted.plant.producer is not None and planted.plant.consumer is not None:
         # A layered plant: each half alone is not what this schedule catches.
         for half in (Plant(producer=planted.plant.producer), Plant(consumer=planted.plant.consumer)):
-            alone = simulate(6000, seed, faults=planted.faults, plant=half, stop_at_first=True)
+            alone = simulate(6000, seed, faults=planted.faults, plant=half, mode=mode, stop_at_first=True)
             assert alone.violations == [] or alone.violations[0] != caught.violations[0]
     # The same schedule with the real cores is clean: the violation is the plant's.
-    real = simulate(1000, seed, faults=planted.faults)
+    real = simulate(1000, seed, faults=planted.faults, mode=mode)
     assert real.violations == []
 
 

@@ -18,7 +18,7 @@ from collections import defaultdict
 
 from kvwire.core.base import CoreBase, DropReason
 from kvwire.core.consumer_liveness import Lives, quarantined
-from kvwire.core.consumer_records import Link, LocalPart, PeerLife, Request, UsedIds, misshapen, sampled
+from kvwire.core.consumer_records import Link, LocalPart, PeerLife, Request, UsedIds, sampled, wrong_peer
 from kvwire.core.events import ConsumerEvent, ConsumerEventKind
 from kvwire.core.io import (
     Abort,
@@ -242,9 +242,11 @@ class ConsumerCore(CoreBase):
             self.stats.handshakes_failed += 1
             self._log_info("handshake with P %s for %s failed: %s", link.src, req.transfer_id, inp.error)
             self._fail(req, part, CT.HANDSHAKE_FAILED, inp.reason)
-        elif (why := misshapen(peer, req.remote)) is not None:
-            self._log_warning("%s: %s", req.transfer_id, why)
-            self._fail(req, part, CT.HANDSHAKE_FAILED, FailReason.INCOMPATIBLE)
+        elif (wrong := wrong_peer(peer, req.remote)) is not None:
+            reason, why = wrong
+            log = self._log_info if reason is FailReason.PEER_DEAD else self._log_warning  # a restart is news
+            log("%s: %s", req.transfer_id, why)
+            self._fail(req, part, CT.HANDSHAKE_FAILED, reason)
         else:
             self._linked(now, req, part, link, peer)
         self._settle(now, req)

@@ -53,13 +53,23 @@ class Request:
     aborted: bool = False
 
 
-def misshapen(peer: PeerRank, remote: RemoteEngine) -> str | None:
-    """Why P's handshake contradicts the request's geometry (None: it does not). The request's tp and pp
-    (the router's, e.g. a vLLM prefill URL's ``&tp=&pp=``) decide what D expects of each P rank: a P shaped
-    otherwise would fail on its first ``done``, obscurely."""
+def wrong_peer(peer: PeerRank, remote: RemoteEngine) -> tuple[FailReason, str] | None:
+    """Why the P rank a handshake loaded cannot serve the request (None: it can), and the reason to fail it.
+
+    * Another life than the one that prefilled (``remote.incarnation``): P restarted since, and the new
+      life's blocks hold none of this request's KV (pull would read them: the simulator found READY with
+      other bytes after a P crash during a D freeze). ``peer_dead``.
+    * Another tp or pp than the request says (the router's, e.g. a vLLM prefill URL's ``&tp=&pp=``): they
+      decide what D expects of each P rank, so it would fail on its first ``done``, obscurely.
+      ``incompatible``."""
+    if remote.incarnation not in (None, peer.incarnation):
+        return FailReason.PEER_DEAD, (
+            f"P {peer.engine_id} is now life {peer.incarnation}, not {remote.incarnation} that prefilled: it "
+            "restarted since, and holds none of this request's KV"
+        )
     if (peer.tp_size, peer.pp_size) == (remote.tp_size, remote.pp_size):
         return None
-    return (
+    return FailReason.INCOMPATIBLE, (
         f"P {peer.engine_id} is tp {peer.tp_size} pp {peer.pp_size}, the request says tp {remote.tp_size} "
         f"pp {remote.pp_size} (a vLLM prefill URL names them: #...&tp=N&pp=N)"
     )

@@ -126,6 +126,9 @@ class RemoteEngine:
     # One side channel per P rank (one process per rank, as vLLM runs): rank (pp, tp) listens at
     # ``port + pp * tp_size + tp``. False: one listener serves every rank (kvwire's own engine).
     rank_ports: bool = False
+    # The P life that prefilled (kv_transfer_params' remote_incarnation; None: not checked). Another life
+    # at that address holds none of this request's KV: D fails the request rather than read its blocks.
+    incarnation: str | None = None
 
     def port_of(self, rank: tuple[int, int]) -> int:
         """The side-channel port that serves P rank (pp, tp)."""

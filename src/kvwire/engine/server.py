@@ -326,6 +326,7 @@ class EngineServer:
             do_remote_prefill=True,
             transfer_id=creq.transfer_id,
             remote_engine_id=ident.engine_id,
+            remote_incarnation=ident.incarnation,
             remote_host=ident.side_channel_host,
             remote_port=ident.side_channel_port,
             remote_tp_size=self.engine.cfg.tp_size,

@@ -133,6 +133,7 @@ def remote_engine(params: KvTransferParams | None, *, rank_ports: bool = False) 
         pp_size=params.pp_size,
         block_ids=params.remote_block_ids or (),
         rank_ports=rank_ports,
+        incarnation=params.remote_incarnation,
     )
 
 

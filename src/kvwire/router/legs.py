@@ -77,6 +77,7 @@ def decode_body(base: Mapping[str, Any], transfer_id: str, p: HealthInfo) -> dic
         do_remote_prefill=True,
         transfer_id=transfer_id,
         remote_engine_id=p.engine_id,
+        remote_incarnation=p.incarnation or None,  # the life the router saw: a restart since is refused
         remote_host=p.side_channel_host,
         remote_port=p.side_channel_port,
         remote_tp_size=p.tp_size,
@@ -100,6 +101,7 @@ def pull_params(p_url: str, prefilled: Mapping[str, Any]) -> dict[str, Any]:
     picked = KvTransferParams(
         remote_block_ids=kv.remote_block_ids,
         remote_engine_id=kv.remote_engine_id,
+        remote_incarnation=kv.remote_incarnation,
         remote_host=kv.remote_host,
         remote_port=kv.remote_port,
         remote_tp_size=kv.remote_tp_size,

@@ -363,7 +363,7 @@ class VllmEngine:
         self.settings = settings_from_extra(self.extra)
         self.engine_id = engine_id
         inc = incarnation or f"{engine_id}-inc"
-        local = LocalEngine(engine_id, self.settings.side_channel_host, self.port, self.tp_size, pp_size)
+        local = LocalEngine(engine_id, self.settings.side_channel_host, self.port, self.tp_size, pp_size, inc)
         self.sched = SchedulerSide(role, self.settings, local, model.block_size)
         self.agg = Aggregator(len(self.workers))
         self.reported = Finished()  # every aggregated report so far

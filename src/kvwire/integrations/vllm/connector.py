@@ -102,7 +102,9 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             if settings.layerwise and kv_role.produces:
                 self._streams = StreamPlanner(block_size)
-            local = LocalEngine(engine_id, settings.side_channel_host, settings.side_channel_port, tp, pp)
+            local = LocalEngine(
+                engine_id, settings.side_channel_host, settings.side_channel_port, tp, pp, incarnation
+            )
             self._sched = SchedulerSide(kv_role, settings, local, block_size)
             model = settings.model_id or vllm_model_id(mc)
             self._fleet = start_registration(settings, kv_role, engine_id, incarnation, tp, pp, model)

@@ -44,6 +44,7 @@ class LocalEngine:
     port: int
     tp_size: int
     pp_size: int
+    incarnation: str | None = None  # this start's (P's answer names it: D refuses another life's blocks)
 
 
 @dataclass(slots=True)
@@ -174,6 +175,7 @@ class SchedulerSide:
             transfer_id=transfer_id,
             remote_request_id=transfer_id,
             remote_engine_id=self.local.engine_id,
+            remote_incarnation=self.local.incarnation,
             remote_host=self.local.host,
             remote_port=self.local.port,
             remote_tp_size=self.local.tp_size,

@@ -27,15 +27,20 @@ def run(args: argparse.Namespace) -> int:
     from kvwire.testing.sim import Faults, simulate
     from kvwire.testing.sim.plants import PLANTS
 
-    plant, faults = None, Faults.chaos() if args.faults == "chaos" else Faults()
+    plant, faults, mode = (
+        None,
+        Faults.chaos() if args.faults == "chaos" else Faults(),
+        TransferMode(args.mode),
+    )
     if args.plant is not None:
         if args.plant not in PLANTS:
             print(f"kvwire sim: unknown plant {args.plant!r}; one of {sorted(PLANTS)}", file=sys.stderr)
             return 2
-        plant, faults = PLANTS[args.plant].plant, PLANTS[args.plant].faults
-    report = simulate(args.requests, args.seed, faults=faults, mode=TransferMode(args.mode), plant=plant)
+        planted = PLANTS[args.plant]
+        plant, faults, mode = planted.plant, planted.faults, planted.mode  # a plant runs in its own mode
+    report = simulate(args.requests, args.seed, faults=faults, mode=mode, plant=plant)
     print(
-        f"{args.requests} requests, seed {args.seed}, {args.mode}: {len(report.violations)} violations; "
+        f"{args.requests} requests, seed {args.seed}, {mode.value}: {len(report.violations)} violations; "
         f"{report.simulated_seconds:.1f} s simulated in {report.wall_seconds:.1f} s "
         f"({report.requests_per_second:.0f} requests/s; {report.cpu_seconds:.1f} s CPU, "
         f"{report.requests_per_cpu_second:.0f} requests per CPU second)"
@@ -46,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         print("VIOLATION", v)
     if report.violations:
         print(
-            f"replay: kvwire sim --requests {args.requests} --seed {args.seed} --mode {args.mode}"
+            f"replay: kvwire sim --requests {args.requests} --seed {args.seed} --mode {mode.value}"
             + (f" --plant {args.plant}" if args.plant else f" --faults {args.faults}")
         )
     if args.json is not None:

@@ -7,16 +7,18 @@ runs each and asserts the invariant it breaks is reported (and that the real cor
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, replace
 
 import msgspec
 
 from kvwire.core.consumer import PushConsumerCore
+from kvwire.core.consumer_pull import PullConsumerCore
 from kvwire.core.consumer_records import PeerLife
-from kvwire.core.io import Action, HandshakeDone, Input, StartHandshake, XferEnded
+from kvwire.core.io import Action, Allocated, HandshakeDone, Input, StartHandshake, XferEnded
 from kvwire.core.producer_push import PushProducerCore
 from kvwire.core.producer_records import Reg, Request
-from kvwire.protocol.messages import Cancel, Failed, Notification
+from kvwire.protocol.messages import Cancel, Failed, Notification, TransferMode
 from kvwire.protocol.ranks import RankKey
 from kvwire.protocol.states import ProducerState, ProducerTrigger
 from kvwire.testing.sim.net import Faults
@@ -81,12 +83,23 @@ class ReuseAfterGraceOnly(PushConsumerCore):
         return now >= dead_at + self.config.dead_peer_grace_s
 
 
+class ReadAnyLife(PullConsumerCore):
+    """D reads from whichever P life answers at the address (kvwire before P's answer named its life: a P
+    that crashed and restarted during a D freeze lent the new life's blocks to the old requests)."""
+
+    def _on_input(self, now: float, inp: Input) -> None:
+        if isinstance(inp, Allocated):
+            inp = dataclasses.replace(inp, remote=dataclasses.replace(inp.remote, incarnation=None))
+        super()._on_input(now, inp)
+
+
 @dataclass(frozen=True)
 class Planted:
     plant: Plant
     faults: Faults
     breaks: str  # a substring of the violation it must cause
     seed: int = 1  # a seed whose schedule exposes it
+    mode: TransferMode = TransferMode.PUSH
 
 
 PLANTS: dict[str, Planted] = {
@@ -118,5 +131,12 @@ PLANTS: dict[str, Planted] = {
         Faults(pause=3.0, release_lands=1.0, slow_write=1.0, slow_write_max_s=0.5),
         "C1",
         seed=4,
+    ),
+    "read-any-life": Planted(
+        Plant(consumer=ReadAnyLife),
+        Faults(crash=0.5, pause=0.5),
+        "READY with bytes that are not P's",
+        seed=5,
+        mode=TransferMode.PULL,
     ),
 }

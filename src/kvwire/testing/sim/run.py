@@ -126,6 +126,7 @@ class _Req:
     d_events: list[ConsumerEventKind] = field(default_factory=list)
     d_done: float | None = None
     p_done: float | None = None
+    p_incarnation: str = ""  # P's life at submit: the one that prefills
     d_after: float = 0.0  # when D allocates, after submit (push) or after P's prefill (pull)
 
 
@@ -187,6 +188,7 @@ class Simulation:
         abort = w.chance(w.faults.abort, "abort", plan)
         side, abort_after = plan.choice(("p", "d")), plan.random() * 20e-3
         req = _Req(f"r{number}", number, p, d, tokens, cached, w.now, p_life=p.life, d_life=d.life)
+        req.p_incarnation = p.incarnation
         req.d_after = d_after
         n = math.ceil(tokens / SPEC.block_size)
         p_blocks = p.allocate(req.tid, n)
@@ -216,7 +218,11 @@ class Simulation:
 
     def _remote(self, req: _Req) -> RemoteEngine:
         blocks = tuple(req.p_blocks) if self.mode is TransferMode.PULL else ()
-        return RemoteEngine(req.p.engine_id, "sim", req.p.port, req.p.tp, req.p.pp, blocks)
+        # The life that prefilled, as P's answer names it (a P restarted since must be refused).
+        incarnation = req.p_incarnation
+        return RemoteEngine(
+            req.p.engine_id, "sim", req.p.port, req.p.tp, req.p.pp, blocks, incarnation=incarnation
+        )
 
     def _allocate_d(self, req: _Req) -> None:
         if req.d.life != req.d_life:
