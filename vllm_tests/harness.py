@@ -155,7 +155,9 @@ class Engine:
     ) -> None:
         self.port = free_port()
         self.engine_id = f"{role.name.lower()}-{self.port}"
-        settings = {"mode": mode, "side_channel_port": self.port, **extra}
+        # One incarnation for the scheduler and the worker side, as vLLM derives one for both processes (P's
+        # answer names it; D refuses another life).
+        settings = {"mode": mode, "side_channel_port": self.port, "incarnation": f"inc-{self.port}", **extra}
         self.sched = build_scheduler(
             model_dir, role, self.engine_id, num_blocks, settings, prefix_caching, window
         )
