@@ -38,6 +38,11 @@ LENGTHS = (8, 31, 32, 33, 200, 700, 2000)  # words; block size 32: partial, exac
 PP = 2
 # DYNAMO_TRACE_ONCE (2) with the eager backend: vLLM's warm-up runs (see the module doc), no compiling.
 PP_COMPILATION = json.dumps({"mode": 2, "backend": "eager"})
+# Four engine processes on CI's two cores (P's two stages beside the colocated server and D): in one CI run
+# D's side channel and heartbeats went unanswered for over 5 s while P prefilled a 2,000-word prompt, and
+# the default 5 s liveness timeout declared each side dead (the same test passes alone). Timeouts sized
+# for that host, not for the protocol: a dead peer is still found, in 30 s.
+SLOW_HOST = {"liveness_timeout_s": 30.0, "handshake_timeout_s": 20.0}
 
 
 @dataclass
@@ -60,7 +65,7 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     prefill = VllmEngine(
         "prefill",
         core=0,
-        transfer_config=kvwire_transfer_config("kv_producer", "prefill", p_sc, mode),
+        transfer_config=kvwire_transfer_config("kv_producer", "prefill", p_sc, mode, **SLOW_HOST),
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per stage
         enforce_eager=False,
         extra_args=("--pipeline-parallel-size", str(PP), "--compilation-config", PP_COMPILATION),
@@ -72,7 +77,7 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
             "decode",
             core=1,
             log_stats=True,
-            transfer_config=kvwire_transfer_config("kv_consumer", "decode", d_sc, mode),
+            transfer_config=kvwire_transfer_config("kv_consumer", "decode", d_sc, mode, **SLOW_HOST),
         ),
     ]
     with ServerGroup(tmp / "logs") as group:
