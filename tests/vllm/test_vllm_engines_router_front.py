@@ -20,16 +20,17 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvwire.testing.procs import Server, ServerGroup, free_port
 from kvwire.testing.tiny_llama import prompt_of
 from kvwire.testing.vllm_router import router_binary, start_pd_router
 from kvwire.testing.vllm_servers import (
+    PROMPT_SOURCES,
     STARTUP_TIMEOUT_S,
     VllmEngine,
     kvwire_transfer_config,
     make_model,
+    prompt_tokens_by_source,
     start_engine,
     vllm_python,
 )
@@ -39,7 +40,6 @@ pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 LENGTHS = (8, 33, 200)  # words (n + 1 tokens; block size 32): a partial block, just past one, several
 MAX_TOKENS = 8
-SOURCES = ("external_kv_transfer", "local_compute", "local_cache_hit")
 
 
 @dataclass
@@ -97,17 +97,6 @@ def complete(url: str, model: str, prompt: str) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
 
 
-def prompt_tokens_by_source(url: str) -> dict[str, float]:
-    """D's ``vllm:prompt_tokens_by_source`` counters (one engine, one model), by source."""
-    out = dict.fromkeys(SOURCES, 0.0)
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        if family.name == "vllm:prompt_tokens_by_source":
-            for sample in family.samples:
-                if sample.name.endswith("_total"):
-                    out[sample.labels["source"]] += sample.value
-    return out
-
-
 def test_vllm_router_pd_mode_serves_vllm_engines_with_kvwire(front: Front) -> None:
     before = prompt_tokens_by_source(front.decode.url)
     prompt_tokens = 0
@@ -122,7 +111,7 @@ def test_vllm_router_pd_mode_serves_vllm_engines_with_kvwire(front: Front) -> No
         prompt_tokens += got.json()["usage"]["prompt_tokens"]
         assert got.json()["usage"]["prompt_tokens"] == n + 1
     after = prompt_tokens_by_source(front.decode.url)
-    moved = {s: after[s] - before[s] for s in SOURCES}
+    moved = {s: after[s] - before[s] for s in PROMPT_SOURCES}
     # D took every prompt token from P over kvwire (it recomputes the last one only to sample from it,
     # which vLLM does not count as prefill), and prefilled none itself.
     assert moved == {"external_kv_transfer": prompt_tokens, "local_compute": 0, "local_cache_hit": 0}, moved

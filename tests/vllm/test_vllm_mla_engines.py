@@ -21,6 +21,7 @@ from kvwire.testing.vllm_servers import (
     VllmEngine,
     kvwire_transfer_config,
     make_model,
+    prompt_tokens_by_source,
     start_engines,
     vllm_python,
 )
@@ -111,18 +112,6 @@ def disagreement(got: Steps, expected: Steps) -> str | None:
                 return f"step {i}: picked {pick_g}, reference {pick_e} by a clear margin; {g} vs {e}"
             return None
     return None
-
-
-def prompt_tokens_by_source(url: str) -> dict[str, float]:
-    """vLLM's ``vllm:prompt_tokens_by_source`` counters (local_compute, local_cache_hit,
-    external_kv_transfer)."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    found: dict[str, float] = {}
-    for m in re.finditer(r"^vllm:prompt_tokens_by_source_total\{([^}]*)\} (\S+)$", text, re.M):
-        source = re.search(r'source="([^"]+)"', m.group(1))
-        if source:
-            found[source.group(1)] = found.get(source.group(1), 0.0) + float(m.group(2))
-    return found
 
 
 def test_mla_model_answers_match_colocated_and_latent_kv_moved(cluster: Cluster) -> None:

@@ -27,6 +27,7 @@ from kvwire.testing.vllm_servers import (
     VllmEngine,
     kvwire_transfer_config,
     make_model,
+    prompt_tokens_by_source,
     start_engines,
     vllm_python,
 )
@@ -103,16 +104,6 @@ def complete(url: str, model: str, prompt: str) -> str:
     resp = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
     return str(resp.json()["choices"][0]["text"])
-
-
-def prompt_tokens_by_source(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    found: dict[str, float] = {}
-    for m in re.finditer(
-        r'^vllm:prompt_tokens_by_source_total\{[^}]*source="([^"]+)"[^}]*\} (\S+)$', text, re.M
-    ):
-        found[m.group(1)] = found.get(m.group(1), 0.0) + float(m.group(2))
-    return found
 
 
 def test_pipeline_parallel_p_answers_match_colocated(cluster: Cluster) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,6 @@ def fill_random(model: Any, seed: int) -> None:
 
 
 def write_model(out: Path, seed: int) -> None:
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg: Any = LlamaConfig(
@@ -72,24 +72,36 @@ def write_model(out: Path, seed: int) -> None:
         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1,
         eos_token_id=2, pad_token_id=3, hidden_act="silu",
     )  # fmt: skip
+    save_random(LlamaForCausalLM, cfg, out, seed)
+
+
+def save_random(model_class: Any, cfg: Any, out: Path, seed: int) -> None:
+    """Build ``model_class(cfg)`` with ``fill_random``'s weights and save it to ``out`` in bfloat16."""
+    import torch
+
     cfg.dtype = "bfloat16"
     with torch.no_grad():
-        model: Any = LlamaForCausalLM(cfg)
+        model: Any = model_class(cfg)
         fill_random(model, seed)
         model = model.to(torch.bfloat16)
     model.save_pretrained(str(out), safe_serialization=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="write a tiny random-weight Llama model and tokenizer")
+def run_cli(argv: list[str] | None, description: str, write: Callable[[Path, int], None]) -> int:
+    """``python -m`` entry of a tiny model module: the tokenizer, then ``write(out_dir, seed)``."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     write_tokenizer(args.out_dir)
-    write_model(args.out_dir, args.seed)
+    write(args.out_dir, args.seed)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(argv, "write a tiny random-weight Llama model and tokenizer", write_model)
 
 
 if __name__ == "__main__":

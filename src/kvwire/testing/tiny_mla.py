@@ -12,12 +12,10 @@ word-level tokenizer as ``tiny_llama``: a prompt of N words is N + 1 tokens.
 
 from __future__ import annotations
 
-import argparse
-import os
 from pathlib import Path
 from typing import Any
 
-from kvwire.testing.tiny_llama import VOCAB_SIZE, fill_random, write_tokenizer
+from kvwire.testing.tiny_llama import VOCAB_SIZE, run_cli, save_random
 
 NUM_LAYERS = 2
 KV_LORA_RANK = 512
@@ -25,7 +23,6 @@ QK_ROPE_HEAD_DIM = 64
 
 
 def write_model(out: Path, seed: int) -> None:
-    import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     cfg: Any = DeepseekV2Config(
@@ -39,24 +36,11 @@ def write_model(out: Path, seed: int) -> None:
         first_k_dense_replace=NUM_LAYERS, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
         moe_intermediate_size=128,
     )  # fmt: skip
-    cfg.dtype = "bfloat16"
-    with torch.no_grad():
-        model: Any = DeepseekV2ForCausalLM(cfg)
-        fill_random(model, seed)
-        model = model.to(torch.bfloat16)
-    model.save_pretrained(str(out), safe_serialization=True)
+    save_random(DeepseekV2ForCausalLM, cfg, out, seed)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="write a tiny random-weight MLA (DeepSeek-V2) model")
-    parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(args.out_dir)
-    write_model(args.out_dir, args.seed)
-    return 0
+    return run_cli(argv, "write a tiny random-weight MLA (DeepSeek-V2) model", write_model)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 from kvwire.errors import ConfigError
 from kvwire.testing.procs import Server, ServerGroup, free_port
 
@@ -128,3 +131,21 @@ def start_engines(group: ServerGroup, python: Path, model: Path, engines: list[V
     servers = [start_engine(group, python, model, e) for e in engines]
     group.wait_healthy(servers, STARTUP_TIMEOUT_S)
     return servers
+
+
+# Where vLLM says a prompt's tokens came from (``vllm:prompt_tokens_by_source``): a D whose KV arrived
+# counts them ``external_kv_transfer``, not ``local_compute``.
+PROMPT_SOURCES = ("external_kv_transfer", "local_compute", "local_cache_hit")
+
+
+def prompt_tokens_by_source(url: str) -> dict[str, float]:
+    """An engine's ``vllm:prompt_tokens_by_source`` counters (one model), by source; each of
+    ``PROMPT_SOURCES`` present, 0 until counted. Needs the engine started with ``log_stats``."""
+    out = dict.fromkeys(PROMPT_SOURCES, 0.0)
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        if family.name == "vllm:prompt_tokens_by_source":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    source = sample.labels["source"]
+                    out[source] = out.get(source, 0.0) + sample.value
+    return out
