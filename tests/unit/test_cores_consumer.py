@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import pytest
 
 from kvwire.core.base import DropReason, Refused
@@ -270,8 +271,8 @@ def test_d_fails_a_request_whose_p_restarted_since_it_prefilled(mode: TransferMo
     plant read-any-life)."""
     t = D(mode=mode)
     allocated = t.allocated()
-    allocated = dataclasses.replace(
-        allocated, remote=dataclasses.replace(allocated.remote, incarnation="P-life1")
+    allocated = msgspec.structs.replace(
+        allocated, remote=msgspec.structs.replace(allocated.remote, incarnation="P-life1")
     )
     hs = one(t.h.at(0.0, allocated), StartHandshake)
     newer = TestEngine.build("P", mode=mode, incarnation="P-life2", port=5000)

@@ -174,7 +174,7 @@ def test_reports_to_one_address_go_one_at_a_time_and_stop_when_nobody_answers() 
         assert reporter.submit(_action("v", 1)) is None and reporter.dropped == 6
         # Without a secret an overload is never reported: the address came in an unauthenticated push_reg.
         over = _action("w", port)
-        over = dataclasses.replace(
+        over = msgspec.structs.replace(
             over, failed=msgspec.structs.replace(over.failed, reason=FailReason.OVERLOADED)
         )
         assert reporter.submit(over) is None and reporter.dropped == 7

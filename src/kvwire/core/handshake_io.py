@@ -1,11 +1,13 @@
 """What goes into the handshake core and what comes out (``kvwire.core.handshake``): the inputs a driver
 feeds it (a caller's round, a fetch's or a load's end, forget, reap) and the actions it answers (answer
-the caller, start or join a flight, fetch, sleep, load, unload). Exceptions travel as values."""
+the caller, start or join a flight, fetch, sleep, load, unload). Exceptions travel as values. Frozen
+``msgspec.Struct``s, as in ``kvwire.core.io`` (cheaper to build than frozen dataclasses)."""
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+
+import msgspec
 
 from kvwire.core.types import PeerAddress, PeerRank
 from kvwire.errors import KvwireError
@@ -27,8 +29,7 @@ class FailureReason(enum.Enum):
 # --- inputs -------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Lookup:
+class Lookup(msgspec.Struct, frozen=True):
     """What the cache answers at once for ``addr`` in ``mode`` (a hit is counted). ``dial``: the caller
     will handshake on a miss, so an address not allowed is refused here."""
 
@@ -39,8 +40,7 @@ class Lookup:
     dial: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class Want:
+class Want(msgspec.Struct, frozen=True):
     """One round of a caller that needs ``addr`` loaded in ``mode``; ``joined``: it already waited on a
     handshake (not counted as deduplicated again)."""
 
@@ -51,8 +51,7 @@ class Want:
     joined: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class Answered:
+class Answered(msgspec.Struct, frozen=True):
     """The handshake a caller waited on loaded ``peer``: the peer's incarnation wins over the caller's."""
 
     mode: PeerMode
@@ -60,15 +59,13 @@ class Answered:
     peer: PeerRank
 
 
-@dataclass(frozen=True, slots=True)
-class Attempt:
+class Attempt(msgspec.Struct, frozen=True):
     """The flight of ``addr`` may try (again) now."""
 
     addr: PeerAddress
 
 
-@dataclass(frozen=True, slots=True)
-class FetchOk:
+class FetchOk(msgspec.Struct, frozen=True):
     """The peer at ``addr`` answered as ``engine_id``/``incarnation``."""
 
     addr: PeerAddress
@@ -76,8 +73,7 @@ class FetchOk:
     incarnation: str
 
 
-@dataclass(frozen=True, slots=True)
-class FetchErr:
+class FetchErr(msgspec.Struct, frozen=True):
     """One fetch attempt failed with ``error``; ``jitter`` in [0.5, 1] (the driver's randomness)."""
 
     addr: PeerAddress
@@ -85,54 +81,47 @@ class FetchErr:
     jitter: float = 1.0
 
 
-@dataclass(frozen=True, slots=True)
-class LoadOk:
+class LoadOk(msgspec.Struct, frozen=True):
     """The peer's agent is loaded and its layout checked: ``peer`` as the fetch measured it."""
 
     addr: PeerAddress
     peer: PeerRank
 
 
-@dataclass(frozen=True, slots=True)
-class Failed:
+class Failed(msgspec.Struct, frozen=True):
     """The flight of ``addr`` failed (or was cancelled) outside a fetch attempt."""
 
     addr: PeerAddress
     error: BaseException
 
 
-@dataclass(frozen=True, slots=True)
-class Forget:
+class Forget(msgspec.Struct, frozen=True):
     """The peer engine (only that life with ``incarnation``) is dead or gone."""
 
     engine_id: str
     incarnation: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class ForgetAgent:
+class ForgetAgent(msgspec.Struct, frozen=True):
     """The process of the remote agent ``agent_name`` is gone (a send found it disconnected)."""
 
     agent_name: str
 
 
-@dataclass(frozen=True, slots=True)
-class Touch:
+class Touch(msgspec.Struct, frozen=True):
     """The peer engine is in use."""
 
     engine_id: str
 
 
-@dataclass(frozen=True, slots=True)
-class Reap:
+class Reap(msgspec.Struct, frozen=True):
     """Peers ``in_use`` are live; unload the ones idle past ``ttl_s``."""
 
     in_use: frozenset[str]
     ttl_s: float
 
 
-@dataclass(frozen=True, slots=True)
-class Close:
+class Close(msgspec.Struct, frozen=True):
     """Unload everything (handshakes in flight were cancelled first)."""
 
 
@@ -155,36 +144,31 @@ HsInput = (
 # --- actions ------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Ready:
+class Ready(msgspec.Struct, frozen=True):
     """Answer the caller: ``peer``."""
 
     peer: PeerRank
 
 
-@dataclass(frozen=True, slots=True)
-class Refuse:
+class Refuse(msgspec.Struct, frozen=True):
     """Answer the caller with ``error`` (not allowed, circuit open, another engine, not loaded)."""
 
     error: KvwireError
 
 
-@dataclass(frozen=True, slots=True)
-class Start:
+class Start(msgspec.Struct, frozen=True):
     """Start the flight of ``addr`` (then feed ``Attempt``); the caller waits on it."""
 
     addr: PeerAddress
 
 
-@dataclass(frozen=True, slots=True)
-class Join:
+class Join(msgspec.Struct, frozen=True):
     """The caller waits on the flight of ``addr`` already running."""
 
     addr: PeerAddress
 
 
-@dataclass(frozen=True, slots=True)
-class Fetch:
+class Fetch(msgspec.Struct, frozen=True):
     """One attempt at ``addr``'s metadata within ``timeout_s`` (``samples`` clock samples)."""
 
     addr: PeerAddress
@@ -194,16 +178,14 @@ class Fetch:
     attempt: int
 
 
-@dataclass(frozen=True, slots=True)
-class Sleep:
+class Sleep(msgspec.Struct, frozen=True):
     """Wait ``seconds``, then feed ``Attempt``."""
 
     addr: PeerAddress
     seconds: float
 
 
-@dataclass(frozen=True, slots=True)
-class Load:
+class Load(msgspec.Struct, frozen=True):
     """Load the fetched agent within ``timeout_s``; check its layout unless ``mode`` is NOTIF_ONLY."""
 
     addr: PeerAddress
@@ -211,15 +193,13 @@ class Load:
     timeout_s: float
 
 
-@dataclass(frozen=True, slots=True)
-class Unload:
+class Unload(msgspec.Struct, frozen=True):
     """Remove the remote agent ``agent_name`` from the local agent."""
 
     agent_name: str
 
 
-@dataclass(frozen=True, slots=True)
-class Loaded:
+class Loaded(msgspec.Struct, frozen=True):
     """The flight ended: ``peer`` is cached (``upgrade``: NOTIF_ONLY -> FULL)."""
 
     addr: PeerAddress
@@ -227,8 +207,7 @@ class Loaded:
     upgrade: bool
 
 
-@dataclass(frozen=True, slots=True)
-class Fail:
+class Fail(msgspec.Struct, frozen=True):
     """The flight ended with ``error`` (``reason``: counted as such; None: cancelled or not ours)."""
 
     addr: PeerAddress
@@ -237,15 +216,13 @@ class Fail:
     reason: FailureReason | None
 
 
-@dataclass(frozen=True, slots=True)
-class Reaped:
+class Reaped(msgspec.Struct, frozen=True):
     """``engine_id`` was idle past the TTL and is unloaded."""
 
     engine_id: str
 
 
-@dataclass(frozen=True, slots=True)
-class Forgot:
+class Forgot(msgspec.Struct, frozen=True):
     """``ForgetAgent`` found the agent's engine life and forgot it (tell the other ranks)."""
 
     engine_id: str

@@ -12,13 +12,17 @@ simulator) executes the actions in order. The contract a driver keeps:
   the transfer) unless the core released it first (``Release``); after ``Release`` none comes.
 * ``StartHandshake`` ends with exactly one ``HandshakeDone`` (success or error), never re-entrantly.
 * ``Tick`` is due at ``core.wake_at()`` at the latest; earlier ticks are harmless.
+
+Inputs and actions are frozen ``msgspec.Struct``s, not frozen dataclasses: a request makes about 30 of
+them, and a frozen dataclass's ``__init__`` sets each field through ``object.__setattr__`` (0.6 us for
+three fields against msgspec's 0.08). Copy one with ``msgspec.structs.replace``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 
 from kvwire.core.types import PeerRank
@@ -30,13 +34,11 @@ from kvwire.protocol.types import PeerMode
 # --- inputs -------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Tick:
+class Tick(msgspec.Struct, frozen=True):
     """Time passed: check fences, leases, liveness, heartbeats, tombstones (and, on P, pauses)."""
 
 
-@dataclass(frozen=True, slots=True)
-class NotifIn:
+class NotifIn(msgspec.Struct, frozen=True):
     """A raw notification the transport delivered to local rank ``key`` from agent ``sender``."""
 
     key: RankKey
@@ -44,8 +46,7 @@ class NotifIn:
     raw: bytes
 
 
-@dataclass(frozen=True, slots=True)
-class XferEnded:
+class XferEnded(msgspec.Struct, frozen=True):
     """A posted transfer is no longer in progress (``ok``: every byte landed)."""
 
     token: int
@@ -53,8 +54,7 @@ class XferEnded:
     detail: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class HandshakeDone:
+class HandshakeDone(msgspec.Struct, frozen=True):
     """A ``StartHandshake`` ended: ``peer`` on success, else ``error`` says why."""
 
     token: int
@@ -67,8 +67,7 @@ class HandshakeDone:
     nobody_listens: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class Outcome:
+class Outcome(msgspec.Struct, frozen=True):
     """Whether a tokened ``Send``/``Post*`` was accepted by the transport (see the module's contract)."""
 
     token: int
@@ -76,8 +75,7 @@ class Outcome:
     detail: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class Finished:
+class Finished(msgspec.Struct, frozen=True):
     """P: prefill of ``transfer_id`` is over; the connector holds ``block_ids`` (same on every rank)."""
 
     transfer_id: str
@@ -85,8 +83,7 @@ class Finished:
     num_tokens: int
 
 
-@dataclass(frozen=True, slots=True)
-class LayersReady:
+class LayersReady(msgspec.Struct, frozen=True):
     """P, layer-wise push: the KV of ``layers`` (the model's layer indices) is final in ``block_ids`` for
     ``num_tokens`` tokens (the prefill's last step computed them). The engine keeps the blocks until its
     ``Finished`` (then the connector holds them) or ``Abort``."""
@@ -97,8 +94,7 @@ class LayersReady:
     layers: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class StepEnded:
+class StepEnded(msgspec.Struct, frozen=True):
     """P, layer-wise push: the engine step that computed ``transfer_id``'s layers is over, so its blocks are
     protected again only by ``Finished``: no write of them starts before it (one still in flight now is
     released: the engine waited for them first, so that is a timeout)."""
@@ -106,15 +102,13 @@ class StepEnded:
     transfer_id: str
 
 
-@dataclass(frozen=True, slots=True)
-class Abort:
+class Abort(msgspec.Struct, frozen=True):
     """The engine drops the request."""
 
     transfer_id: str
 
 
-@dataclass(frozen=True, slots=True)
-class RemoteEngine:
+class RemoteEngine(msgspec.Struct, frozen=True):
     """The P engine of a request (the decode leg's ``kv_transfer_params``)."""
 
     engine_id: str
@@ -135,8 +129,7 @@ class RemoteEngine:
         return self.port + rank[0] * self.tp_size + rank[1] if self.rank_ports else self.port
 
 
-@dataclass(frozen=True, slots=True)
-class Allocated:
+class Allocated(msgspec.Struct, frozen=True):
     """D: the request's blocks are allocated (token order, prefix-hit blocks included)."""
 
     transfer_id: str
@@ -146,8 +139,7 @@ class Allocated:
     remote: RemoteEngine
 
 
-@dataclass(frozen=True, slots=True)
-class Digested:
+class Digested(msgspec.Struct, frozen=True):
     """The answer to a ``Digest``: the digest, or None when the memory cannot be read (device memory)."""
 
     token: int
@@ -171,8 +163,7 @@ Input = (
 # --- actions ------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Send:
+class Send(msgspec.Struct, frozen=True):
     """Send ``msg`` from local rank ``key`` to agent ``peer``; ``token`` != 0: feed back an ``Outcome``."""
 
     key: RankKey
@@ -181,8 +172,7 @@ class Send:
     token: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class PostWrite:
+class PostWrite(msgspec.Struct, frozen=True):
     """Post one WRITE of ``src`` (local) to ``dst`` (peer's) ``[n, 3]`` descriptor arrays; ``notif`` goes
     with its last byte (None: a layer-wise write that carries none). Feed back an ``Outcome``; later an
     ``XferEnded`` (unless released first)."""
@@ -197,8 +187,7 @@ class PostWrite:
     transfer_id: str = ""  # for logs and checks: whose blocks the bytes are for
 
 
-@dataclass(frozen=True, slots=True)
-class PostRead:
+class PostRead(msgspec.Struct, frozen=True):
     """Post one READ of the peer's ``src`` into local ``dst``; as ``PostWrite``, without a notification."""
 
     token: int
@@ -210,8 +199,7 @@ class PostRead:
     transfer_id: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class Digest:
+class Digest(msgspec.Struct, frozen=True):
     """Compute ``kv.digest.kv_digest`` of local rank ``key``'s cache over ``scope``; feed back ``Digested``
     (like an ``Outcome``: before any other input)."""
 
@@ -220,15 +208,13 @@ class Digest:
     scope: DigestScope
 
 
-@dataclass(frozen=True, slots=True)
-class Release:
+class Release(msgspec.Struct, frozen=True):
     """Release transfer ``token``'s handle (NIXL cancels it if still in progress); no ``XferEnded`` after."""
 
     token: int
 
 
-@dataclass(frozen=True, slots=True)
-class StartHandshake:
+class StartHandshake(msgspec.Struct, frozen=True):
     """Load the agent of ``(host, port)``'s rank ``remote`` on local rank ``key`` (``mode``); answer with
     ``HandshakeDone``. ``engine_id``/``incarnation``: refuse (or do not reuse) any other engine life."""
 
@@ -242,8 +228,7 @@ class StartHandshake:
     incarnation: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class ReportFailure:
+class ReportFailure(msgspec.Struct, frozen=True):
     """Tell the peer's side channel ``(host, port)`` (its rank ``remote``) that ``failed`` ended its
     registration, when no notification can: the handshake with it failed. Best effort, one attempt within
     the handshake timeout; nothing is fed back."""
@@ -256,30 +241,26 @@ class ReportFailure:
     remote_incarnation: str = ""  # the peer's life the registration came from (the report names it)
 
 
-@dataclass(frozen=True, slots=True)
-class ForgetPeer:
+class ForgetPeer(msgspec.Struct, frozen=True):
     """Unload a peer engine's agents from every local rank (only that life when ``incarnation``)."""
 
     engine_id: str
     incarnation: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Reap:
+class Reap(msgspec.Struct, frozen=True):
     """Peers ``in_use`` are live; unload the ones idle past ``engine_ttl_s``."""
 
     in_use: frozenset[str]
 
 
-@dataclass(frozen=True, slots=True)
-class TouchPeer:
+class TouchPeer(msgspec.Struct, frozen=True):
     """The peer engine spoke: it is not idle."""
 
     engine_id: str
 
 
-@dataclass(frozen=True, slots=True)
-class Emit:
+class Emit(msgspec.Struct, frozen=True):
     """Report ``event`` to the engine (``poll()``)."""
 
     event: object

@@ -7,8 +7,7 @@ runs each and asserts the invariant it breaks is reported (and that the real cor
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import msgspec
 
@@ -57,7 +56,9 @@ class AcceptStaleIncarnation(PushProducerCore):
 
     def handle(self, now: float, inp: Input) -> list[Action]:
         out = super().handle(now, inp)
-        return [replace(a, incarnation=None) if isinstance(a, StartHandshake) else a for a in out]
+        return [
+            msgspec.structs.replace(a, incarnation=None) if isinstance(a, StartHandshake) else a for a in out
+        ]
 
     def _on_d_handshake(self, now: float, req: Request, reg: Reg, inp: HandshakeDone) -> None:
         if inp.peer is not None:
@@ -89,7 +90,7 @@ class ReadAnyLife(PullConsumerCore):
 
     def _on_input(self, now: float, inp: Input) -> None:
         if isinstance(inp, Allocated):
-            inp = dataclasses.replace(inp, remote=dataclasses.replace(inp.remote, incarnation=None))
+            inp = msgspec.structs.replace(inp, remote=msgspec.structs.replace(inp.remote, incarnation=None))
         super()._on_input(now, inp)
 
 
