@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,23 @@ def test_fault_free_run_delivers_every_request() -> None:
     assert report.outcomes == {"p_sent": 1000, "d_ready": 1000}
 
 
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_metering_the_cores_changes_nothing_and_counts_part_of_the_run(mode: str) -> None:
+    plain = simulate(600, 5, mode=TransferMode(mode))
+    metered = simulate(600, 5, mode=TransferMode(mode), meter_cores=True)
+    assert (metered.violations, metered.outcomes, metered.faults, metered.simulated_seconds) == (
+        plain.violations,
+        plain.outcomes,
+        plain.faults,
+        plain.simulated_seconds,
+    )
+    assert plain.core_cpu_seconds is None and "core_cpu_seconds" not in plain.as_json()
+    assert metered.core_cpu_seconds is not None
+    # The cores ran (connector and handshake cores both wrapped), and they are not the whole run.
+    assert 0.0 < metered.core_cpu_seconds < metered.cpu_seconds
+    assert metered.as_json()["core_us_per_request"] == round(metered.core_cpu_seconds / 600 * 1e6, 1)
+
+
 @pytest.mark.parametrize("name", sorted(PLANTS))
 def test_each_planted_bug_is_caught(name: str) -> None:
     planted = PLANTS[name]
@@ -86,6 +104,18 @@ def test_cli_writes_the_report(tmp_path: Path) -> None:
     assert 0 < report["cpu_seconds"] <= report["wall_seconds"] * 1.05 + 0.01
     assert report["requests_per_cpu_second"] == pytest.approx(300 / report["cpu_seconds"], rel=0.01)
     assert "requests/s" in done.stdout and "requests per CPU second" in done.stdout
+
+
+def test_cli_meters_the_cores_on_request(tmp_path: Path) -> None:
+    out = tmp_path / "sim.json"
+    cmd = [sys.executable, "-m", "kvwire.cli", "sim", "--requests", "200", "--seed", "2", "--meter-cores"]
+    done = subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert 0 < report["core_cpu_seconds"] < report["cpu_seconds"]
+    printed = re.search(r"^cores: .* (\d+) us per request", done.stdout, re.M)
+    assert printed is not None, done.stdout
+    assert float(printed.group(1)) == pytest.approx(report["core_us_per_request"], abs=1.0)
 
 
 def test_cli_fails_and_prints_the_replay_line_on_a_planted_bug() -> None:

@@ -21,6 +21,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--plant", default=None, help="run with a planted bug (see kvwire.testing.sim.plants)"
     )
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
+    parser.add_argument(
+        "--meter-cores",
+        action="store_true",
+        help="also time the cores' handle (their share of the CPU; the run gets a little slower)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,13 +43,22 @@ def run(args: argparse.Namespace) -> int:
             return 2
         planted = PLANTS[args.plant]
         plant, faults, mode = planted.plant, planted.faults, planted.mode  # a plant runs in its own mode
-    report = simulate(args.requests, args.seed, faults=faults, mode=mode, plant=plant)
+    report = simulate(
+        args.requests, args.seed, faults=faults, mode=mode, plant=plant, meter_cores=args.meter_cores
+    )
     print(
         f"{args.requests} requests, seed {args.seed}, {mode.value}: {len(report.violations)} violations; "
         f"{report.simulated_seconds:.1f} s simulated in {report.wall_seconds:.1f} s "
         f"({report.requests_per_second:.0f} requests/s; {report.cpu_seconds:.1f} s CPU, "
         f"{report.requests_per_cpu_second:.0f} requests per CPU second)"
     )
+    if report.core_cpu_seconds is not None and report.core_us_per_request is not None:
+        share = report.core_cpu_seconds / report.cpu_seconds if report.cpu_seconds > 0 else 0.0
+        print(
+            f"cores: {report.core_cpu_seconds:.2f} s CPU inside handle, "
+            f"{report.core_us_per_request:.0f} us per request ({share:.0%} of the run; the rest is the "
+            "simulator's network, memory and checks)"
+        )
     print("faults:", ", ".join(f"{k} {v}" for k, v in sorted(report.faults.items())) or "none")
     print("outcomes:", ", ".join(f"{k} {v}" for k, v in sorted(report.outcomes.items())))
     for v in report.violations[:20]:

@@ -44,7 +44,7 @@ from kvwire.protocol.codec import encode_notif
 from kvwire.protocol.messages import CancelAck, Done, Failed, TransferMode
 from kvwire.protocol.ranks import RankKey
 from kvwire.testing.sim.handshakes import SimHandshakes
-from kvwire.testing.sim.net import Region, World
+from kvwire.testing.sim.net import Region, World, metered
 from kvwire.transport.base import make_agent_name
 
 CoreFactory = Callable[[EngineInfo, dict[RankKey, RankLayout], int, ConnectorConfig, str], CoreBase]
@@ -120,6 +120,8 @@ class SimEngine:
         }
         self.core = self._make_core(self.info, self.layouts, self.num_blocks, self.config, "sim")
         self.core.port = self.port
+        if w.meter_cores:  # an instance attribute shadows the method, for this life's core only
+            setattr(self.core, "handle", metered(w, self.core.handle))  # noqa: B010 (mypy: method assign)
         # P in push mode: it ends each registration with one notification (the one-ending check).
         self.is_producer = self.mode is TransferMode.PUSH and isinstance(self.core, ProducerCore)
         w.addresses[("sim", self.port)] = self

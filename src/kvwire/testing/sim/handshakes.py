@@ -44,6 +44,7 @@ from kvwire.core.types import PeerAddress, PeerRank
 from kvwire.errors import HandshakeError, HandshakeTimeout, NobodyListens, NoSuchRank, PeerUnreachable
 from kvwire.protocol.ranks import RankKey
 from kvwire.protocol.types import PeerMode
+from kvwire.testing.sim.net import metered
 
 if TYPE_CHECKING:
     from kvwire.testing.sim.engines import SimEngine
@@ -64,6 +65,9 @@ class SimHandshakes:
             )
             for key in engine.caches
         }
+        if engine.world.meter_cores:
+            for core in self.cores.values():
+                setattr(core, "handle", metered(engine.world, core.handle))  # noqa: B010 (as in engines.py)
         self._waiters: dict[_Flight, list[tuple[StartHandshake, int]]] = {}
         self._fetched: dict[_Flight, tuple[SimEngine, int]] = {}
 

@@ -12,15 +12,19 @@ import bisect
 import ctypes
 import heapq
 import random
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
 if TYPE_CHECKING:
     from kvwire.testing.sim.engines import SimEngine
+
+In = TypeVar("In")
+Out = TypeVar("Out")
 
 
 @dataclass
@@ -132,6 +136,10 @@ class World:
         self.partitions: dict[frozenset[str], float] = {}  # engine ids -> healed at
         self.violations: list[str] = []
         self.fault_counts: Counter[str] = Counter()
+        # With ``meter_cores``, the CPU time spent inside the cores' ``handle`` (connector and handshake
+        # cores): the cores' share of a run, apart from the simulator's own network, memory and checks.
+        self.meter_cores = False
+        self.core_cpu_s = 0.0
         # (P agent, D agent, transfer id) of every registration P ended by notification (push mode).
         self.ended: set[tuple[str, str, str]] = set()
 
@@ -206,3 +214,17 @@ class World:
             src[:, 0].tolist(), src[:, 1].tolist(), dst[:, 0].tolist(), strict=True
         ):
             move(d_addr, s_addr, length)
+
+
+def metered(world: World, handle: Callable[[float, In], list[Out]]) -> Callable[[float, In], list[Out]]:
+    """``handle`` adding its thread CPU time to ``world.core_cpu_s`` (``handle`` returns its actions before
+    any runs, so the time is the core's alone)."""
+
+    def timed(now: float, inp: In) -> list[Out]:
+        t0 = time.thread_time()
+        try:
+            return handle(now, inp)
+        finally:
+            world.core_cpu_s += time.thread_time() - t0
+
+    return timed
