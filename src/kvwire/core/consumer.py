@@ -230,7 +230,7 @@ class ConsumerCore(CoreBase):
         if life is None:
             return
         if inp.nobody_listens or (inp.peer is not None and inp.peer.incarnation != incarnation):
-            self._lives.gone(life)
+            self._lives.gone(life, self._now)
 
     def _on_p_handshake(
         self, now: float, req: Request, part: LocalPart, link: Link, inp: HandshakeDone
@@ -268,7 +268,7 @@ class ConsumerCore(CoreBase):
             life.last_seen = max(life.last_seen, now)
         for (engine_id, incarnation), other in self._life.items():
             if engine_id == peer.engine_id and incarnation != peer.incarnation:
-                self._lives.gone(other)  # a newer life answers at that address: the older process is over
+                self._lives.gone(other, now)  # a newer life answers at that address: the older one is over
         self._start(now, req, part, link, peer)
 
     def _start(self, now: float, req: Request, part: LocalPart, link: Link, peer: PeerRank) -> None:
@@ -552,31 +552,35 @@ class PushConsumerCore(ConsumerCore):
         dead_at = link.dead_at
         if dead_at is None or not part.machine.accepts(CT.RANK_DEAD):
             return changed
-        if self._unquarantined(now, life, dead_at):
-            part.machine.rank_ended(link.src, RankEnd.DEAD)
-            return True
-        grace_end = dead_at + cfg.dead_peer_grace_s
-        wake = grace_end if now < grace_end else dead_at + cfg.dead_peer_grace_s + cfg.dead_quarantine_s
-        self._lives.verdict_waits(wake)
-        return changed
+        release_at = self._release_at(life, dead_at)
+        if now < release_at:
+            self._lives.verdict_waits(release_at)
+            return changed
+        self._unquarantine(now, life, dead_at)
+        part.machine.rank_ended(link.src, RankEnd.DEAD)
+        return True
 
-    def _unquarantined(self, now: float, life: PeerLife, dead_at: float) -> bool:
-        """Whether blocks a dead P life may still write can go back: after the grace, once the life is
-        confirmed (it spoke again, or a newer life answered), or at the quarantine bound (counted)."""
-        cfg = self.config
-        if now < dead_at + cfg.dead_peer_grace_s:
-            return False
-        if life.gone or life.last_msg > dead_at:
-            return True
-        if now < dead_at + cfg.dead_peer_grace_s + cfg.dead_quarantine_s:
-            return False
+    def _release_at(self, life: PeerLife, dead_at: float) -> float:
+        """When blocks a dead P life may still write can go back: the grace after the verdict and after
+        the life's confirmation (it spoke again, or a newer life answered), or at the quarantine bound.
+        The grace runs again from the confirmation because a word proves the writes recalled, not their
+        bytes landed: after a partition heals, the word comes over a new connection while the old one
+        still drains what the kernels held (a netns run saw 114 KB land after RELEASED without this)."""
+        grace, confirmed = self.config.dead_peer_grace_s, life.confirmed_at
+        if confirmed is not None:
+            return max(dead_at, confirmed) + grace
+        return dead_at + grace + self.config.dead_quarantine_s
+
+    def _unquarantine(self, now: float, life: PeerLife, dead_at: float) -> None:
+        """Count and log a release at the quarantine bound (the life was never confirmed)."""
+        if life.confirmed_at is not None:
+            return
         self.stats.quarantine_expired += 1
         self._log_warning(
             "P life %s unconfirmed %.0f s after it was declared dead: releasing its blocks",
             next((f"{e}/{i}" for (e, i), v in self._life.items() if v is life), "?"),
             now - dead_at,
         )
-        return True
 
     def quarantined(self) -> int:
         """Requests whose blocks wait on a dead P life's confirmation (for /health and metrics)."""

@@ -52,11 +52,16 @@ class Lives:
         """A notification from ``life``: a sign of life, and maybe the proof that it recalled its writes."""
         life.last_seen = max(life.last_seen, now)
         life.last_msg = now
-        self._verdicts_dirty |= life.verdicts
+        self._confirm(life, now)
 
-    def gone(self, life: PeerLife) -> None:
+    def gone(self, life: PeerLife, now: float) -> None:
         """A newer life (or nobody) answers at its address: the process is over."""
         life.gone = True
+        self._confirm(life, now)
+
+    def _confirm(self, life: PeerLife, now: float) -> None:
+        if life.last_death is not None and life.confirmed_at is None:
+            life.confirmed_at = now
         self._verdicts_dirty |= life.verdicts
 
     def registered(self, peer: PeerRank, now: float) -> None:
@@ -69,7 +74,8 @@ class Lives:
             self._unswept.add(life_key(peer))  # registered with a life already dead: the next pass ends it
 
     def declared_dead(self, peer: PeerRank, life: PeerLife, now: float) -> None:
-        life.dead_at = now
+        life.dead_at = life.last_death = now
+        life.confirmed_at = now if life.gone else None  # a new verdict waits for a new word
         self._unswept.add(life_key(peer))  # links the declaring pass visited before: the next pass
 
     def give_verdict(self, link: Link, life: PeerLife) -> None:

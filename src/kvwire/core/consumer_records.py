@@ -83,6 +83,11 @@ class PeerLife:
     # writes (a thawed P recalls before it sends anything), so that link's blocks leave quarantine.
     last_msg: float = -math.inf
     gone: bool = False  # a newer life of the engine answered: this process is over
+    # The last death verdict (``dead_at`` goes back to None when a fresh handshake revives the life; the
+    # links that got the verdict keep it) and the first word after it (a message, or a newer life
+    # answering): the writes are recalled from then, but bytes the kernels held may drain for a grace.
+    last_death: float | None = None
+    confirmed_at: float | None = None
     # No registration with this life that may still be written is older (a lower bound: links that ended
     # leave it low until the next liveness pass that visits the life recomputes it).
     oldest_reg: float = math.inf

@@ -80,8 +80,8 @@ class ReuseAfterGraceOnly(PushConsumerCore):
     """D reuses a dead P life's blocks once the grace passed, unconfirmed (what kvwire did before: a P
     frozen past D's verdict landed part of a write as it recalled it after the thaw)."""
 
-    def _unquarantined(self, now: float, life: PeerLife, dead_at: float) -> bool:
-        return now >= dead_at + self.config.dead_peer_grace_s
+    def _release_at(self, life: PeerLife, dead_at: float) -> float:
+        return dead_at + self.config.dead_peer_grace_s
 
 
 class ReadAnyLife(PullConsumerCore):
