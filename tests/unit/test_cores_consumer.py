@@ -156,6 +156,32 @@ def test_d_forgets_a_dead_lifes_liveness_once_no_request_waits_on_it() -> None:
     assert t.core.watched_peers() == []
 
 
+def test_a_second_verdict_keeps_the_first_verdicts_confirmation() -> None:
+    # A grace longer than the liveness timeout: the life is revived, confirmed, then declared dead again
+    # while req-1 still waits out the grace from the word that confirmed its own verdict.
+    t = D(dataclasses.replace(CFG, dead_peer_grace_s=7.0))
+    t.start(0.0)
+    declared_dead(t)  # verdict 1 at 5.125
+    hs = one(t.h.at(5.25, t.allocated("req-2")), StartHandshake)
+    t.h.done(5.25, hs.token, t.p.peer_rank(mode=PeerMode.NOTIF_ONLY))  # revived by a fresh handshake
+    t.from_p(5.5, t.heartbeat())  # the word after verdict 1: req-1 may go at 12.5
+    before = events(t.h.ticks(12.5 - 2**-5, 0.0625))
+    assert ev(FAILED, FailReason.PEER_DEAD, tid="req-2") in before  # verdict 2: silent since 5.5
+    assert ev(RELEASED, FailReason.PEER_DEAD) not in before
+    assert ev(RELEASED, FailReason.PEER_DEAD) in events(t.h.tick(12.5))
+    assert t.core.stats.quarantine_expired == 0  # confirmed, not released at the bound
+
+
+def test_a_late_confirmation_does_not_hold_blocks_past_the_quarantine_bound() -> None:
+    t = D(dataclasses.replace(CFG, dead_quarantine_s=4.0))
+    t.start(0.0)
+    declared_dead(t)  # verdict at 5.125: the bound is 5.125 + 1 + 4
+    t.from_p(10.0, t.heartbeat())  # a word 0.125 s before the bound; a grace after it would be 11.0
+    assert events(t.h.ticks(10.125 - 2**-5, 0.0625)) == []
+    assert events(t.h.tick(10.125)) == [ev(RELEASED, FailReason.PEER_DEAD)]
+    assert t.core.stats.quarantine_expired == 0
+
+
 def test_a_p_declared_dead_then_heard_again_serves_the_next_request() -> None:
     # A healed partition: same life, declared dead meanwhile. The next request must not inherit the verdict.
     t = D()

@@ -67,7 +67,7 @@ def test_metering_the_cores_changes_nothing_and_counts_part_of_the_run(mode: str
     )
     assert plain.core_cpu_seconds is None and "core_cpu_seconds" not in plain.as_json()
     assert metered.core_cpu_seconds is not None
-    # The cores ran (connector and handshake cores both wrapped), and they are not the whole run.
+    # The cores ran, and they are not the whole run.
     assert 0.0 < metered.core_cpu_seconds < metered.cpu_seconds
     assert metered.as_json()["core_us_per_request"] == round(metered.core_cpu_seconds / 600 * 1e6, 1)
 

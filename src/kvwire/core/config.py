@@ -32,8 +32,9 @@ class ConnectorConfig:
     heartbeat_interval_s: float = 1.0
     # A peer silent this long (no notification of any kind) while we hold transfers with it is dead.
     liveness_timeout_s: float = 5.0
-    # After a peer is declared dead, D waits this long before reusing blocks registered to it: a frozen
-    # peer that resumes could still finish a write it had posted.
+    # After a peer is declared dead, and again after the word that confirms a dead P life, D waits this
+    # long before reusing blocks registered to it: a frozen peer that resumes could still finish a write it
+    # had posted, and after a healed partition the old connection still drains what the kernels held.
     dead_peer_grace_s: float = 1.0
     # After the grace, D still keeps a dead P life's target blocks quarantined until that life is confirmed
     # (it spoke again, which it does only after recalling its writes, or a newer life of the engine

@@ -562,18 +562,21 @@ class PushConsumerCore(ConsumerCore):
 
     def _release_at(self, life: PeerLife, dead_at: float) -> float:
         """When blocks a dead P life may still write can go back: the grace after the verdict and after
-        the life's confirmation (it spoke again, or a newer life answered), or at the quarantine bound.
-        The grace runs again from the confirmation because a word proves the writes recalled, not their
-        bytes landed: after a partition heals, the word comes over a new connection while the old one
-        still drains what the kernels held (a netns run saw 114 KB land after RELEASED without this)."""
-        grace, confirmed = self.config.dead_peer_grace_s, life.confirmed_at
+        the life's confirmation (it spoke again, or a newer life answered), and never later than the
+        quarantine bound. A word is taken as the sign that the writes are recalled (a thawed P recalls
+        before it speaks), not that their bytes have landed: after a partition heals, the word comes over
+        a new connection while the old one still drains what the kernels held (a netns run saw 114 KB land
+        after RELEASED when the grace ran from the verdict only)."""
+        cfg = self.config
+        bound = dead_at + cfg.dead_peer_grace_s + cfg.dead_quarantine_s  # at most, confirmed or not
+        confirmed = life.confirmed.get(dead_at)
         if confirmed is not None:
-            return max(dead_at, confirmed) + grace
-        return dead_at + grace + self.config.dead_quarantine_s
+            return min(max(dead_at, confirmed) + cfg.dead_peer_grace_s, bound)
+        return bound
 
     def _unquarantine(self, now: float, life: PeerLife, dead_at: float) -> None:
         """Count and log a release at the quarantine bound (the life was never confirmed)."""
-        if life.confirmed_at is not None:
+        if life.confirmed.get(dead_at) is not None:
             return
         self.stats.quarantine_expired += 1
         self._log_warning(

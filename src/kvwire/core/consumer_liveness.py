@@ -24,6 +24,7 @@ from kvwire.core.consumer_records import Link, LocalPart, PeerLife, Request
 from kvwire.core.types import PeerRank
 
 LifeKey = tuple[str, str]  # (engine_id, incarnation) of a P engine
+_VERDICTS_KEPT = 8  # per life: the verdicts whose confirmation is remembered (PeerLife.confirmed)
 
 
 def life_key(peer: PeerRank) -> LifeKey:
@@ -60,8 +61,9 @@ class Lives:
         self._confirm(life, now)
 
     def _confirm(self, life: PeerLife, now: float) -> None:
-        if life.last_death is not None and life.confirmed_at is None:
-            life.confirmed_at = now
+        for verdict, word in life.confirmed.items():
+            if word is None:
+                life.confirmed[verdict] = now
         self._verdicts_dirty |= life.verdicts
 
     def registered(self, peer: PeerRank, now: float) -> None:
@@ -74,8 +76,10 @@ class Lives:
             self._unswept.add(life_key(peer))  # registered with a life already dead: the next pass ends it
 
     def declared_dead(self, peer: PeerRank, life: PeerLife, now: float) -> None:
-        life.dead_at = life.last_death = now
-        life.confirmed_at = now if life.gone else None  # a new verdict waits for a new word
+        life.dead_at = now
+        life.confirmed[now] = now if life.gone else None  # a new verdict waits for a new word
+        if len(life.confirmed) > _VERDICTS_KEPT:  # a flapping life: its oldest verdict ends at the bound
+            del life.confirmed[next(iter(life.confirmed))]
         self._unswept.add(life_key(peer))  # links the declaring pass visited before: the next pass
 
     def give_verdict(self, link: Link, life: PeerLife) -> None:

@@ -83,11 +83,11 @@ class PeerLife:
     # writes (a thawed P recalls before it sends anything), so that link's blocks leave quarantine.
     last_msg: float = -math.inf
     gone: bool = False  # a newer life of the engine answered: this process is over
-    # The last death verdict (``dead_at`` goes back to None when a fresh handshake revives the life; the
-    # links that got the verdict keep it) and the first word after it (a message, or a newer life
-    # answering): the writes are recalled from then, but bytes the kernels held may drain for a grace.
-    last_death: float | None = None
-    confirmed_at: float | None = None
+    # Each death verdict's time (``dead_at`` goes back to None when a fresh handshake revives the life; the
+    # links that got a verdict keep its time) -> the first word after it (a message, or a newer life
+    # answering; None until then). The word is the sign the writes are recalled, but bytes the kernels
+    # held may drain for a grace after it. A few entries: one per verdict, dropped past the quarantine.
+    confirmed: dict[float, float | None] = field(default_factory=dict)
     # No registration with this life that may still be written is older (a lower bound: links that ended
     # leave it low until the next liveness pass that visits the life recomputes it).
     oldest_reg: float = math.inf
