@@ -142,19 +142,35 @@ def test_retries_back_off_within_the_deadline_then_fail_and_trip_the_breaker() -
     now, pauses = 0.0, []
     for _ in range(3):
         fetch = _one(core.handle(now, Attempt(ADDR)))
-        assert isinstance(fetch, Fetch) and fetch.timeout_s == pytest.approx(1.0 - now)
+        # Half the time left while another attempt may follow (a hung connection costs half the budget).
+        assert isinstance(fetch, Fetch) and fetch.timeout_s == pytest.approx((1.0 - now) / 2)
         sleep = _one(core.handle(now, FetchErr(ADDR, PeerUnreachable("reset"), jitter=1.0)))
         assert isinstance(sleep, Sleep)
         pauses.append(sleep.seconds)
         now += sleep.seconds
     assert pauses == pytest.approx([0.1, 0.2, 0.4]) and core.stats.retries == 3
-    core.handle(now, Attempt(ADDR))
+    last = _one(core.handle(now, Attempt(ADDR)))
+    assert isinstance(last, Fetch) and last.timeout_s == pytest.approx(
+        1.0 - now
+    )  # the last: all that is left
     fail = _one(core.handle(now, FetchErr(ADDR, PeerUnreachable("reset"))))  # the last attempt
     assert isinstance(fail, Fail) and isinstance(fail.error, PeerUnreachable)
     assert core.state(ADDR) is HandshakeState.FAILED and not core.flights
     refused = _one(core.handle(now + 0.5, Want(ADDR, NOTIF)))  # the breaker holds the address
     assert isinstance(refused, Refuse) and isinstance(refused.error, CircuitOpen)
     assert isinstance(_one(core.handle(now + 1.01, Want(ADDR, NOTIF))), Start)  # the window passed
+
+
+def test_an_unanswered_attempt_is_retried_on_a_new_connection_within_the_deadline() -> None:
+    core = HandshakeCore(timeout_s=2.0, retries=3, backoff_s=0.1)
+    core.handle(0.0, Want(ADDR, NOTIF))
+    first = _one(core.handle(0.0, Attempt(ADDR)))
+    assert isinstance(first, Fetch) and first.timeout_s == pytest.approx(1.0)
+    sleep = _one(core.handle(1.0, FetchErr(ADDR, HandshakeTimeout("no answer"), jitter=1.0)))
+    assert isinstance(sleep, Sleep) and core.stats.retries == 1  # not a failure yet
+    second = _one(core.handle(1.0 + sleep.seconds, Attempt(ADDR)))
+    assert isinstance(second, Fetch) and second.attempt == first.attempt + 1
+    assert core.state(ADDR) is HandshakeState.FETCHING
 
 
 def test_no_retry_past_the_deadline_and_a_late_attempt_times_out() -> None:

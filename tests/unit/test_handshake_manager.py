@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -224,9 +225,13 @@ def test_timeout_against_a_listener_that_never_answers() -> None:
         d_info, d_ranks = build_registered_engine("D", SPEC, 16, fabric.create_agent)
         mgr = HandshakeManager(d_info, d_ranks[0], timeout_s=0.3, retries=3)
         async with SilentListener() as silent:
+            started = time.monotonic()
             with pytest.raises(HandshakeTimeout):
                 await mgr.ensure(HOST, silent.port, 0, 0, PeerMode.NOTIF_ONLY)
-            assert silent.accepted == 1  # a hung peer is not retried past the deadline
+            took = time.monotonic() - started
+            # A hung connection gets another within the deadline (the first had half the budget), and the
+            # whole handshake still ends at the deadline.
+            assert silent.accepted >= 2 and took < 0.3 + 0.2
         assert mgr.stats.failures[FailureReason.TIMEOUT] == 1 and mgr.peers() == []
         await mgr.close()
 

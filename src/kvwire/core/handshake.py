@@ -315,12 +315,17 @@ class HandshakeCore:
             self._fail(now, addr, HandshakeTimeout(f"{addr}: no answer within {self.timeout_s:.3g} s"))
             return
         samples = 1 if f.upgrade else self.clock_samples
-        self._out.append(Fetch(addr, f.mode is PeerMode.NOTIF_ONLY, samples, left, f.attempt))
+        # An attempt that another may follow gets half the time left: one connection that hangs (accepted,
+        # never answered: a loaded CI host lost a whole 20 s budget so, where a second connection answered
+        # in 31 ms) then costs half the budget, not all of it.
+        budget = left / 2 if f.attempt < self.retries else left
+        self._out.append(Fetch(addr, f.mode is PeerMode.NOTIF_ONLY, samples, budget, f.attempt))
 
     def _fetch_failed(self, now: float, addr: PeerAddress, error: BaseException, jitter: float) -> None:
-        """Connection failures back off and retry while attempts and time are left."""
+        """Connection failures and unanswered attempts back off and retry while attempts and time are
+        left (a peer that never answers still fails at the deadline, once)."""
         f = self.flights[addr]
-        if isinstance(error, PeerUnreachable):
+        if isinstance(error, PeerUnreachable | HandshakeTimeout):
             pause = min(self.backoff_s * 2**f.attempt, MAX_BACKOFF_S) * jitter
             if f.attempt < self.retries and now + pause < f.deadline:
                 self.stats.retries += 1
