@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from kvwire.core.base import CoreBase, DropReason
-from kvwire.core.consumer_liveness import Lives, quarantined
+from kvwire.core.consumer_liveness import Lives, quarantined, release_at
 from kvwire.core.consumer_records import Link, LocalPart, PeerLife, Request, UsedIds, sampled, wrong_peer
 from kvwire.core.events import ConsumerEvent, ConsumerEventKind
 from kvwire.core.io import (
@@ -552,32 +552,21 @@ class PushConsumerCore(ConsumerCore):
         dead_at = link.dead_at
         if dead_at is None or not part.machine.accepts(CT.RANK_DEAD):
             return changed
-        release_at = self._release_at(life, dead_at)
-        if now < release_at:
-            self._lives.verdict_waits(release_at)
+        until = self._release_at(life, dead_at)
+        if now < until:
+            self._lives.verdict_waits(until)
             return changed
-        self._unquarantine(now, life, dead_at)
+        if life.confirmed.get(dead_at) is None:
+            self._quarantine_expired(now, life, dead_at)
         part.machine.rank_ended(link.src, RankEnd.DEAD)
         return True
 
     def _release_at(self, life: PeerLife, dead_at: float) -> float:
-        """When blocks a dead P life may still write can go back: the grace after the verdict and after
-        the life's confirmation (it spoke again, or a newer life answered), and never later than the
-        quarantine bound. A word is taken as the sign that the writes are recalled (a thawed P recalls
-        before it speaks), not that their bytes have landed: after a partition heals, the word comes over
-        a new connection while the old one still drains what the kernels held (a netns run saw 114 KB land
-        after RELEASED when the grace ran from the verdict only)."""
-        cfg = self.config
-        bound = dead_at + cfg.dead_peer_grace_s + cfg.dead_quarantine_s  # at most, confirmed or not
-        confirmed = life.confirmed.get(dead_at)
-        if confirmed is not None:
-            return min(max(dead_at, confirmed) + cfg.dead_peer_grace_s, bound)
-        return bound
+        """``release_at`` under this core's limits (a method: a simulator plant overrides it)."""
+        return release_at(life, dead_at, self.config.dead_peer_grace_s, self.config.dead_quarantine_s)
 
-    def _unquarantine(self, now: float, life: PeerLife, dead_at: float) -> None:
+    def _quarantine_expired(self, now: float, life: PeerLife, dead_at: float) -> None:
         """Count and log a release at the quarantine bound (the life was never confirmed)."""
-        if life.confirmed.get(dead_at) is not None:
-            return
         self.stats.quarantine_expired += 1
         self._log_warning(
             "P life %s unconfirmed %.0f s after it was declared dead: releasing its blocks",

@@ -27,6 +27,20 @@ LifeKey = tuple[str, str]  # (engine_id, incarnation) of a P engine
 _VERDICTS_KEPT = 8  # per life: the verdicts whose confirmation is remembered (PeerLife.confirmed)
 
 
+def release_at(life: PeerLife, dead_at: float, grace_s: float, quarantine_s: float) -> float:
+    """When blocks a dead P life may still write can go back: the grace after the verdict (at ``dead_at``)
+    and after the life's confirmation (it spoke again, or a newer life answered), and never later than the
+    quarantine bound. A word is taken as the sign that the writes are recalled (a thawed P recalls before
+    it speaks), not that their bytes have landed: after a partition heals, the word comes over a new
+    connection while the old one still drains what the kernels held (a netns run saw 114 KB land after
+    RELEASED when the grace ran from the verdict only)."""
+    bound = dead_at + grace_s + quarantine_s  # at most, confirmed or not
+    confirmed = life.confirmed.get(dead_at)
+    if confirmed is not None:
+        return min(max(dead_at, confirmed) + grace_s, bound)
+    return bound
+
+
 def life_key(peer: PeerRank) -> LifeKey:
     return (peer.engine_id, peer.incarnation)
 
@@ -52,7 +66,6 @@ class Lives:
     def heard(self, life: PeerLife, now: float) -> None:
         """A notification from ``life``: a sign of life, and maybe the proof that it recalled its writes."""
         life.last_seen = max(life.last_seen, now)
-        life.last_msg = now
         self._confirm(life, now)
 
     def gone(self, life: PeerLife, now: float) -> None:

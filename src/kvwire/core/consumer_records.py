@@ -79,9 +79,6 @@ def wrong_peer(peer: PeerRank, remote: RemoteEngine) -> tuple[FailReason, str] |
 class PeerLife:
     last_seen: float  # any sign of life: a notification or a handshake answer
     dead_at: float | None = None
-    # The last notification from this life: one after a link's verdict confirms the life recalled its
-    # writes (a thawed P recalls before it sends anything), so that link's blocks leave quarantine.
-    last_msg: float = -math.inf
     gone: bool = False  # a newer life of the engine answered: this process is over
     # Each death verdict's time (``dead_at`` goes back to None when a fresh handshake revives the life; the
     # links that got a verdict keep its time) -> the first word after it (a message, or a newer life
