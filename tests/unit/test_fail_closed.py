@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from kvwire.core.base import DropReason, Refused
+from kvwire.core.consumer_liveness import NOTHING_POSTED
 from kvwire.core.consumer_records import UsedIds, sampled
-from kvwire.core.io import Allocated, Digest, Finished, PostWrite, RemoteEngine, Send, StartHandshake
+from kvwire.core.io import Abort, Allocated, Digest, Finished, PostWrite, RemoteEngine, Send, StartHandshake
 from kvwire.errors import TransferIdReused
 from kvwire.kv.cache import KVCache
 from kvwire.kv.descriptors import plan_transfer
@@ -272,6 +273,51 @@ def test_d_fails_the_request_on_p_short_registration() -> None:
         ev(FAILED, FailReason.SHORT_REGISTRATION),
         ev(RELEASED, FailReason.SHORT_REGISTRATION),
     ]
+
+
+# -- 4. blocks a write P released may still reach ----------------------------------------------------------
+GRACE = CFG.dead_peer_grace_s
+
+
+@pytest.mark.parametrize("reason", list(FailReason), ids=lambda r: r.value)
+def test_d_holds_the_blocks_of_a_rank_p_failed_after_it_may_have_posted(reason: FailReason) -> None:
+    """P's ``failed`` after a write it recalled may come over a new connection while the old one drains
+    (after a partition): FAILED at once, the blocks RELEASED only a grace after the word. A reason that
+    says nothing was posted frees them at once."""
+    t = D()
+    t.start(0.0)
+    out = t.from_p(0.5, t.failed(reason))
+    if reason in NOTHING_POSTED:
+        assert events(out) == [ev(FAILED, reason), ev(RELEASED, reason)]
+        return
+    assert events(out) == [ev(FAILED, reason)]
+    assert t.core.wake_at() <= 0.5 + GRACE  # the driver ticks in time to release them
+    assert events(t.h.ticks(0.5 + GRACE - 0.05, 0.1)) == []
+    assert t.core.live_requests == 1
+    assert events(t.h.tick(0.5 + GRACE)) == [ev(RELEASED, reason)]
+    assert t.core.live_requests == 0
+
+
+@pytest.mark.parametrize("wrote", [False, True])
+def test_d_holds_the_blocks_a_cancelled_write_may_still_reach(wrote: bool) -> None:
+    t = D()
+    t.start(0.0)
+    assert t.h.at(0.25, Abort(TID)) == [t.cancel()]
+    out = t.from_p(0.5, t.cancel_ack(wrote=wrote))
+    if not wrote:
+        assert events(out) == [ev(RELEASED)]
+        return
+    assert events(out) == []
+    assert events(t.h.ticks(0.5 + GRACE - 0.05, 0.1)) == []
+    assert events(t.h.tick(0.5 + GRACE)) == [ev(RELEASED)]
+
+
+def test_a_closing_d_releases_held_blocks_at_once() -> None:
+    t = D()
+    t.start(0.0)
+    t.from_p(0.5, t.failed(FailReason.TRANSFER_TIMEOUT))
+    assert events(t.core.shutdown(0.6)) == [ev(RELEASED, FailReason.TRANSFER_TIMEOUT)]
+    assert t.core.live_requests == 0
 
 
 # -- the digest over real memory ------------------------------------------------------------------------

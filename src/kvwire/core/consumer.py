@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from kvwire.core.base import CoreBase, DropReason
-from kvwire.core.consumer_liveness import Lives, quarantined, release_at
+from kvwire.core.consumer_liveness import Lives, drain_hold, quarantined, release_at
 from kvwire.core.consumer_records import Link, LocalPart, PeerLife, Request, UsedIds, sampled, wrong_peer
 from kvwire.core.events import ConsumerEvent, ConsumerEventKind
 from kvwire.core.io import (
@@ -96,6 +96,7 @@ class ConsumerCore(CoreBase):
         # Every transfer id this life registered: single use (a done of the other request must not
         # complete a new one), and a done naming one after it ended is told from a never-seen id.
         self._used = UsedIds(self.config.max_served_ids)
+        self._held: dict[str, Request] = {}  # every rank ended, blocks held (Request.hold_until)
 
     def watched_peers(self) -> list[tuple[str, str]]:
         """P lives whose liveness D tracks now (only those live requests wait on)."""
@@ -214,6 +215,10 @@ class ConsumerCore(CoreBase):
             self.stats.transfers_done += 1
             self._emit(ConsumerEvent(req.transfer_id, ConsumerEventKind.READY))
         elif all(p.machine.is_terminal for p in parts):
+            if now < req.hold_until:
+                self._held[req.transfer_id] = req  # released by the timer pass once the hold is over
+                return
+            self._held.pop(req.transfer_id, None)
             self._ended(req, req.reason or FailReason.ABORTED)
             del self._requests[req.transfer_id]
             self._emit(ConsumerEvent(req.transfer_id, ConsumerEventKind.RELEASED, req.reason))
@@ -290,6 +295,8 @@ class ConsumerCore(CoreBase):
         raise self._refuse(DropReason.UNEXPECTED, f"{type(msg).__name__} from {sender}")
 
     def _timers(self, now: float) -> None:
+        for req in [r for r in self._held.values() if now >= r.hold_until]:
+            self._settle(now, req)
         if self._heartbeat_due(now):
             self._heartbeats()
             self._do(Reap(frozenset(req.remote.engine_id for req in self._requests.values())))
@@ -326,7 +333,7 @@ class ConsumerCore(CoreBase):
 
     def _on_shutdown(self, now: float) -> None:
         for req in list(self._requests.values()):
-            req.aborted = True
+            req.aborted, req.hold_until = True, 0.0  # the engine's memory goes with it
             for part in req.parts.values():
                 if part.machine.accepts(CT.CANCEL):
                     part.machine.cancel()
@@ -438,6 +445,7 @@ class PushConsumerCore(ConsumerCore):
         if isinstance(msg, Done):
             self._on_done(now, req, part, link, msg)
             return
+        req.hold_until = max(req.hold_until, drain_hold(msg, now, self.config.dead_peer_grace_s))
         how = RankEnd.FAILED if isinstance(msg, Failed) else RankEnd.CANCEL_ACKED
         self._rank_ended(now, req, part, src, how, msg.reason if isinstance(msg, Failed) else None)
 

@@ -22,6 +22,7 @@ from collections.abc import Iterator, Mapping
 
 from kvwire.core.consumer_records import Link, LocalPart, PeerLife, Request
 from kvwire.core.types import PeerRank
+from kvwire.protocol.messages import CancelAck, Failed, FailReason
 
 LifeKey = tuple[str, str]  # (engine_id, incarnation) of a P engine
 _VERDICTS_KEPT = 8  # per life: the verdicts whose confirmation is remembered (PeerLife.confirmed)
@@ -39,6 +40,34 @@ def release_at(life: PeerLife, dead_at: float, grace_s: float, quarantine_s: flo
     if confirmed is not None:
         return min(max(dead_at, confirmed) + grace_s, bound)
     return bound
+
+
+# The ``failed`` reasons by which P says no write of the registration is under way: it never posted one
+# (or, layer-wise, ``digest_unavailable`` comes after every earlier WRITE completed). Any other (a write
+# recalled or failed, an abort or shutdown while writing, a reason this version does not know) may leave
+# bytes on their way: fail closed.
+NOTHING_POSTED = frozenset(
+    {
+        FailReason.BAD_REGISTRATION,
+        FailReason.INCOMPATIBLE,
+        FailReason.HANDSHAKE_FAILED,
+        FailReason.OVERLOADED,
+        FailReason.SHORT_REGISTRATION,
+        FailReason.DIGEST_UNAVAILABLE,
+    }
+)
+
+
+def drain_hold(msg: Failed | CancelAck, now: float, grace_s: float) -> float:
+    """Until when D keeps the blocks of a rank that P ended with ``msg`` (0.0: free them at once).
+
+    P sends a ``failed`` or a ``cancel_ack`` (wrote) after it released a write that did not complete, and
+    its bytes may still be on their way: on the same connection they arrive before the word, but after a
+    partition the word can come over a new connection while the old one drains what the kernels held
+    (the path D's liveness verdict covers with the same grace, when D had declared P dead; here it had
+    not). So the blocks wait ``dead_peer_grace_s`` from the word, as after a verdict's confirmation."""
+    posted = msg.wrote if isinstance(msg, CancelAck) else msg.reason not in NOTHING_POSTED
+    return now + grace_s if posted else 0.0
 
 
 def life_key(peer: PeerRank) -> LifeKey:

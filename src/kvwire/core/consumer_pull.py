@@ -108,6 +108,9 @@ class PullConsumerCore(ConsumerCore):
             self.stats.record_duration(now - link.posted_at)
             self._reads_settled(part)
         else:
+            # A read released before it completed may still drain into the blocks (as a write P recalls:
+            # ``consumer_liveness.drain_hold``): they wait the grace before the engine reuses them.
+            req.hold_until = max(req.hold_until, now + self.config.dead_peer_grace_s)
             event = CT.READ_FAILED if part.machine.accepts(CT.READ_FAILED) else CT.HANDSHAKE_FAILED
             self._fail(req, part, event, reason)
         if self._requests.get(req.transfer_id) is req:

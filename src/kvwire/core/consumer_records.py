@@ -51,6 +51,9 @@ class Request:
     reason: FailReason | None = None  # first failure seen
     reported_failed: bool = False
     aborted: bool = False
+    # Until then the blocks stay held although every rank ended: P ended one with a write it had posted
+    # (``consumer_liveness.drain_hold``).
+    hold_until: float = 0.0
 
 
 def wrong_peer(peer: PeerRank, remote: RemoteEngine) -> tuple[FailReason, str] | None:

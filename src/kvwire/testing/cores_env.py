@@ -180,8 +180,8 @@ class D:
     def failed(self, reason: FailReason, tid: str = TID) -> Failed:
         return Failed(reason=reason, **self._common(tid))  # type: ignore[arg-type]
 
-    def cancel_ack(self, tid: str = TID) -> CancelAck:
-        return CancelAck(wrote=False, **self._common(tid))  # type: ignore[arg-type]
+    def cancel_ack(self, tid: str = TID, wrote: bool = False) -> CancelAck:
+        return CancelAck(wrote=wrote, **self._common(tid))  # type: ignore[arg-type]
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(transfer_id="", engine_id="P", incarnation="P-life1", transfer_ids=[TID])

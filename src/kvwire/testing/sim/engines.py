@@ -296,17 +296,33 @@ class SimEngine:
         self.feed(XferEnded(x.token, True))
 
     def _release(self, x: _Xfer) -> None:
-        """Cancel a transfer; one still in flight may land a prefix of its rows as it is cancelled."""
+        """Cancel a transfer; one still in flight may land a prefix of its rows as it is cancelled, or
+        later (``release_drain_max_s``: a drain time, and for P's writes after the partition if one cuts
+        the pair). A read D releases during a partition lands nothing, as before: whether UCX completes
+        it after the heal is not known here (docs/reliability.md)."""
         w = self.world
         in_flight = not x.ended and not x.released
         x.released = True
-        if not in_flight or w.partitioned(self.engine_id, x.remote.engine_id):
+        drain_max = w.faults.release_drain_max_s
+        cut = w.partitioned(self.engine_id, x.remote.engine_id)
+        if not in_flight or (cut and not (drain_max and self.is_producer)):
             return
         if w.agents.get(x.peer_agent) is not x.remote or not w.chance(
             w.faults.release_lands, "release_lands"
         ):
             return
         rows = w.rng.randint(1, len(x.src))
+        if not drain_max:
+            self._drained(x, rows)
+            return
+        healed = w.partitions.get(frozenset((self.engine_id, x.remote.engine_id)), 0.0)
+        w.after(max(0.0, healed - w.now) + w.rng.random() * drain_max, lambda: self._drained(x, rows))
+
+    def _drained(self, x: _Xfer, rows: int) -> None:
+        """The first ``rows`` rows of a released write land (in the peer's memory, if its life lasts)."""
+        w = self.world
+        if w.agents.get(x.peer_agent) is not x.remote or not x.remote.alive:
+            return
         self._check_landing(x.transfer_id, x.dst[:rows])
         w.copy(x.src[:rows], x.dst[:rows])
 

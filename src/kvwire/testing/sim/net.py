@@ -46,6 +46,9 @@ class Faults:
     # A released write still in flight lands part of its bytes as it is cancelled (seen on real NIXL
     # after a thaw: 33-124 KB landed): the quarantine must cover it.
     release_lands: float = 0.0
+    # ... and arrives up to this late (after the partition, if one cuts the pair): a link draining what the
+    # kernels held after P recalled the write, which D's grace after P's word must cover (0: at once).
+    release_drain_max_s: float = 0.0
     failed_handshake: float = 0.0
     partition: float = 0.0  # per second of simulated time: a P-D pair partitioned for up to 8 s
     pause: float = 0.0  # per second: an engine frozen for up to 10 s
@@ -63,6 +66,7 @@ class Faults:
             stuck_write=0.002,
             failed_post=0.01,
             release_lands=0.3,
+            release_drain_max_s=0.5,
             failed_handshake=0.01,
             partition=0.05,
             pause=0.05,

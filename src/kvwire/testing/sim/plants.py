@@ -14,6 +14,7 @@ import msgspec
 from kvwire.core.consumer import PushConsumerCore
 from kvwire.core.consumer_pull import PullConsumerCore
 from kvwire.core.consumer_records import PeerLife
+from kvwire.core.consumer_records import Request as ConsumerRequest
 from kvwire.core.io import Action, Allocated, HandshakeDone, Input, StartHandshake, XferEnded
 from kvwire.core.producer_push import PushProducerCore
 from kvwire.core.producer_records import Reg, Request
@@ -84,6 +85,15 @@ class ReuseAfterGraceOnly(PushConsumerCore):
         return dead_at + self.config.dead_peer_grace_s
 
 
+class ReleaseAtPeerWord(PushConsumerCore):
+    """D frees a rank's blocks as soon as P's ``failed`` (or ``cancel_ack``, wrote) ends it (what kvwire
+    did before: the word may come ahead of what the released write still drains)."""
+
+    def _settle(self, now: float, req: ConsumerRequest) -> None:
+        req.hold_until = 0.0
+        super()._settle(now, req)
+
+
 class ReadAnyLife(PullConsumerCore):
     """D reads from whichever P life answers at the address (kvwire before P's answer named its life: a P
     that crashed and restarted during a D freeze lent the new life's blocks to the old requests)."""
@@ -132,6 +142,11 @@ PLANTS: dict[str, Planted] = {
         Faults(pause=3.0, release_lands=1.0, slow_write=1.0, slow_write_max_s=0.5),
         "C1",
         seed=4,
+    ),
+    "release-at-peer-word": Planted(
+        Plant(consumer=ReleaseAtPeerWord),
+        Faults(stuck_write=0.2, release_lands=1.0, release_drain_max_s=0.5),
+        "C1",
     ),
     "read-any-life": Planted(
         Plant(consumer=ReadAnyLife),
