@@ -19,7 +19,17 @@ import pytest
 from kvwire.core.base import DropReason, Refused
 from kvwire.core.consumer_liveness import NOTHING_POSTED
 from kvwire.core.consumer_records import UsedIds, sampled
-from kvwire.core.io import Abort, Allocated, Digest, Finished, PostWrite, RemoteEngine, Send, StartHandshake
+from kvwire.core.io import (
+    Abort,
+    Allocated,
+    Digest,
+    Finished,
+    PostRead,
+    PostWrite,
+    RemoteEngine,
+    Send,
+    StartHandshake,
+)
 from kvwire.errors import TransferIdReused
 from kvwire.kv.cache import KVCache
 from kvwire.kv.descriptors import plan_transfer
@@ -29,7 +39,20 @@ from kvwire.kv.spec import KVSpec, Layout
 from kvwire.protocol.codec import decode_notif
 from kvwire.protocol.messages import Done, Failed, FailReason, PushReg
 from kvwire.testing.core_harness import TestEngine, events, one, only, sent
-from kvwire.testing.cores_env import BLOCKS, CFG, D_BLOCKS, FAILED, READY, RELEASED, TID, TOKENS, D, P, ev
+from kvwire.testing.cores_env import (
+    BLOCKS,
+    CFG,
+    D_BLOCKS,
+    FAILED,
+    PULL,
+    READY,
+    RELEASED,
+    TID,
+    TOKENS,
+    D,
+    P,
+    ev,
+)
 from kvwire.transport.base import PeerMode
 
 DIGEST_CFG = dataclasses.replace(CFG, kv_digest_sample=1.0)
@@ -310,6 +333,25 @@ def test_d_holds_the_blocks_a_cancelled_write_may_still_reach(wrote: bool) -> No
     assert events(out) == []
     assert events(t.h.ticks(0.5 + GRACE - 0.05, 0.1)) == []
     assert events(t.h.tick(0.5 + GRACE)) == [ev(RELEASED)]
+
+
+def test_a_replayed_failed_does_not_extend_the_hold() -> None:
+    t = D()
+    t.start(0.0)
+    assert events(t.from_p(0.5, t.failed(FailReason.WRITE_FAILED))) == [ev(FAILED, FailReason.WRITE_FAILED)]
+    with pytest.raises(Refused) as late:  # the rank has ended: dropped, counted, holds nothing
+        t.from_p(1.25, t.failed(FailReason.WRITE_FAILED))
+    assert late.value.reason is DropReason.LATE
+    assert events(t.h.tick(0.5 + GRACE)) == [ev(RELEASED, FailReason.WRITE_FAILED)]
+
+
+def test_pull_d_holds_the_blocks_of_a_read_whose_post_failed() -> None:
+    """NIXL may have issued part of a READ whose post then failed."""
+    t = D(mode=PULL)
+    t.h.accept = lambda a: not isinstance(a, PostRead)
+    assert events(t.start(0.0)) == [ev(FAILED, FailReason.POST_FAILED)]
+    assert events(t.h.ticks(GRACE - 0.05, 0.1)) == []
+    assert events(t.h.tick(GRACE)) == [ev(RELEASED, FailReason.POST_FAILED)]
 
 
 def test_a_closing_d_releases_held_blocks_at_once() -> None:

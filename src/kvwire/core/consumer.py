@@ -445,7 +445,8 @@ class PushConsumerCore(ConsumerCore):
         if isinstance(msg, Done):
             self._on_done(now, req, part, link, msg)
             return
-        req.hold_until = max(req.hold_until, drain_hold(msg, now, self.config.dead_peer_grace_s))
+        if src in part.machine.ranks.pending:  # a replay for an ended rank is refused below: it holds nothing
+            req.hold_until = max(req.hold_until, drain_hold(msg, now, self.config.dead_peer_grace_s))
         how = RankEnd.FAILED if isinstance(msg, Failed) else RankEnd.CANCEL_ACKED
         self._rank_ended(now, req, part, src, how, msg.reason if isinstance(msg, Failed) else None)
 

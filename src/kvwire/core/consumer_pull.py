@@ -69,6 +69,8 @@ class PullConsumerCore(ConsumerCore):
             self._posted(part)
         else:
             self._log_info("READ %s not posted: %s", req.transfer_id, inp.detail)
+            # NIXL may have issued part of a READ whose post then failed: its blocks wait the grace too.
+            req.hold_until = max(req.hold_until, now + self.config.dead_peer_grace_s)
             self._fail(req, part, CT.HANDSHAKE_FAILED, FailReason.POST_FAILED)
         self._settle(now, req)
 

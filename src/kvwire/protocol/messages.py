@@ -74,7 +74,8 @@ class FailReason(enum.Enum):
     # P: the push_reg names fewer tokens than P prefilled (a prefix would be served as the whole prompt).
     SHORT_REGISTRATION = "short_registration"
     # P: D asked for a digest (want_digest) and this P rank cannot compute one (its KV is not in host
-    # memory); nothing written. Said, rather than a done without a digest that D would call a mismatch.
+    # memory); nothing under way (layer-wise, the earlier layers' WRITEs completed). Said, rather than a
+    # done without a digest that D would call a mismatch.
     DIGEST_UNAVAILABLE = "digest_unavailable"
     # A reason this version does not know (a newer peer's): still a failure, never a dropped message.
     UNKNOWN = "unknown"
