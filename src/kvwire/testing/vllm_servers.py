@@ -111,14 +111,16 @@ def engine_argv(python: Path, model: Path, e: VllmEngine) -> list[str]:
 
 
 def engine_env(e: VllmEngine) -> dict[str, str]:
-    return {
+    env = {
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": f"{e.kv_cache_gib:g}",
         "VLLM_CPU_OMP_THREADS_BIND": str(e.core),
         "OMP_NUM_THREADS": "1",
-        **e.env,
+        # CPU features count only when the kernel lists them too (else SIGILL on some VMs: vllm_site)
+        "PYTHONPATH": str(Path(__file__).with_name("vllm_site")),
     }
+    return {**env, **e.env}
 
 
 def start_engine(group: ServerGroup, python: Path, model: Path, e: VllmEngine) -> Server:

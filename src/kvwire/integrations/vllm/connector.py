@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvwire.config import env_config
 from kvwire.errors import ConfigError, KvwireError, LayoutError
+from kvwire.integrations.vllm.cpu_tiles import allow_amx_tiles
 from kvwire.integrations.vllm.discovery import BackgroundRegistrar, start_registration
 from kvwire.integrations.vllm.hma import kv_groups
 from kvwire.integrations.vllm.identity import vllm_model_id
@@ -110,6 +111,9 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._fleet = start_registration(settings, kv_role, engine_id, incarnation, tp, pp, model)
             return
         tp_rank, pp_rank = _tp_pp_rank()
+        if _cpu_backend():
+            # before the first step: vLLM's tile attention kernel would die of SIGILL (cpu_tiles)
+            log.info("kvwire: AMX tile state for this worker: %s", allow_amx_tiles().value)
         mla = bool(getattr(mc, "use_mla", False))
         place = RankPlace(
             engine_id=engine_id,
