@@ -117,8 +117,11 @@ def engine_env(e: VllmEngine) -> dict[str, str]:
         "VLLM_CPU_KVCACHE_SPACE": f"{e.kv_cache_gib:g}",
         "VLLM_CPU_OMP_THREADS_BIND": str(e.core),
         "OMP_NUM_THREADS": "1",
-        # CPU features count only when the kernel lists them too (else SIGILL on some VMs: vllm_site)
-        "PYTHONPATH": str(Path(__file__).with_name("vllm_site")),
+        # CPU features count only when the kernel lists them too (else SIGILL on some VMs: vllm_site);
+        # first on the path, before what the caller's environment already puts there
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (str(Path(__file__).with_name("vllm_site")), os.environ.get("PYTHONPATH")) if p
+        ),
     }
     return {**env, **e.env}
 
