@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from kvwire.connector import ConsumerEventKind
 from kvwire.connector._base import ConnectorBase
 from kvwire.connector.cadence import DEEP_IDLE_S, FIRST_BUSY_POLL_S
 from kvwire.connector.timeline import Stage
@@ -82,8 +83,9 @@ def test_an_engine_call_wakes_a_deep_idle_ticker_at_once(pair: Pair) -> None:
         conn.abort(f"unknown-{attempt}")  # any engine call; the core refuses this one
         wait_for(_longer(picked, count), "the next tick")
         if timer.cancelled():
-            # Woken: the deep timer was replaced, and the ticker polls fast again after the call.
-            assert picked[count] <= pair.p_config.poll_interval_s
+            # Woken: the deep timer was replaced. The call was refused and left nothing awaited, so the
+            # ticker rests at the idle rate (it ramps only while something is awaited).
+            assert picked[count] <= pair.p_config.idle_poll_interval_s
             return
         # The timer fired before the call reached the loop (a starved test machine): try again.
     raise AssertionError("the deep idle timer was never cancelled by an engine call")
@@ -113,3 +115,27 @@ def test_a_push_reg_for_a_request_still_prefilling_does_not_start_fast_polls(pai
     assert FIRST_BUSY_POLL_S not in after, after
     pair.consumer.abort("t-prefilling")
     pair.consumer.abort("t-warm")
+
+
+def test_a_finished_request_starts_no_fast_polls(pair: Pair) -> None:
+    """A request's last step is activity, but nothing can answer it: with nothing awaited the ticker rests
+    at the idle rate (each tick's cost is mostly its wake-up), and the next engine call wakes it at once."""
+    blocks = [0, 1]
+    pair.fill_p(blocks, 32)
+    picked: list[tuple[bool, float]] = []  # (P's done already taken: D's request READY, interval picked)
+    pick = pair.consumer._interval
+
+    def recording(now: float) -> float:
+        ready = Stage.DONE_RECEIVED in pair.consumer.timeline.get("t-done")
+        picked.append((ready, pick(now)))
+        return picked[-1][1]
+
+    pair.consumer._interval = recording  # type: ignore[method-assign]
+    pair.consumer.request_allocated("t-done", blocks, 32, 0, pair.remote())
+    pair.producer.request_finished("t-done", blocks, 32)
+    assert [e.kind for e in pair.d_event("t-done")] == [ConsumerEventKind.READY]
+    wait_for(lambda: sum(ready for ready, _ in picked) >= 4, "four ticks after READY")
+    before = [interval for ready, interval in picked if not ready]
+    after = [interval for ready, interval in picked if ready]
+    assert FIRST_BUSY_POLL_S in before, before  # while it waited for P's done, it ramped
+    assert min(after) == pair.d_config.idle_poll_interval_s, after

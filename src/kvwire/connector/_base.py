@@ -484,17 +484,15 @@ class ConnectorBase(Generic[E]):
             else:
                 self._next = loop.call_later(interval, self._on_tick, loop)
 
-    def idle(self, now: float) -> bool:
-        """Nothing live (no transfer posted, no handshake running, no request whose timers are due soon)
-        and no activity for ``ACTIVE_GRACE_S``."""
-        if self._handles or self._tasks or self._cadence.in_grace(now):
-            return False
-        return not self.core.live
+    def awaiting(self) -> bool:
+        """Something a fast poll may hurry: a transfer posted, a handshake or report running, or a live
+        request (one whose timers may act soon, not only tombstones)."""
+        return bool(self._handles or self._tasks or self.core.live)
 
     def _interval(self, now: float) -> float:
         """How long until the next tick (``Cadence.interval``)."""
         core = self.core
-        return self._cadence.interval(now, core.busy, lambda: self.idle(now), core.wake_at)
+        return self._cadence.interval(now, core.busy, self.awaiting(), core.wake_at)
 
     def _wake(self) -> None:
         """Run the next tick as soon as the loop is free (loop thread only): work that just started (an
