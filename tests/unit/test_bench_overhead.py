@@ -14,17 +14,20 @@ pytestmark = pytest.mark.nixl
 
 def test_bench_overhead_quick_json_shape(tmp_path: Path) -> None:
     out, plot = tmp_path / "overhead.json", tmp_path / "overhead.png"
-    args = ["bench", "overhead", "--quick", "--requests", "24", "--warmup", "1"]
+    args = ["bench", "overhead", "--quick", "--requests", "24", "--warmup", "1", "--loops", "both"]
     assert main([*args, "--json", str(out), "--plot", str(plot)]) == 0
     doc = json.loads(out.read_text())
     assert doc["suite"] == "overhead"
     assert set(doc["machine"]) >= {"cpus", "python", "nixl"}
-    assert [(c["backend"], c["concurrency"]) for c in doc["cases"]] == [
-        ("inproc", 1),
-        ("inproc", 8),
-        ("nixl", 1),
-        ("nixl", 8),
+    assert [(c["backend"], c["concurrency"], c["loops"]) for c in doc["cases"]] == [
+        ("inproc", 1, "shared"),  # the in-process agents are not thread-safe: always one loop
+        ("inproc", 8, "shared"),
+        ("nixl", 1, "shared"),
+        ("nixl", 8, "shared"),
+        ("nixl", 1, "own"),  # as in an engine process
+        ("nixl", 8, "own"),
     ]
+    assert [c["case"] for c in doc["cases"]][2:] == ["nixl-c1-shared", "nixl-c8-shared", "nixl-c1", "nixl-c8"]
     for case in doc["cases"]:
         assert case["requests"] == 24 and case["descriptors_per_request"] == 8
         for side in ("p", "d"):

@@ -223,6 +223,11 @@ class ConnectorBase(Generic[E]):
     def port(self) -> int:
         return self._port
 
+    @property
+    def background_loop(self) -> BackgroundLoop | None:
+        """The loop thread the connector runs on (its own, or the one passed in); None before start."""
+        return self._bg
+
     def poll(self) -> list[E]:
         """Events since the last call (thread-safe, never blocks)."""
         out: list[E] = []

@@ -1,9 +1,15 @@
 """``kvwire bench overhead``: control-plane CPU time per request on P and on D, excluding byte movement.
 
-One process holds a P engine and a D engine (one rank each) whose connectors share one background loop,
-on the in-process backend or on real NIXL. Requests move one tiny block (a few hundred bytes per region,
-Llama-3-8B's 32 layers by default, so a request still posts one descriptor per (layer, kind) region):
-what is measured is kvwire's bookkeeping, not bytes. After warm-up requests (handshakes done, peers
+One process holds a P engine and a D engine (one rank each), on the in-process backend or on real NIXL.
+On NIXL each connector runs its own loop thread by default (``--loops own``), as in an engine process:
+intervals under 1 ms are then slept exactly, so the ticks a request costs are the deployed ones.
+``--loops shared`` puts both on one loop (the in-process backend always does: its agents are not
+thread-safe), where asyncio's epoll wait rounds each of those intervals up to 1 ms: fewer ticks, a lower
+figure than an engine pays (figures before this option were measured that way).
+
+Requests move one tiny block (a few hundred bytes per region, Llama-3-8B's 32 layers by default, so a
+request still posts one descriptor per (layer, kind) region): what is measured is kvwire's bookkeeping,
+not bytes. After warm-up requests (handshakes done, peers
 cached), ``--requests`` requests run in closed-loop batches of ``--concurrency``.
 
 Per side, CPU time is metered with ``time.thread_time`` (the CPU of the thread that runs the code):
@@ -17,7 +23,7 @@ Per side, CPU time is metered with ``time.thread_time`` (the CPU of the thread t
 * ``*_us`` = loop + call - transfer: the figure against the goal (300 us);
 * ``*_net_us``: ``*_us`` less what the side's polling burns when idle (measured first, ``IDLE_S``) over
   the same wall time: the requests' own cost, without the ticker's floor;
-* ``loop_thread_us``: the loop thread's whole CPU time per request (both sides, and asyncio itself).
+* ``loop_thread_us``: the loop threads' whole CPU time per request (both sides, and asyncio itself).
 
 ``--profile`` runs cProfile on the loop thread during the measured requests and prints the top entries,
 timed in the thread's CPU time (wall time would rank the idle ``epoll`` wait and GIL hand-overs first).
@@ -126,16 +132,19 @@ class Case:
     backend: str
     concurrency: int
     requests: int
+    own_loops: bool = True  # each connector on its own loop thread (NIXL only)
 
     @property
     def name(self) -> str:
-        return f"{self.backend}-c{self.concurrency}"
+        shared = "" if self.own_loops or self.backend == "inproc" else "-shared"
+        return f"{self.backend}-c{self.concurrency}{shared}"
 
 
 class Rig:
-    """P and D engines in this process, their connectors on one loop, every side metered."""
+    """P and D engines in this process, their connectors on their own loops or one shared loop, every
+    side metered."""
 
-    def __init__(self, backend: str, spec: KVSpec, num_blocks: int) -> None:
+    def __init__(self, backend: str, spec: KVSpec, num_blocks: int, own_loops: bool = False) -> None:
         n = next(_ids)
         fabric = InprocFabric() if backend == "inproc" else None
         self.spec = spec
@@ -145,11 +154,13 @@ class Rig:
         self.d: EngineSetup = build_engine(
             f"D{n}", spec, num_blocks=num_blocks, backend=backend, fabric=fabric
         )
-        self.loop = BackgroundLoop(name="kvwire-bench")
+        # The in-process agents are not thread-safe: one loop for both.
+        shared = None if own_loops and fabric is None else BackgroundLoop(name="kvwire-bench")
+        self._shared = shared
         cfg = ConnectorConfig()
         self.pm, self.dm = SideMeters(), SideMeters()
-        self.producer = _MeteredProducer(self.p.engine, self.p.ranks, cfg, loop=self.loop)
-        self.consumer = _MeteredConsumer(self.d.engine, self.d.ranks, cfg, loop=self.loop)
+        self.producer = _MeteredProducer(self.p.engine, self.p.ranks, cfg, loop=shared)
+        self.consumer = _MeteredConsumer(self.d.engine, self.d.ranks, cfg, loop=shared)
         self.producer.meter, self.consumer.meter = self.pm.loop, self.dm.loop
         _meter_agent(self.p.ranks[0].agent, self.pm)
         _meter_agent(self.d.ranks[0].agent, self.dm)
@@ -161,11 +172,18 @@ class Rig:
         self._p_poll = self.pm.call.timed(self.producer.poll)
         self._d_poll = self.dm.call.timed(self.consumer.poll)
 
+    @property
+    def loops(self) -> list[BackgroundLoop]:
+        """The loop threads the connectors run on (one when shared)."""
+        if self._shared is not None:
+            return [self._shared]
+        return [c for c in (self.producer.background_loop, self.consumer.background_loop) if c is not None]
+
     def loop_thread_cpu(self) -> float:
         async def read() -> float:
             return time.thread_time()
 
-        return self.loop.run(read(), WAIT_S)
+        return sum(loop.run(read(), WAIT_S) for loop in self.loops)
 
     def batch(self, tids: Sequence[str]) -> None:
         """Run requests to their end: D allocates, P finishes, both sides report."""
@@ -200,7 +218,8 @@ class Rig:
     def close(self) -> None:
         self.producer.close()
         self.consumer.close()
-        self.loop.close()
+        if self._shared is not None:
+            self._shared.close()
         self.p.close()
         self.d.close()
 
@@ -211,13 +230,15 @@ def _expect(ok: bool, event: object) -> None:
 
 
 def _profile_on_loop(rig: Rig, prof: cProfile.Profile, enable: bool) -> None:
+    """cProfile the (first) loop thread: with own loops, P's."""
+
     async def toggle() -> None:
         if enable:
             prof.enable()
         else:
             prof.disable()
 
-    rig.loop.run(toggle(), WAIT_S)
+    rig.loops[0].run(toggle(), WAIT_S)
 
 
 def top_entries(prof: cProfile.Profile, limit: int) -> list[dict[str, Any]]:
@@ -233,7 +254,7 @@ def top_entries(prof: cProfile.Profile, limit: int) -> list[dict[str, Any]]:
 
 
 def measure(case: Case, spec: KVSpec, warmup: int, profile: bool, idle_s: float = IDLE_S) -> dict[str, Any]:
-    rig = Rig(case.backend, spec, num_blocks=max(case.concurrency, 1))
+    rig = Rig(case.backend, spec, num_blocks=max(case.concurrency, 1), own_loops=case.own_loops)
     prof = cProfile.Profile(time.thread_time) if profile else None
     try:
         for w in range(max(1, warmup)):
@@ -262,6 +283,7 @@ def measure(case: Case, spec: KVSpec, warmup: int, profile: bool, idle_s: float 
         "backend": case.backend,
         "concurrency": case.concurrency,
         "requests": case.requests,
+        "loops": "own" if len(rig.loops) > 1 else "shared",
         "descriptors_per_request": spec.num_layers * len(spec.kinds),
     }
     for (side, m), idle_rate in zip((("p", rig.pm), ("d", rig.dm)), idle, strict=True):
@@ -287,7 +309,13 @@ def cases(args: argparse.Namespace) -> list[Case]:
     backends = ["inproc", "nixl"] if args.backend == "all" else [args.backend]
     requests = min(args.requests, 64) if args.quick else args.requests
     concurrency = (1, 8) if args.quick else tuple(args.concurrency)
-    return [Case(b, c, max(requests, c)) for b in backends for c in concurrency]
+    loops = {"own": (True,), "shared": (False,), "both": (False, True)}[args.loops]
+    return [
+        Case(b, c, max(requests, c), own)
+        for b in backends
+        for own in (loops if b == "nixl" else (False,))
+        for c in concurrency
+    ]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -296,6 +324,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16], help="requests per batch")
     parser.add_argument("--warmup", type=int, default=3, help="untimed batches first (handshakes)")
     parser.add_argument("--layers", type=int, default=32, help="layers (regions = 2 x layers)")
+    parser.add_argument(
+        "--loops",
+        choices=("own", "shared", "both"),
+        default="own",
+        help="NIXL: each connector on its own loop thread as in an engine (default), or both on one",
+    )
     parser.add_argument("--profile", action="store_true", help="cProfile the loop thread; print the top")
     parser.add_argument("--quick", action="store_true", help="few requests and layers, for smoke tests")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
