@@ -300,19 +300,7 @@ class ConsumerCore(CoreBase):
         if self._heartbeat_due(now):
             self._heartbeats()
             self._do(Reap(frozenset(req.remote.engine_id for req in self._requests.values())))
-            self._prune_life()
-
-    def _prune_life(self) -> None:
-        """Forget the liveness of P lives no live request waits on (the map would grow with every restart)."""
-        referenced = {
-            (link.peer.engine_id, link.peer.incarnation)
-            for req in self._requests.values()
-            for part in req.parts.values()
-            for link in part.links.values()
-            if link.peer is not None
-        }
-        for life_key in [k for k in self._life if k not in referenced]:
-            del self._life[life_key]
+            self._lives.prune(self._requests)
 
     def _heartbeats(self) -> None:
         live: dict[tuple[RankKey, str], list[str]] = defaultdict(list)

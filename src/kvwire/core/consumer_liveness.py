@@ -130,6 +130,18 @@ class Lives:
     def verdict_waits(self, until: float) -> None:
         self._verdicts_wake = min(self._verdicts_wake, until)
 
+    def prune(self, requests: Mapping[str, Request]) -> None:
+        """Forget the P lives no live request waits on (the table would grow with every restart)."""
+        referenced = {
+            life_key(link.peer)
+            for req in requests.values()
+            for part in req.parts.values()
+            for link in part.links.values()
+            if link.peer is not None
+        }
+        for key in [k for k in self.table if k not in referenced]:
+            del self.table[key]
+
     def due(
         self, now: float, requests: Mapping[str, Request], timeout_s: float
     ) -> Iterator[tuple[Request, list[tuple[LocalPart, Link, PeerLife]]]]:
