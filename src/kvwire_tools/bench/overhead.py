@@ -9,8 +9,8 @@ figure than an engine pays (figures before this option were measured that way).
 
 Requests move one tiny block (a few hundred bytes per region, Llama-3-8B's 32 layers by default, so a
 request still posts one descriptor per (layer, kind) region): what is measured is kvwire's bookkeeping,
-not bytes. After warm-up requests (handshakes done, peers
-cached), ``--requests`` requests run in closed-loop batches of ``--concurrency``.
+not bytes. After warm-up requests (handshakes done, peers cached), ``--requests`` requests run in
+closed-loop batches of ``--concurrency``.
 
 Per side, CPU time is metered with ``time.thread_time`` (the CPU of the thread that runs the code):
 
@@ -25,8 +25,9 @@ Per side, CPU time is metered with ``time.thread_time`` (the CPU of the thread t
   the same wall time: the requests' own cost, without the ticker's floor;
 * ``loop_thread_us``: the loop threads' whole CPU time per request (both sides, and asyncio itself).
 
-``--profile`` runs cProfile on the loop thread during the measured requests and prints the top entries,
-timed in the thread's CPU time (wall time would rank the idle ``epoll`` wait and GIL hand-overs first).
+``--profile`` runs cProfile on the loop thread (P's, with own loops) during the measured requests and
+prints the top entries, timed in the thread's CPU time (wall time would rank the idle ``epoll`` wait and
+GIL hand-overs first).
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ class Rig:
     """P and D engines in this process, their connectors on their own loops or one shared loop, every
     side metered."""
 
-    def __init__(self, backend: str, spec: KVSpec, num_blocks: int, own_loops: bool = False) -> None:
+    def __init__(self, backend: str, spec: KVSpec, num_blocks: int, own_loops: bool = True) -> None:
         n = next(_ids)
         fabric = InprocFabric() if backend == "inproc" else None
         self.spec = spec
@@ -330,7 +331,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="own",
         help="NIXL: each connector on its own loop thread as in an engine (default), or both on one",
     )
-    parser.add_argument("--profile", action="store_true", help="cProfile the loop thread; print the top")
+    parser.add_argument(
+        "--profile", action="store_true", help="cProfile the loop thread (P's, with own loops); print the top"
+    )
     parser.add_argument("--quick", action="store_true", help="few requests and layers, for smoke tests")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG bar plot")
