@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,6 +24,8 @@ from kvwire.errors import (
     PeerUnreachable,
     Unauthorized,
 )
+from kvwire.handshake.client import _stalled as stalled_note
+from kvwire.handshake.client import fetch_metadata
 from kvwire.handshake.manager import HandshakeManager
 from kvwire.handshake.server import SideChannelServer
 from kvwire.handshake.types import EngineInfo, FailureReason, LocalRank, PeerAddress
@@ -236,6 +239,27 @@ def test_timeout_against_a_listener_that_never_answers() -> None:
         await mgr.close()
 
     run(body)
+
+
+def test_a_timeout_says_when_this_side_s_loop_was_stalled() -> None:
+    """A timeout that fires late was this process's stall, not the peer's silence: its message says so
+    (the timeout's callback runs before the read it cancels, so an answer may have come unread)."""
+
+    async def body() -> None:
+        async with SilentListener() as silent:
+            asyncio.get_running_loop().call_later(0.15, time.sleep, 0.5)  # a thread holding the GIL
+            with pytest.raises(HandshakeTimeout) as err:
+                await fetch_metadata(
+                    PeerAddress(HOST, silent.port, 0, 0), notif_only=True, compat_hash="x", timeout_s=0.2
+                )
+            late = re.search(
+                r"fired (\d+\.\d+) s late: this process's event loop was stalled", str(err.value)
+            )
+            assert late is not None and float(late.group(1)) >= 0.3, err.value  # stalled 0.45 s past it
+
+    run(body)
+    # On time (a loop's timers run about a millisecond late), the message blames no one.
+    assert stalled_note(0.01) == "" and "stalled" in stalled_note(0.3)
 
 
 def _free_port() -> int:

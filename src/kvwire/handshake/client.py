@@ -50,6 +50,11 @@ from kvwire.protocol.messages import (
 )
 from kvwire.protocol.seal import ReplySeal
 
+# A timeout that fires this long past its deadline means this process's event loop was stalled then: the
+# peer's answer may have arrived and been left unread, because the timeout's callback runs before the
+# read it cancels. The loop's timers are late by about a millisecond otherwise.
+_STALLED_S = 0.25
+
 _REFUSALS: dict[ErrorCode, type[HandshakeError]] = {
     ErrorCode.INCOMPATIBLE: IncompatiblePeer,
     ErrorCode.UNAUTHORIZED: Unauthorized,
@@ -103,8 +108,10 @@ async def _connection(
 ) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
     """One connection to ``addr``, all its use within ``timeout_s``, closed after; the network's failures
     as ``kvwire.errors`` (what the body raises itself passes as it is)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
     try:
-        async with asyncio.timeout(timeout_s):
+        async with asyncio.timeout_at(deadline):
             reader, writer = await asyncio.open_connection(addr.host, addr.port)
             try:
                 yield reader, writer
@@ -113,11 +120,23 @@ async def _connection(
                 with contextlib.suppress(OSError):
                     await writer.wait_closed()
     except TimeoutError:
-        raise HandshakeTimeout(f"{addr}: no answer within {timeout_s:.3g} s") from None
+        late = _stalled(loop.time() - deadline)
+        raise HandshakeTimeout(f"{addr}: no answer within {timeout_s:.3g} s{late}") from None
     except ConnectionRefusedError as exc:
         raise NobodyListens(f"{addr}: {type(exc).__name__}: {exc}") from None
     except (OSError, asyncio.IncompleteReadError) as exc:
         raise PeerUnreachable(f"{addr}: {type(exc).__name__}: {exc}") from None
+
+
+def _stalled(late_s: float) -> str:
+    """What to add to a timeout's message when it fired ``late_s`` past its deadline: nothing, or that
+    this side's loop was stalled (so the fault may be here, not at the peer)."""
+    if late_s < _STALLED_S:
+        return ""
+    return (
+        f" (the timeout fired {late_s:.2f} s late: this process's event loop was stalled, so an answer may "
+        "have come unread; look for a thread holding the GIL or a CPU this process cannot get)"
+    )
 
 
 async def _roundtrip(
