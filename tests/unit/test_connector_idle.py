@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvwire.connector import ConsumerEventKind
+from kvwire.connector import ConsumerEventKind, ProducerOutcome
 from kvwire.connector._base import ConnectorBase
 from kvwire.connector.cadence import DEEP_IDLE_S, FIRST_BUSY_POLL_S
 from kvwire.connector.timeline import Stage
@@ -139,3 +139,27 @@ def test_a_finished_request_starts_no_fast_polls(pair: Pair) -> None:
     after = [interval for ready, interval in picked if ready]
     assert FIRST_BUSY_POLL_S in before, before  # while it waited for P's done, it ramped
     assert min(after) == pair.d_config.idle_poll_interval_s, after
+
+
+def test_a_notification_out_gets_one_flush_tick_when_nothing_else_is_awaited(pair: Pair) -> None:
+    """With NIXL's progress thread off a notification may wait in UCX until the next progress call: after
+    P's write ends (its done attached, handed to UCX by that status check) one tick follows at once,
+    then, nothing being awaited, the idle rate."""
+    blocks = [0, 1]
+    pair.fill_p(blocks, 32)
+    picked: list[tuple[bool, float]] = []  # (P's write already ended, interval picked)
+    pick = pair.producer._interval
+
+    def recording(now: float) -> float:
+        written = Stage.WRITE_DONE in pair.producer.timeline.get("t-flush")
+        picked.append((written, pick(now)))
+        return picked[-1][1]
+
+    pair.producer._interval = recording  # type: ignore[method-assign]
+    pair.consumer.request_allocated("t-flush", blocks, 32, 0, pair.remote())
+    pair.producer.request_finished("t-flush", blocks, 32)
+    assert pair.p_event("t-flush").outcome is ProducerOutcome.SENT
+    wait_for(lambda: sum(written for written, _ in picked) >= 4, "four ticks after the write ended")
+    after = [interval for written, interval in picked if written]
+    assert after[0] == FIRST_BUSY_POLL_S, after
+    assert set(after[1:4]) == {pair.p_config.idle_poll_interval_s}, after

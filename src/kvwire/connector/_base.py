@@ -225,7 +225,8 @@ class ConnectorBase(Generic[E]):
 
     @property
     def background_loop(self) -> BackgroundLoop | None:
-        """The loop thread the connector runs on (its own, or the one passed in); None before start."""
+        """The loop thread the connector runs on: the one passed in, or its own from ``start`` on (None
+        before); after ``close`` an own loop is closed but still returned."""
         return self._bg
 
     def poll(self) -> list[E]:
@@ -354,7 +355,7 @@ class ConnectorBase(Generic[E]):
 
     def _send(self, action: Send) -> bool:
         """Send one notification; False (logged) when the transport refuses."""
-        self._cadence.activity()  # an answer may follow
+        self._cadence.activity(flush=True)  # an answer may follow; UCX may hold it until a progress call
         try:
             agent, peer = self.ranks[action.key].agent, action.peer
             agent.send_notif(peer, self._gate.outgoing(agent.name, peer, encode_notif(action.msg)))
@@ -554,7 +555,9 @@ class ConnectorBase(Generic[E]):
                 state = XferStatus.FAILED
             if state is XferStatus.IN_PROGRESS:
                 continue
-            self._cadence.activity()  # the peer's answer (or the next write) usually follows
+            # The peer's answer (or the next write) usually follows; a WRITE's attached notification was
+            # just handed to UCX by this status check, and may wait there for a progress call.
+            self._cadence.activity(flush=True)
             self.timeline.mark(transfer_id, Stage.WRITE_DONE, now)
             reason = handle.failed_reason if isinstance(handle.failed_reason, str) else ""
             self._apply(now, XferEnded(token, state is XferStatus.DONE, reason))

@@ -36,9 +36,13 @@ class Cadence:
         self.config = config
         self.quiet = 0  # ticks since the last activity
         self.active_at = -ACTIVE_GRACE_S  # when the last activity was seen
+        # A notification went out (a send, or a WRITE's attached one at its end) since the last tick: with
+        # the progress thread off it may wait in UCX for the next progress call, so one tick follows soon.
+        self.flush = False
 
-    def activity(self) -> None:
+    def activity(self, flush: bool = False) -> None:
         self.quiet = 0
+        self.flush = self.flush or flush
 
     def heard(self, now: float) -> None:
         self.active_at = now
@@ -54,18 +58,22 @@ class Cadence:
         the idle interval. A peer's answer usually follows soon after activity, and NIXL has no descriptor
         to wait on: this catches it without polling fast all the time.
 
-        With nothing awaited, no ramp: the idle interval, or out of the grace ``DEEP_IDLE_S``, woken early
-        for the core's next timer (``wake_at()``). A request's last step (P's write ending, D's READY) is
-        activity, but no answer can follow it, and the next engine call wakes the loop at once: the ramp's
-        ticks there only woke a sleeping thread to find nothing (measured here: a NIXL ``getNotifs`` costs
-        0.6 us in a loop and 25 us as the first call after a 1 ms sleep, so each tick's cost is mostly its
-        wake-up)."""
+        With nothing awaited, no ramp: one tick at ``FIRST_BUSY_POLL_S`` if a notification went out since
+        the last tick (its progress call sends what UCX still holds), else the idle interval, or out of the
+        grace ``DEEP_IDLE_S``, woken early for the core's next timer (``wake_at()``). A request's last step
+        (P's write ending, D's READY) is activity, but nothing it awaits can follow, and the next engine call
+        wakes the loop at once: the ramp's ticks there only woke a sleeping thread to find nothing
+        (measured here: a NIXL ``getNotifs`` costs 0.6 us in a loop and 25 us as the first call after a
+        1 ms sleep, so each tick's cost is mostly its wake-up)."""
         cfg = self.config
         if self.quiet == 0:
             self.active_at = now  # something happened since the last tick
         self.quiet += 1
+        flush, self.flush = self.flush, False  # sent in (or since) the tick that just ran: the next sends it
         backoff = cfg.poll_interval_s * (1 << min(max(self.quiet - _HOT_TICKS - _RAMP_TICKS, 0), 16))
         if not awaiting:
+            if flush:
+                return FIRST_BUSY_POLL_S
             if self.in_grace(now):
                 return cfg.idle_poll_interval_s
             cap = max(cfg.idle_poll_interval_s, DEEP_IDLE_S)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -110,17 +111,19 @@ async def _connection(
     as ``kvwire.errors`` (what the body raises itself passes as it is)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
+    ended = math.inf  # when the body stopped (the timeout's cancel reached it), before the close
     try:
         async with asyncio.timeout_at(deadline):
             reader, writer = await asyncio.open_connection(addr.host, addr.port)
             try:
                 yield reader, writer
             finally:
+                ended = loop.time()
                 writer.close()
                 with contextlib.suppress(OSError):
                     await writer.wait_closed()
     except TimeoutError:
-        late = _stalled(loop.time() - deadline)
+        late = _stalled(min(ended, loop.time()) - deadline)
         raise HandshakeTimeout(f"{addr}: no answer within {timeout_s:.3g} s{late}") from None
     except ConnectionRefusedError as exc:
         raise NobodyListens(f"{addr}: {type(exc).__name__}: {exc}") from None
