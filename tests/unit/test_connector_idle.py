@@ -44,6 +44,22 @@ def record_intervals(conn: ConnectorBase[Any]) -> list[float]:
     return picked
 
 
+def record_intervals_after(
+    conn: ConnectorBase[Any], transfer_id: str, stage: Stage
+) -> list[tuple[bool, float]]:
+    """Every interval the ticker picks from now on, each with whether ``transfer_id`` had passed ``stage``
+    in the connector's timeline when it was picked (appended on the loop thread)."""
+    picked: list[tuple[bool, float]] = []
+    pick = conn._interval
+
+    def recording(now: float) -> float:
+        picked.append((stage in conn.timeline.get(transfer_id), pick(now)))
+        return picked[-1][1]
+
+    conn._interval = recording  # type: ignore[method-assign]
+    return picked
+
+
 def test_an_idle_ticker_backs_off_to_the_deep_idle_interval(pair: Pair) -> None:
     picked = record_intervals(pair.producer)
     cap = max(pair.p_config.idle_poll_interval_s, DEEP_IDLE_S)
@@ -99,15 +115,7 @@ def test_a_push_reg_for_a_request_still_prefilling_does_not_start_fast_polls(pai
     pair.consumer.request_allocated("t-warm", [2, 3], 32, 0, pair.remote())
     wait_for(lambda: Stage.PUSH_REG_RECEIVED in conn.timeline.get("t-warm"), "the first push_reg")
     wait_for(lambda: pair.on_loop(lambda: not conn._tasks), "P's handshake with D")
-    picked: list[tuple[bool, float]] = []  # (push_reg already received, interval picked)
-    pick = conn._interval
-
-    def recording(now: float) -> float:
-        arrived = Stage.PUSH_REG_RECEIVED in conn.timeline.get("t-prefilling")
-        picked.append((arrived, pick(now)))
-        return picked[-1][1]
-
-    conn._interval = recording  # type: ignore[method-assign]
+    picked = record_intervals_after(conn, "t-prefilling", Stage.PUSH_REG_RECEIVED)
     pair.consumer.request_allocated("t-prefilling", [0, 1], 32, 0, pair.remote())
     wait_for(lambda: sum(arrived for arrived, _ in picked) >= 6, "six ticks after the push_reg")
     after = [interval for arrived, interval in picked if arrived]
@@ -122,15 +130,8 @@ def test_a_finished_request_starts_no_fast_polls(pair: Pair) -> None:
     at the idle rate (each tick's cost is mostly its wake-up), and the next engine call wakes it at once."""
     blocks = [0, 1]
     pair.fill_p(blocks, 32)
-    picked: list[tuple[bool, float]] = []  # (P's done already taken: D's request READY, interval picked)
-    pick = pair.consumer._interval
-
-    def recording(now: float) -> float:
-        ready = Stage.DONE_RECEIVED in pair.consumer.timeline.get("t-done")
-        picked.append((ready, pick(now)))
-        return picked[-1][1]
-
-    pair.consumer._interval = recording  # type: ignore[method-assign]
+    # P's done taken: D's request READY in the same tick.
+    picked = record_intervals_after(pair.consumer, "t-done", Stage.DONE_RECEIVED)
     pair.consumer.request_allocated("t-done", blocks, 32, 0, pair.remote())
     pair.producer.request_finished("t-done", blocks, 32)
     assert [e.kind for e in pair.d_event("t-done")] == [ConsumerEventKind.READY]
@@ -147,15 +148,7 @@ def test_a_notification_out_gets_one_flush_tick_when_nothing_else_is_awaited(pai
     then, nothing being awaited, the idle rate."""
     blocks = [0, 1]
     pair.fill_p(blocks, 32)
-    picked: list[tuple[bool, float]] = []  # (P's write already ended, interval picked)
-    pick = pair.producer._interval
-
-    def recording(now: float) -> float:
-        written = Stage.WRITE_DONE in pair.producer.timeline.get("t-flush")
-        picked.append((written, pick(now)))
-        return picked[-1][1]
-
-    pair.producer._interval = recording  # type: ignore[method-assign]
+    picked = record_intervals_after(pair.producer, "t-flush", Stage.WRITE_DONE)
     pair.consumer.request_allocated("t-flush", blocks, 32, 0, pair.remote())
     pair.producer.request_finished("t-flush", blocks, 32)
     assert pair.p_event("t-flush").outcome is ProducerOutcome.SENT
