@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kvwire.connector import ConnectorConfig, ConsumerEventKind, ProducerOutcome
+from kvwire.connector.timeline import Stage
 from kvwire.kv.spec import KVSpec
 from kvwire.testing.clock import VirtualClock
 from kvwire.testing.connector_env import Pair, wait_for
@@ -130,5 +131,29 @@ def test_restarted_consumer_replaces_the_old_one_on_p() -> None:
         assert pair.on_loop(lambda: p_agent.peer_mode(old)) is None
         assert _loaded(pair)[0] == [new]
         assert untouched_blocks_zero(pair.d.ranks, [6, 7])  # the new D's cache starts zeroed
+    finally:
+        pair.close()
+
+
+def test_a_cached_peer_is_used_in_the_same_loop_pass_as_the_engine_call() -> None:
+    """Once D has loaded P, a request's push_reg leaves inside the loop callback that took the engine's
+    ``request_allocated``: the cached handshake's answer follows that input as an outcome does. It used to
+    come one loop pass later, a pass (and on a quiet loop a wake-up) per rank pair and request."""
+    pair = Pair(SPEC)
+    try:
+        _push(pair, "warm", [0, 1], [2, 3], 8, seed=1)  # D loads P: later requests find it cached
+        conn = pair.consumer
+        sent_in_handoff: list[bool] = []
+        handoff = conn._handoff
+
+        def recording(inp: object) -> None:
+            handoff(inp)  # type: ignore[arg-type]
+            sent_in_handoff.append(Stage.PUSH_REG_SENT in conn.timeline.get("cached"))
+
+        conn._handoff = recording  # type: ignore[method-assign]
+        _push(pair, "cached", [4, 5], [6, 7], 8, seed=2)
+        assert sent_in_handoff[0] is True, "the push_reg waited for a later loop pass"
+        hits = sum(m.stats.cache_hits for m in conn.managers.values())
+        assert hits >= 1  # served from the cache, not a new handshake
     finally:
         pair.close()

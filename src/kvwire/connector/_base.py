@@ -401,11 +401,13 @@ class ConnectorBase(Generic[E]):
         try:
             hit = mgr.cached(*args, engine_id=a.engine_id, incarnation=a.incarnation)
         except KvwireError as exc:
-            self._later(HandshakeDone(a.token, None, str(exc), refusal(exc), isinstance(exc, NobodyListens)))
+            refused = isinstance(exc, NobodyListens)
+            self._feeder.follow(HandshakeDone(a.token, None, str(exc), refusal(exc), refused))
             return
         if hit is not None:
-            # Cached (the usual case): no task; the answer still comes later, never re-entrantly.
-            self._later(HandshakeDone(a.token, hit, ""))
+            # Cached (the usual case): answered right after the input that asked, as an outcome is
+            # (never re-entrantly), not a loop pass later: that pass cost each rank pair a wake-up.
+            self._feeder.follow(HandshakeDone(a.token, hit, ""))
             return
         task = asyncio.ensure_future(mgr.ensure(*args, engine_id=a.engine_id, incarnation=a.incarnation))
         self._tasks.add(task)
@@ -431,10 +433,6 @@ class ConnectorBase(Generic[E]):
         """A peer's authenticated ``report_failed`` (side channel, same loop): the ``failed`` it means."""
         self._guarded(self._apply, (self._clock(), as_notification(report)))
         self._wake()
-
-    def _later(self, inp: Input) -> None:
-        loop = asyncio.get_running_loop()
-        loop.call_soon(lambda: self._guarded(self._apply, (self._clock(), inp)))
 
     def _forget_agent(self, agent_name: str) -> None:
         """The agent's process is gone: the handshake core that loaded it forgets that engine life, and

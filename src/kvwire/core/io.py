@@ -10,7 +10,9 @@ simulator) executes the actions in order. The contract a driver keeps:
   outcome nothing else happens.
 * Every ``PostWrite``/``PostRead`` that was posted ends with exactly one ``XferEnded`` (the driver polls
   the transfer) unless the core released it first (``Release``); after ``Release`` none comes.
-* ``StartHandshake`` ends with exactly one ``HandshakeDone`` (success or error), never re-entrantly.
+* ``StartHandshake`` ends with exactly one ``HandshakeDone`` (success or error), never re-entrantly: a
+  cached peer's may come right after the input that asked (as an outcome does), one that needs a handshake
+  when it ends, with other inputs between.
 * ``Tick`` is due at ``core.wake_at()`` at the latest; earlier ticks are harmless.
 
 Inputs and actions are frozen ``msgspec.Struct``s, not frozen dataclasses: a request makes about 30 of

@@ -175,6 +175,10 @@ class SimEngine:
         self._feeder.feed(self.world.now, inp)
         self._schedule_tick()
 
+    def follow(self, inp: Input) -> None:
+        """Handle ``inp`` right after the current input (an action's answer: ``Feeder.follow``)."""
+        self._feeder.follow(inp)
+
     def _failed(self, item: Input, exc: Exception) -> None:
         if not isinstance(exc, Refused):  # anything else escaping a core (or an action) is a bug
             self.world.violation(f"{self.engine_id}: {type(item).__name__} raised {exc!r}")

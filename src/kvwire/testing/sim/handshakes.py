@@ -5,6 +5,7 @@ module only plays the side channel (latency, faults, partitions, lives) and the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, assert_never
 
 from kvwire.core.handshake import (
@@ -89,8 +90,8 @@ class SimHandshakes:
     def start(self, a: StartHandshake) -> None:
         addr = PeerAddress(a.host, a.port, a.remote[0], a.remote[1])
         steps = self._run(a.key, Lookup(addr, a.mode, a.engine_id, a.incarnation, dial=True))
-        if steps:
-            self._answer(a, steps[0])
+        if steps:  # answered from the cache: at once, as the connector does (after this input, as an outcome)
+            self._answer(a, steps[0], self.engine.follow)
         else:
             self._want(a, addr, 0)
 
@@ -129,11 +130,14 @@ class SimHandshakes:
         else:
             self._answer(a, step)
 
-    def _answer(self, a: StartHandshake, step: HsStep) -> None:
+    def _answer(
+        self, a: StartHandshake, step: HsStep, done: Callable[[HandshakeDone], None] | None = None
+    ) -> None:
+        answer = done or self._done
         if isinstance(step, Ready):
-            self._done(HandshakeDone(a.token, step.peer, ""))
+            answer(HandshakeDone(a.token, step.peer, ""))
         elif isinstance(step, Refuse):
-            self._done(self._failed(a, step.error))
+            answer(self._failed(a, step.error))
         else:
             raise AssertionError(f"a caller got {step}")
 
@@ -142,7 +146,7 @@ class SimHandshakes:
         return HandshakeDone(a.token, None, str(error), refusal(error), isinstance(error, NobodyListens))
 
     def _done(self, done: HandshakeDone) -> None:
-        """Answer the protocol core as its own event: never re-entrantly (the driver contract)."""
+        """Answer the protocol core when a flight ends, as its own event (the connector's task callback)."""
         engine, life = self.engine, self.engine.life
 
         def answer() -> None:
