@@ -7,6 +7,11 @@ intervals under 1 ms are then slept exactly, so the ticks a request costs are th
 thread-safe), where asyncio's epoll wait rounds each of those intervals up to 1 ms: fewer ticks, a lower
 figure than an engine pays (figures before this option were measured that way).
 
+The bench's thread waits for each batch's end as an engine does: woken by the connectors' ``on_event``
+(``--wait event``, the default), or by polling both sides every 200 us (``--wait poll``, as figures
+before this option were measured, when the loop also slept 200 us more after the poll that saw the
+batch end: about 0.3 ms of every c1 ``wall_us`` before 2026-12-06 was the bench's own).
+
 Requests move one tiny block (a few hundred bytes per region, Llama-3-8B's 32 layers by default, so a
 request still posts one descriptor per (layer, kind) region): what is measured is kvwire's bookkeeping,
 not bytes. After warm-up requests (handshakes done, peers cached), ``--requests`` requests run in
@@ -39,6 +44,7 @@ import io
 import itertools
 import os
 import pstats
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -68,6 +74,8 @@ WAIT_S = 30.0
 _TRANSFER_CALLS = ("post", "post_array", "status", "release")
 _MESSAGE_CALLS = ("send_notif", "drain_notifs", "progress")
 IDLE_S = 0.5
+POLL_S = 0.0002  # --wait poll: the bench's poll period
+EVENT_WAIT_S = 0.01  # --wait event: a bound on one wait (events are the wake-up; this only guards one lost)
 T = TypeVar("T")
 _ids = itertools.count()
 
@@ -134,6 +142,7 @@ class Case:
     concurrency: int
     requests: int
     own_loops: bool = True  # each connector on its own loop thread (NIXL only)
+    wait_event: bool = True  # the bench sleeps until a connector's on_event, as an engine does
 
     @property
     def name(self) -> str:
@@ -145,7 +154,9 @@ class Rig:
     """P and D engines in this process, their connectors on their own loops or one shared loop, every
     side metered."""
 
-    def __init__(self, backend: str, spec: KVSpec, num_blocks: int, own_loops: bool = True) -> None:
+    def __init__(
+        self, backend: str, spec: KVSpec, num_blocks: int, own_loops: bool = True, wait_event: bool = True
+    ) -> None:
         n = next(_ids)
         fabric = InprocFabric() if backend == "inproc" else None
         self.spec = spec
@@ -163,6 +174,11 @@ class Rig:
         self.producer = _MeteredProducer(self.p.engine, self.p.ranks, cfg, loop=shared)
         self.consumer = _MeteredConsumer(self.d.engine, self.d.ranks, cfg, loop=shared)
         self.producer.meter, self.consumer.meter = self.pm.loop, self.dm.loop
+        # Set from either loop thread at every event; None: poll every POLL_S instead.
+        self._woken: threading.Event | None = threading.Event() if wait_event else None
+        if self._woken is not None:
+            self.producer.on_event(self._woken.set)
+            self.consumer.on_event(self._woken.set)
         _meter_agent(self.p.ranks[0].agent, self.pm)
         _meter_agent(self.d.ranks[0].agent, self.dm)
         port = self.producer.start()
@@ -195,16 +211,24 @@ class Rig:
             self._finished(tid, [i], tokens)
         p_left, d_left = set(tids), set(tids)
         deadline = time.monotonic() + WAIT_S
+        woken = self._woken
         while p_left or d_left:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{len(p_left)} P and {len(d_left)} D requests did not end")
+            if woken is not None:
+                woken.clear()  # before the polls: an event after them still ends the wait below
             for pe in self._p_poll():
                 _expect(isinstance(pe, ProducerEvent) and pe.outcome is ProducerOutcome.SENT, pe)
                 p_left.discard(pe.transfer_id)
             for de in self._d_poll():
                 _expect(isinstance(de, ConsumerEvent) and de.kind is ConsumerEventKind.READY, de)
                 d_left.discard(de.transfer_id)
-            time.sleep(0.0002)
+            if not (p_left or d_left):
+                break
+            if woken is None:
+                time.sleep(POLL_S)
+            else:
+                woken.wait(EVENT_WAIT_S)
 
     def reset(self) -> None:
         self.pm.reset()
@@ -255,7 +279,13 @@ def top_entries(prof: cProfile.Profile, limit: int) -> list[dict[str, Any]]:
 
 
 def measure(case: Case, spec: KVSpec, warmup: int, profile: bool, idle_s: float = IDLE_S) -> dict[str, Any]:
-    rig = Rig(case.backend, spec, num_blocks=max(case.concurrency, 1), own_loops=case.own_loops)
+    rig = Rig(
+        case.backend,
+        spec,
+        num_blocks=max(case.concurrency, 1),
+        own_loops=case.own_loops,
+        wait_event=case.wait_event,
+    )
     prof = cProfile.Profile(time.thread_time) if profile else None
     try:
         for w in range(max(1, warmup)):
@@ -285,6 +315,7 @@ def measure(case: Case, spec: KVSpec, warmup: int, profile: bool, idle_s: float 
         "concurrency": case.concurrency,
         "requests": case.requests,
         "loops": "own" if len(rig.loops) > 1 else "shared",
+        "wait": "event" if case.wait_event else "poll",
         "descriptors_per_request": spec.num_layers * len(spec.kinds),
     }
     for (side, m), idle_rate in zip((("p", rig.pm), ("d", rig.dm)), idle, strict=True):
@@ -312,7 +343,7 @@ def cases(args: argparse.Namespace) -> list[Case]:
     concurrency = (1, 8) if args.quick else tuple(args.concurrency)
     loops = {"own": (True,), "shared": (False,), "both": (False, True)}[args.loops]
     return [
-        Case(b, c, max(requests, c), own)
+        Case(b, c, max(requests, c), own, args.wait == "event")
         for b in backends
         for own in (loops if b == "nixl" else (False,))
         for c in concurrency
@@ -330,6 +361,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("own", "shared", "both"),
         default="own",
         help="NIXL: each connector on its own loop thread as in an engine (default), or both on one",
+    )
+    parser.add_argument(
+        "--wait",
+        choices=("event", "poll"),
+        default="event",
+        help="the bench waits for a batch's end woken by the connectors' on_event, as an engine does "
+        "(default), or polling both sides every 200 us (figures before this option)",
     )
     parser.add_argument(
         "--profile", action="store_true", help="cProfile the loop thread (P's, with own loops); print the top"
