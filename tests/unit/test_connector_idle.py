@@ -4,6 +4,8 @@ engine call wakes it at once. Structural checks (intervals chosen, timers cancel
 from __future__ import annotations
 
 import asyncio
+import itertools
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -156,3 +158,22 @@ def test_a_notification_out_gets_one_flush_tick_when_nothing_else_is_awaited(pai
     after = [interval for written, interval in picked if written]
     assert after[0] == FIRST_BUSY_POLL_S, after
     assert set(after[1:4]) == {pair.p_config.idle_poll_interval_s}, after
+
+
+def test_a_write_is_marked_done_when_its_end_is_seen_not_when_the_tick_began(pair: Pair) -> None:
+    """The timeline's ``write_done`` is the time the status check saw the write end. A tick that drains a
+    push_reg, posts the write and sees it end (the in-process backend ends a write at once) took its
+    ``now`` before the post: marking with it put ``write_done`` before ``write_posted``. P's clock here
+    steps 1 ms a call, so every step of a tick reads a later time than the one before it."""
+    base, calls = time.monotonic(), itertools.count()
+    pair.producer._clock = lambda: base + 0.001 * next(calls)
+    blocks = [0, 1]
+    pair.fill_p(blocks, 32)
+    for i in range(3):
+        tid = f"t-mark-{i}"
+        pair.consumer.request_allocated(tid, blocks, 32, 0, pair.remote())
+        pair.producer.request_finished(tid, blocks, 32)
+        assert pair.p_event(tid).outcome is ProducerOutcome.SENT
+        assert pair.d_event(tid)[-1].kind is ConsumerEventKind.READY
+        marks = pair.producer.timeline.get(tid)
+        assert marks[Stage.WRITE_POSTED] < marks[Stage.WRITE_DONE], marks

@@ -556,6 +556,7 @@ class ConnectorBase(Generic[E]):
             # The peer's answer (or the next write) usually follows; a WRITE's attached notification was
             # just handed to UCX by this status check, and may wait there for a progress call.
             self._cadence.activity(flush=True)
-            self.timeline.mark(transfer_id, Stage.WRITE_DONE, now)
+            # The clock now, not the tick's ``now``: this tick may have posted the write after it began.
+            self.timeline.mark(transfer_id, Stage.WRITE_DONE, self._clock())
             reason = handle.failed_reason if isinstance(handle.failed_reason, str) else ""
             self._apply(now, XferEnded(token, state is XferStatus.DONE, reason))
