@@ -173,13 +173,30 @@ def test_tombstone_of_an_aborted_request_answers_aborted() -> None:
     assert t.h.done(0.5, hs.token, t.d.peer_rank()) == [t.failed(FailReason.ABORTED)]
 
 
-def test_p_declares_a_silent_d_dead_after_liveness_timeout_not_before() -> None:
+def test_p_declares_a_silent_d_dead_after_liveness_timeout_not_before(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     t = P(dataclasses.replace(CFG, fence_ms=60_000))
     t.registered(0.0, fence_ms=60_000)  # prefill still running: P holds the registration for D
     assert protocol(t.h.ticks(5.0, 0.25)) == []
-    out = protocol(t.h.tick(5.0625))
+    with caplog.at_level("WARNING", logger="kvwire.connector"):
+        out = protocol(t.h.tick(5.0625))
     assert out == [t.failed(FailReason.PEER_DEAD), ForgetPeer("D", "D-life1")]
     assert t.core.stats.peers_declared_dead == 1
+    # The log says what P held for D: here a registration whose prefill had not ended.
+    (line,) = [r.getMessage() for r in caplog.records if "declared dead" in r.getMessage()]
+    assert f"P held for it: {TID} (prefilling; registered; D handshake done)" in line, line
+
+
+def test_p_names_a_write_stuck_in_flight_when_it_declares_d_dead(caplog: pytest.LogCaptureFixture) -> None:
+    """A silence with a write in flight (the write posted, never seen to end) says so, with its age."""
+    t = P(dataclasses.replace(CFG, fence_ms=60_000, transfer_timeout_s=60.0))
+    t.registered(0.0, fence_ms=60_000)
+    t.h.at(0.5, Finished(TID, BLOCKS, TOKENS))
+    with caplog.at_level("WARNING", logger="kvwire.connector"):
+        t.h.ticks(5.5, 0.25)
+    (line,) = [r.getMessage() for r in caplog.records if "declared dead" in r.getMessage()]
+    assert re.search(rf"{TID} \(held; \w+, write in flight [45]\.\d s; D handshake done\)", line), line
 
 
 def test_p_liveness_counts_from_ds_last_word() -> None:

@@ -60,6 +60,7 @@ from kvwire.core.producer_records import (
     silent_d_lives,
     sweep_due,
     uncovered,
+    waits,
 )
 from kvwire.errors import BlockRangeError, IllegalTransition, LayoutError
 from kvwire.kv.descriptors import TransferPlan, plan_transfer
@@ -568,18 +569,20 @@ class PushProducerCore(ProducerCore):
         A write in flight cannot be recalled, only released (which cancels it); its source blocks stay
         quarantined until then, so the request's blocks become freeable only after the release."""
         silent = now - self._d_seen.get(life, now)
-        self._log_warning("D %s/%s silent for %.1f s: declared dead", life[0], life[1], silent)
+        held = [(req, reg) for req in list(self._live_reqs.values()) for reg in list(req.regs.values())
+                if d_life(reg) == life and holding(reg)]  # fmt: skip
+        self._log_warning(
+            "D %s/%s silent for %.1f s: declared dead; P held for it: %s",
+            life[0], life[1], silent, waits(held, now),
+        )  # fmt: skip
         self.stats.peers_declared_dead += 1
         touched: list[Request] = []
-        for req in list(self._live_reqs.values()):
-            for reg in list(req.regs.values()):
-                if d_life(reg) != life or not holding(reg):
-                    continue
-                touched.append(req)
-                if reg.machine.writes_in_flight:
-                    self._recall(req, reg, FailReason.PEER_DEAD)
-                else:
-                    self._fail(req, reg, PT.PEER_DEAD)
+        for req, reg in held:  # _fail and _recall change a registration's state, never the tables
+            touched.append(req)
+            if reg.machine.writes_in_flight:
+                self._recall(req, reg, FailReason.PEER_DEAD)
+            else:
+                self._fail(req, reg, PT.PEER_DEAD)
         self._do(ForgetPeer(*life))
         self._d_seen.pop(life, None)
         for req in touched:

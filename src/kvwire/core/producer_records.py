@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -174,6 +174,21 @@ def holding(reg: Reg) -> bool:
     """Whether P still holds something for D under this registration (an open registration or a write).
     A write in flight is never in an ended state, so this is ``not registration_ended``."""
     return not reg.machine.registration_ended
+
+
+def waits(held: Sequence[tuple[Request, Reg]], now: float, limit: int = 4) -> str:
+    """What each held registration was at, for the log line that declares its D dead: a silence with
+    the prefill still running, a write stuck in flight or a handshake never answered calls for different
+    fixes. At most ``limit`` named, then a count."""
+    parts = []
+    for req, reg in held[:limit]:
+        state = reg.state.value
+        if reg.machine.writes_in_flight:
+            state += f", write in flight {now - reg.posted_at:.1f} s"
+        handshake = "done" if reg.peer is not None else "not done"
+        parts.append(f"{req.transfer_id} ({req.phase.value}; {state}; D handshake {handshake})")
+    more = f" and {len(held) - limit} more" if len(held) > limit else ""
+    return (", ".join(parts) or "nothing") + more
 
 
 def silent_d_lives(
