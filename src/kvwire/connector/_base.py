@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar, assert_never
 
 from kvwire.connector.cadence import Cadence
+from kvwire.connector.lag import LoopLag
 from kvwire.connector.reports import Reporter, as_notification
 from kvwire.connector.setup import checked_setup
 from kvwire.connector.timeline import Stage, Timeline
@@ -154,6 +155,7 @@ class ConnectorBase(Generic[E]):
         self._woken = False
         self._ticking = False
         self._cadence = Cadence(self.config)  # when the next tick runs (adaptive polling)
+        self.lag = LoopLag(self.role, self._clock)  # ticks that ran late, and why (logged)
         self._broken: set[RankKey] = set()
 
     def _make_reporter(self) -> Reporter:
@@ -459,6 +461,7 @@ class ConnectorBase(Generic[E]):
         this coroutine only holds the ticker's life, so cancelling ``_ticker`` stops the ticks."""
         loop = asyncio.get_running_loop()
         self._ticking = True
+        self.lag.due(self._clock())
         self._next = loop.call_soon(self._on_tick, loop)
         try:
             await loop.create_future()  # never resolved: runs until cancelled
@@ -475,9 +478,11 @@ class ConnectorBase(Generic[E]):
     def _on_tick(self, loop: asyncio.AbstractEventLoop) -> None:
         self._next, self._woken = None, False
         now = self._clock()
+        self.lag.ran(now, log)
         self._guarded(self._tick, (now,))
         if self._ticking and self._next is None:
             interval = self._interval(now)
+            self.lag.due(now + interval)  # from the tick's start: a tick that blocked the loop shows too
             if interval < _TIMER_RESOLUTION_S and self._own_loop:
                 # asyncio waits in epoll, which rounds every timeout up to a whole millisecond (1.1 ms
                 # measured for 50 us or 0.5 ms): a shorter wait is slept here (the GIL is released), and
