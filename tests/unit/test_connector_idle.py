@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -177,3 +179,19 @@ def test_a_write_is_marked_done_when_its_end_is_seen_not_when_the_tick_began(pai
         assert pair.d_event(tid)[-1].kind is ConsumerEventKind.READY
         marks = pair.producer.timeline.get(tid)
         assert marks[Stage.WRITE_POSTED] < marks[Stage.WRITE_DONE], marks
+
+
+def test_a_connector_whose_loop_runs_late_logs_it(pair: Pair, caplog: pytest.LogCaptureFixture) -> None:
+    """P's clock jumps 2 s between two ticks, as if its thread had not run for that long: the next tick
+    is counted and logged as a stall of about 2 s."""
+    offset = 0.0
+    pair.producer._clock = lambda: time.monotonic() + offset
+    with caplog.at_level(logging.WARNING, logger="kvwire.connector"):
+        offset = 2.0
+        wait_for(lambda: pair.producer.lag.stalls >= 1, "a late tick", timeout_s=5.0)
+    mine = [m for r in caplog.records if (m := r.getMessage()).startswith("producer: this connector's event")]
+    assert len(mine) == 1, caplog.text
+    late = float(re.search(r"ran (\d+\.\d) s late", mine[0]).group(1))  # type: ignore[union-attr]
+    # The jump, less the part of an interval the loop was still due to wait (at most 1 s), plus how late
+    # the loop thread itself woke on a busy host.
+    assert 1.0 <= late <= 3.0, mine[0]

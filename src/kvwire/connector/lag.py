@@ -4,7 +4,7 @@ the pipeline-parallel engine test (D's loop thread pinned to a core where a P st
 the only trace was the peers' timeouts; this module makes the starved side say so itself.
 
 ``LoopLag`` is told when the next tick is due (``due``) and when a tick ran (``ran``). A tick more than
-``warn_s`` late is a stall, logged at most once per ``every_s`` (``Throttle``). On Linux the line also
+``warn_s`` late is a stall, logged at most once per 10 s (``Throttle``). On Linux the line also
 says whether the thread was waiting for a CPU (its run-queue wait in ``/proc/thread-self/schedstat``,
 sampled about once a second) or was not runnable (the loop or the GIL held by someone else), which call
 for different fixes."""

@@ -569,23 +569,21 @@ class PushProducerCore(ProducerCore):
         A write in flight cannot be recalled, only released (which cancels it); its source blocks stay
         quarantined until then, so the request's blocks become freeable only after the release."""
         silent = now - self._d_seen.get(life, now)
-        held = [(req, reg) for req in list(self._live_reqs.values()) for reg in list(req.regs.values())
+        held = [(req, reg) for req in self._live_reqs.values() for reg in req.regs.values()
                 if d_life(reg) == life and holding(reg)]  # fmt: skip
         self._log_warning(
             "D %s/%s silent for %.1f s: declared dead; P held for it: %s",
             life[0], life[1], silent, waits(held, now),
         )  # fmt: skip
         self.stats.peers_declared_dead += 1
-        touched: list[Request] = []
         for req, reg in held:  # _fail and _recall change a registration's state, never the tables
-            touched.append(req)
             if reg.machine.writes_in_flight:
                 self._recall(req, reg, FailReason.PEER_DEAD)
             else:
                 self._fail(req, reg, PT.PEER_DEAD)
         self._do(ForgetPeer(*life))
         self._d_seen.pop(life, None)
-        for req in touched:
+        for req, _ in held:
             self._settle(now, req)
 
     def _heartbeats(self) -> None:
