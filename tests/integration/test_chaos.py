@@ -9,14 +9,18 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import cast
 
 import pytest
 
 from kvwire.errors import ConfigError
+from kvwire.testing.procs import ServerGroup
 from kvwire_tools.chaos.outcome import Final, RequestRecord, judge
-from kvwire_tools.chaos.plan import ChaosConfig, Victim, plan_kills
+from kvwire_tools.chaos.plan import ChaosConfig, PlannedKill, Victim, plan_kills
 from kvwire_tools.chaos.report import KillEvent, by_state, max_end_s, problems, recovered, summary
+from kvwire_tools.chaos.runner import ChaosRun, Cluster
 
 _RUN_TIMEOUT_S = 150
 
@@ -60,7 +64,7 @@ def _run_chaos(tmp_path: Path, *args: str) -> tuple[int, str]:
 def test_small_chaos_run_leaks_nothing_and_corrupts_nothing(tmp_path: Path) -> None:
     json_path = tmp_path / "chaos.json"
     rc, out = _run_chaos(
-        tmp_path, "--requests", "40", "--kills", "2", "--seed", "3", "--kv-lease-s", "5",
+        tmp_path, "--requests", "40", "--kills", "3", "--seed", "3", "--kv-lease-s", "5",
         "--quiet-timeout", "30", "--json", str(json_path),
     )  # fmt: skip
     assert rc == 0, out
@@ -75,7 +79,7 @@ def test_small_chaos_run_leaks_nothing_and_corrupts_nothing(tmp_path: Path) -> N
     assert "not_run" not in data["by_state"]
     assert 0 < data["max_end_s"] < 30
     assert "killed prefill" in out and "killed decode" in out
-    assert out.count("serving again") == 2
+    assert out.count("serving again") == 3
 
 
 # -- the pure parts ---------------------------------------------------------------------------------------
@@ -91,6 +95,53 @@ def test_kill_plan_is_seeded_alternates_victims_and_stays_inside_the_run() -> No
     assert moments == sorted(moments) and moments[0] >= 20 and moments[-1] <= 150
     assert all(cfg.min_down_s <= k.down_s <= cfg.max_down_s for k in plan)
     assert {k.victim for k in plan_kills(ChaosConfig(requests=40, kills=2, seed=1))} == set(Victim)
+
+
+def test_workers_cannot_run_past_a_kill_not_yet_made() -> None:
+    # A CI run whose requests all ended before its second kill never killed D (and so never saw a
+    # D-side quarantine that P's kill left): until a kill is made, at most ``concurrency`` requests
+    # start past its moment, one request per kill to come stays unsent, and workers waiting out a
+    # restart at the gate hold no index.
+    cfg = ChaosConfig(requests=24, kills=2, seed=3, concurrency=8)
+    run = ChaosRun(cfg, cast(Cluster, None), cast(ServerGroup, None), ["p"], [[1]], "m")
+
+    def take_in_thread() -> tuple[threading.Thread, list[tuple[int, bool] | None]]:
+        got: list[tuple[int, bool] | None] = []
+        worker = threading.Thread(target=lambda: got.append(run._take()), daemon=True)
+        worker.start()
+        worker.join(0.3)
+        assert worker.is_alive() and got == []  # waiting, bounded by the test's joins
+        return worker, got
+
+    try:
+        first, second = PlannedKill(10, 0.0, Victim.PREFILL, 1.0), PlannedKill(12, 0.0, Victim.DECODE, 1.0)
+        run.hold_for([first, second])
+        assert [run._take() for _ in range(18)] == [(i, False) for i in range(18)]
+        worker, late = take_in_thread()  # held at 10 + 8
+        run.hold_for([])  # the kill is made
+        worker.join(5.0)
+        assert late == [(18, False)]
+        # Armed at the restart, past the next moment: up to 8 more from where the run is, but one
+        # request stays unsent for the last kill (23 of 24).
+        run.hold_for([second])
+        assert [run._take() for _ in range(4)] == [(i, False) for i in range(19, 23)]
+        worker, late = take_in_thread()
+        run.hold_for([])
+        run.up.clear()  # a peer is down: the held worker becomes the prober
+        worker.join(5.0)
+        assert late == [(23, True)]
+        run._probe.release()
+        assert run._take() is None  # all 24 taken
+        run._next_index = 5
+        run.up.clear()
+        assert run._take() == (5, True)  # the prober, while the others wait at the gate
+        worker, gated = take_in_thread()
+        assert run._next_index == 6  # the gated worker holds no index
+        run.up.set()
+        worker.join(5.0)
+        assert gated == [(6, False)]
+    finally:
+        run.client.close()
 
 
 def test_config_rejects_nonsense() -> None:

@@ -76,17 +76,23 @@ def test_push_consumer_registers_and_is_ready_on_done() -> None:
 
 def declared_dead(t: D) -> StartHandshake:
     """P silent from 0: alive at exactly 5 s, declared dead at 5.125 (FAILED, cancel; blocks fenced), and
-    a probe of who is at P's address now (returned, unanswered)."""
+    a probe of who is at P's address now (returned, unanswered). The probe names no engine id: whoever
+    answers there is news (a restarted engine usually has a new id, which a named one would refuse)."""
     assert protocol(t.h.ticks(5.0, 0.25)) == []
     out = protocol(t.h.tick(5.125))
     probe = one(out, StartHandshake)
-    assert (probe.port, probe.remote, probe.mode, probe.engine_id) == (5000, (0, 0), PeerMode.NOTIF_ONLY, "P")
+    assert (probe.port, probe.remote, probe.mode, probe.engine_id) == (
+        5000,
+        (0, 0),
+        PeerMode.NOTIF_ONLY,
+        None,
+    )
     assert out == [ForgetPeer("P", "P-life1"), probe, Emit(ev(FAILED, FailReason.PEER_DEAD)), t.cancel()]
     assert t.core.stats.peers_declared_dead == 1
     return probe
 
 
-@pytest.mark.parametrize("answer", ["refused", "newer_life"])
+@pytest.mark.parametrize("answer", ["refused", "newer_life", "new_engine_id"])
 def test_d_releases_a_dead_lifes_blocks_after_the_grace_when_its_address_confirms_it_gone(
     answer: str,
 ) -> None:
@@ -95,8 +101,10 @@ def test_d_releases_a_dead_lifes_blocks_after_the_grace_when_its_address_confirm
     probe = declared_dead(t)
     if answer == "refused":  # nobody listens: a killed process's socket is closed
         t.h.at(5.25, HandshakeDone(probe.token, None, "refused", nobody_listens=True))
-    else:
+    elif answer == "newer_life":
         t.h.done(5.25, probe.token, dataclasses.replace(t.p.peer_rank(), incarnation="P-life2"))
+    else:  # restarted under a new engine id (kvwire serve's and vLLM's default), same address
+        t.h.done(5.25, probe.token, dataclasses.replace(t.p.peer_rank(), engine_id="P2", incarnation="P2-l1"))
     # The grace runs from the confirmation too: a killed process's socket still sends what it queued.
     assert events(t.h.tick(6.125)) == []
     assert events(t.h.tick(6.25)) == [ev(RELEASED, FailReason.PEER_DEAD)]
@@ -131,13 +139,16 @@ def test_d_keeps_an_unconfirmed_dead_lifes_blocks_until_the_quarantine_bound() -
     assert t.core.stats.quarantine_expired == 1
 
 
-def test_d_releases_a_dead_lifes_blocks_when_a_newer_life_answers() -> None:
+@pytest.mark.parametrize("engine_id", ["P", "P2"])
+def test_d_releases_a_dead_lifes_blocks_when_a_newer_life_answers(engine_id: str) -> None:
     t = D()
     t.start(0.0)
-    declared_dead(t)
+    probe = declared_dead(t)
+    t.h.at(5.25, HandshakeDone(probe.token, None, "timed out"))  # the probe learnt nothing
     t.h.ticks(6.25, 0.25)
-    # Another request handshakes with the restarted P at the same address: the old process is over.
-    p2 = TestEngine.build("P", incarnation="P-life2", port=5000)
+    # Another request handshakes with the restarted P at the same address: the old process is over,
+    # whether the new life kept the engine id or (kvwire serve's and vLLM's default) took a new one.
+    p2 = TestEngine.build(engine_id, incarnation=f"{engine_id}-life2", port=5000)
     hs = one(t.h.at(6.25, t.allocated("req-2")), StartHandshake)
     t.h.done(6.25, hs.token, p2.peer_rank(mode=PeerMode.NOTIF_ONLY))
     assert events(t.h.tick(7.0)) == []  # the grace, from the answer

@@ -234,7 +234,9 @@ class ConsumerCore(CoreBase):
         life = self._life.get((engine_id, incarnation))
         if life is None:
             return
-        if inp.nobody_listens or (inp.peer is not None and inp.peer.incarnation != incarnation):
+        peer = inp.peer
+        other = peer is not None and (peer.engine_id, peer.incarnation) != (engine_id, incarnation)
+        if inp.nobody_listens or other:
             self._lives.gone(life, self._now)
 
     def _on_p_handshake(
@@ -271,9 +273,13 @@ class ConsumerCore(CoreBase):
             # (found by the simulator: new requests kept a silent P "alive" and old ones waiting forever).
             life.dead_at = None
             life.last_seen = max(life.last_seen, now)
-        for (engine_id, incarnation), other in self._life.items():
-            if engine_id == peer.engine_id and incarnation != peer.incarnation:
-                self._lives.gone(other, now)  # a newer life answers at that address: the older one is over
+        where = (peer.host, peer.port)
+        life.addresses.add(where)
+        # Another life answers at an address the older one held: that process is over. Matched by address
+        # too, not by engine id alone: kvwire serve and vLLM give a restarted engine a new id by default.
+        for (engine_id, _), other in self._life.items():
+            if other is not life and (engine_id == peer.engine_id or where in other.addresses):
+                self._lives.gone(other, now)
         self._start(now, req, part, link, peer)
 
     def _start(self, now: float, req: Request, part: LocalPart, link: Link, peer: PeerRank) -> None:
@@ -584,11 +590,11 @@ class PushConsumerCore(ConsumerCore):
         self.stats.peers_declared_dead += 1
         self._do(ForgetPeer(peer.engine_id, peer.incarnation))
         # Ask its address who is there now: a refused connection (a killed process's socket is closed) or
-        # a newer life confirms this one gone, so its blocks need not wait for the quarantine bound. A
-        # timeout (frozen, partitioned) or the same life answering confirms nothing.
+        # another life confirms this one gone, so its blocks need not wait for the quarantine bound. A
+        # timeout (frozen, partitioned) or the same life answering confirms nothing. No engine id is
+        # asked for: a restarted engine usually has a new one, and the handshake would refuse it as
+        # another engine (a chaos run held D's blocks 30 s, to the bound, after every P restart).
         token = self._new_token()
         self._probes[token] = (peer.engine_id, peer.incarnation)
         remote = (peer.pp_rank, peer.tp_rank)
-        self._do(
-            StartHandshake(token, key, peer.host, peer.port, remote, PeerMode.NOTIF_ONLY, peer.engine_id)
-        )
+        self._do(StartHandshake(token, key, peer.host, peer.port, remote, PeerMode.NOTIF_ONLY))

@@ -92,6 +92,8 @@ class PeerLife:
     # leave it low until the next liveness pass that visits the life recomputes it).
     oldest_reg: float = math.inf
     verdicts: bool = False  # some link holds this life's death verdict: its word may end quarantines
+    # The side-channel addresses its ranks answered at: another life answering at one ends this one.
+    addresses: set[tuple[str, int]] = field(default_factory=set)
 
 
 class UsedIds:

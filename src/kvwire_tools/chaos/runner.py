@@ -3,7 +3,10 @@
 Threads: ``concurrency`` workers send the requests; one "monkey" kills a peer at each planned moment,
 restarts it on the same ports and reopens the gate once the router serves again. While a peer is down only
 one worker (the prober) keeps sending, so the run measures how fast the router answers 502/503 without
-spending all its requests on them. Every wait is bounded by the run's deadline.
+spending all its requests on them. Until every planned kill is made, the workers start at most
+``concurrency`` requests past the next kill's moment: a fast run cannot end before its kills (a CI run
+that ended first never killed D, which also left a D-side leak after P's kill unmasked, and unasked).
+Every wait is bounded by the run's deadline.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,6 +105,7 @@ class ChaosRun:
         self.last_start = self.t0 + cfg.deadline - cfg.quiet_timeout_s - cfg.request_timeout_s
         self._lock = threading.Lock()
         self._next_index = 0
+        self._hold_at: int | None = None  # no request index at or past it starts until the next kill
         self.done = 0
         self.up = threading.Event()
         self.up.set()
@@ -110,12 +115,32 @@ class ChaosRun:
         self.client = httpx.Client(limits=limits)
 
     # -- workers -------------------------------------------------------------------------------------------
-    def _take(self) -> int | None:
+    def hold_for(self, kills: Sequence[PlannedKill]) -> None:
+        """Until ``kills[0]`` is made, let at most ``concurrency`` requests start past its moment (or past
+        the current index, if later), leaving one unsent per kill still to come; none lifts the hold."""
         with self._lock:
-            if self._next_index >= len(self.records) or time.monotonic() > self.last_start:
+            if not kills:
+                self._hold_at = None
+                return
+            moment = kills[0].after_started
+            bound = max(moment, self._next_index) + self.cfg.concurrency
+            self._hold_at = max(moment, min(bound, len(self.records) - len(kills)))
+
+    def _take(self) -> tuple[int, bool] | None:
+        """The next request's index and whether this worker is the prober; None: no request is left.
+        The gate comes first, so a worker waiting out a restart holds no index (the hold counts indices)."""
+        while True:
+            prober = self._gate()
+            with self._lock:
+                over = self._next_index >= len(self.records) or time.monotonic() > self.last_start
+                if not over and (self._hold_at is None or self._next_index < self._hold_at):
+                    self._next_index += 1
+                    return self._next_index - 1, prober
+            if prober:
+                self._probe.release()
+            if over:
                 return None
-            self._next_index += 1
-            return self._next_index - 1
+            time.sleep(_POLL_S / 5)  # held for the next kill: the monkey lifts it (bounded: last_start)
 
     def _gate(self) -> bool:
         """Wait while a peer is down, unless this worker becomes the prober (returns True then)."""
@@ -127,8 +152,8 @@ class ChaosRun:
 
     def worker(self) -> None:
         url = self.cluster.router.url
-        while (i := self._take()) is not None:
-            prober = self._gate()
+        while (taken := self._take()) is not None:
+            i, prober = taken
             rec = self.records[i]
             try:
                 rec.start = time.monotonic()
@@ -148,17 +173,21 @@ class ChaosRun:
 
     # -- the monkey ----------------------------------------------------------------------------------------
     def monkey(self, plan: list[PlannedKill], console: Console) -> None:
-        for kill in plan:
-            if not self._wait_progress(kill.after_started):
-                return
-            time.sleep(kill.jitter_s)
-            if self.finished.is_set():
-                return
-            self._kill_and_restart(kill, console)
-            event = self.kills[-1]
-            if event.error is not None or event.back_at is None:
-                return
-            self._wait_recovered(event.back_at)
+        """Make each planned kill in turn; the caller armed the first one's hold (``hold_for``)."""
+        try:
+            for i, kill in enumerate(plan):
+                if not self._wait_progress(kill.after_started):
+                    return
+                time.sleep(kill.jitter_s)
+                if self.finished.is_set():
+                    return
+                self._kill_and_restart(kill, plan[i + 1 :], console)
+                event = self.kills[-1]
+                if event.error is not None or event.back_at is None:
+                    return
+                self._wait_recovered(event.back_at)
+        finally:
+            self.hold_for([])
 
     def _wait_progress(self, after_started: int) -> bool:
         while self._next_index < after_started:
@@ -176,12 +205,13 @@ class ChaosRun:
                 return
             time.sleep(_POLL_S)
 
-    def _kill_and_restart(self, kill: PlannedKill, console: Console) -> None:
+    def _kill_and_restart(self, kill: PlannedKill, after: Sequence[PlannedKill], console: Console) -> None:
         server = self.cluster.victim(kill.victim)
         self.up.clear()
         event = report.KillEvent(kill.victim.value, time.monotonic())
         self.group.kill(server)
         self.kills.append(event)
+        self.hold_for([])  # the gate holds the workers while the peer is down
         try:
             time.sleep(kill.down_s)
             event.restarted_at = time.monotonic()
@@ -198,6 +228,9 @@ class ChaosRun:
             event.error = f"restart failed: {exc}"
             console.print(f"[red]{kill.victim.value} did not come back:[/red] {exc}")
         finally:
+            # Armed before the gate opens: the requests after the restart (``concurrency`` of them, the
+            # recovery check's) start, and the run cannot end before the next kill.
+            self.hold_for(after)
             self.up.set()
 
     def _wait_router_healthy(self, timeout_s: float) -> None:
@@ -295,6 +328,7 @@ def _drive(run: ChaosRun, plan: list[PlannedKill], console: Console) -> None:
         for i in range(cfg.concurrency)
     ]
     monkey = threading.Thread(target=run.monkey, args=(plan, console), name="chaos-monkey", daemon=True)
+    run.hold_for(plan)
     for t in (*workers, monkey):
         t.start()
     bound = run.last_start + cfg.request_timeout_s + _JOIN_SLACK_S
