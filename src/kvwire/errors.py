@@ -140,6 +140,12 @@ class IncompatiblePeer(HandshakeError):
     """Compat hash, layout, TP/PP or block geometry does not match."""
 
 
+class PeerReplaced(HandshakeError):
+    """Another engine than the one named answers at the peer's address: the named one restarted under a
+    new engine id (kvwire serve's and vLLM's default) or another process took its port. Its requests' KV
+    is gone with it (the request fails ``peer_dead``, which a retry may cure); not a misconfiguration."""
+
+
 class Unauthorized(HandshakeError):
     """The peer refused our credentials (or we refused theirs)."""
 

@@ -10,6 +10,8 @@ import pytest
 from kvwire.core.breaker import Breaker
 from kvwire.core.handshake import (
     HandshakeCore,
+    failure_reason,
+    refusal,
 )
 from kvwire.core.handshake_io import (
     Answered,
@@ -42,12 +44,13 @@ from kvwire.core.types import PeerAddress, PeerRank
 from kvwire.errors import (
     CircuitOpen,
     HandshakeTimeout,
-    IncompatiblePeer,
     NoSuchRank,
     PeerNotAllowed,
+    PeerReplaced,
     PeerUnreachable,
 )
 from kvwire.protocol.allow import PeerAllowList
+from kvwire.protocol.messages import FailReason
 from kvwire.protocol.states import HandshakeState
 from kvwire.protocol.types import PeerMode
 
@@ -194,11 +197,32 @@ def test_a_refusal_does_not_trip_the_breaker_and_a_cancel_counts_nothing() -> No
     assert isinstance(fail, Fail) and fail.reason is None and sum(core.stats.failures.values()) == 1
 
 
-def test_another_engine_and_a_disallowed_address_are_refused() -> None:
+@pytest.mark.parametrize("answer", ["P", "Q"])
+def test_a_caller_naming_another_engine_refreshes_the_entry_and_the_reply_decides(answer: str) -> None:
+    # A restarted engine usually has a new id: the cached one may be the stale entry, so a caller naming
+    # Q is not refused from the cache; the address is asked again. Q there now: served. P still there:
+    # the engine Q named is not (restarted again, or another took its address): ``PeerReplaced``, whose
+    # request fails ``peer_dead`` (its KV is gone; a retry may cure it), not ``incompatible``.
     core = HandshakeCore(allowed=PeerAllowList.parse("10.0.0.0/8"))
-    _load(core, 0.0, _peer())
-    refused = _one(core.handle(0.0, Lookup(ADDR, NOTIF, engine_id="Q")))
-    assert isinstance(refused, Refuse) and isinstance(refused.error, IncompatiblePeer)
+    old = _load(core, 0.0, _peer())
+    assert core.handle(0.0, Lookup(ADDR, NOTIF, engine_id="Q", dial=True)) == []  # a miss: dial
+    assert isinstance(_one(core.handle(0.0, Want(ADDR, NOTIF, engine_id="Q"))), Start)
+    assert core.peers[ADDR] == old  # the entry serves until the reply says whose it is
+    core.handle(0.0, Attempt(ADDR))
+    out = core.handle(0.0, FetchOk(ADDR, answer, f"{answer}-1"))
+    assert isinstance(out[-1], Load) and (Unload(old.agent_name) in out) is (answer == "Q")
+    done = _one(core.handle(0.0, LoadOk(ADDR, _peer(engine=answer, incarnation=f"{answer}-1"))))
+    assert isinstance(done, Loaded) and core.peers[ADDR] == done.peer
+    got = _one(core.handle(0.0, Answered(NOTIF, "Q", done.peer)))
+    if answer == "Q":
+        assert got == Ready(done.peer)
+    else:
+        assert isinstance(got, Refuse) and isinstance(got.error, PeerReplaced)
+        assert refusal(got.error) is FailReason.PEER_DEAD and failure_reason(got.error).value == "replaced"
+
+
+def test_a_disallowed_address_is_refused() -> None:
+    core = HandshakeCore(allowed=PeerAllowList.parse("10.0.0.0/8"))
     far = PeerAddress("192.168.0.1", 1, 0, 0)
     refused = _one(core.handle(0.0, Lookup(far, NOTIF, dial=True)))
     assert isinstance(refused, Refuse) and isinstance(refused.error, PeerNotAllowed)

@@ -21,6 +21,7 @@ from kvwire.errors import (
     NoSuchRank,
     NotAddressable,
     PeerNotFound,
+    PeerReplaced,
     PeerUnreachable,
     Unauthorized,
 )
@@ -325,7 +326,8 @@ def test_incompatible_compat_hash_is_refused_without_retry() -> None:
 def test_expected_engine_id_is_checked() -> None:
     async def body() -> None:
         async with pair() as t:
-            with pytest.raises(IncompatiblePeer, match="not the expected"):
+            # Another engine at the address than the one named: the named one is gone (peer_dead).
+            with pytest.raises(PeerReplaced, match="not Q: that engine restarted under a new id"):
                 await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY, engine_id="Q")
             assert (
                 await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY, engine_id="P")

@@ -4,8 +4,10 @@
 simulator (``kvwire.testing.sim``) another: neither holds a rule. What the core decides:
 
 * the cache: an entry per peer address and rank, carrying the peer's (engine_id, incarnation); a caller
-  that names another incarnation refreshes it (the entry serves until the reply says whose it is); a
-  reply from another life replaces it (its agent unloaded first: NIXL breaks an entry re-added under a
+  that names another incarnation or engine id refreshes it (the entry serves until the reply says whose
+  it is; a restarted engine usually has a new id, so a cached id other than the one named is no answer);
+  a reply from another engine than the one named is ``PeerReplaced`` (its KV is gone: ``peer_dead``); a
+  reply from another life replaces the entry (its agent unloaded first: NIXL breaks an entry re-added under a
   live name);
 * one handshake in flight per address (later callers join it: ``Join``, counted as deduplicated);
 * NOTIF_ONLY -> FULL is an upgrade that keeps the clock offset already measured; a FULL entry serves
@@ -72,6 +74,7 @@ from kvwire.errors import (
     NobodyListens,
     NoSuchRank,
     PeerNotAllowed,
+    PeerReplaced,
     PeerUnreachable,
     TransportError,
     Unauthorized,
@@ -117,6 +120,7 @@ def failure_reason(exc: BaseException) -> FailureReason:
         (HandshakeTimeout, FailureReason.TIMEOUT),
         (PeerUnreachable, FailureReason.UNREACHABLE),
         (IncompatiblePeer, FailureReason.INCOMPATIBLE),
+        (PeerReplaced, FailureReason.REPLACED),
         (LayoutError, FailureReason.INCOMPATIBLE),
         (Unauthorized, FailureReason.UNAUTHORIZED),
         (NoSuchRank, FailureReason.NO_SUCH_RANK),
@@ -130,7 +134,10 @@ def failure_reason(exc: BaseException) -> FailureReason:
 def refusal(exc: BaseException) -> FailReason:
     """A failed handshake's reason, as the protocol core hears it (``HandshakeDone.reason``): permanent
     misconfigurations keep their own (the engine answers them with an error the client does not retry),
-    the rest is handshake_failed."""
+    another engine at the address is the named one's death (``peer_dead``, as another life of it is: the
+    request's KV is gone, a retry may cure it), the rest is handshake_failed."""
+    if isinstance(exc, PeerReplaced):
+        return FailReason.PEER_DEAD
     if isinstance(exc, IncompatiblePeer):
         return FailReason.INCOMPATIBLE
     if isinstance(exc, Unauthorized):
@@ -247,6 +254,7 @@ class HandshakeCore:
         if (
             cached is None
             or q.incarnation not in (None, cached.incarnation)
+            or q.engine_id not in (None, cached.engine_id)  # may be stale: the named engine restarted there
             or not satisfies(cached.mode, q.mode)
         ):
             return
@@ -255,8 +263,11 @@ class HandshakeCore:
 
     def _checked(self, now: float, peer: PeerRank, engine_id: str | None) -> None:
         if engine_id is not None and peer.engine_id != engine_id:
-            msg = f"{peer.host}:{peer.port} is engine {peer.engine_id}, not the expected {engine_id}"
-            self._out.append(Refuse(IncompatiblePeer(msg)))
+            msg = (
+                f"{peer.host}:{peer.port} is engine {peer.engine_id}/{peer.incarnation}, not {engine_id}: "
+                "that engine restarted under a new id, or another took its address"
+            )
+            self._out.append(Refuse(PeerReplaced(msg)))
             return
         self.last_used[peer.engine_id] = now
         self._out.append(Ready(peer))
@@ -264,7 +275,11 @@ class HandshakeCore:
     def _want(self, now: float, w: Want) -> None:
         addr = w.addr
         cached = self.peers.get(addr)
-        fresh = cached is not None and w.incarnation in (None, cached.incarnation)
+        fresh = (
+            cached is not None
+            and w.incarnation in (None, cached.incarnation)
+            and w.engine_id in (None, cached.engine_id)
+        )
         if cached is not None and fresh and satisfies(cached.mode, w.mode):
             self._checked(now, cached, w.engine_id)
             return

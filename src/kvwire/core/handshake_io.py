@@ -20,6 +20,7 @@ class FailureReason(enum.Enum):
     TIMEOUT = "timeout"
     UNREACHABLE = "unreachable"
     INCOMPATIBLE = "incompatible"
+    REPLACED = "replaced"  # another engine answers at the address than the one named
     UNAUTHORIZED = "unauthorized"
     NO_SUCH_RANK = "no_such_rank"
     BAD_REPLY = "bad_reply"

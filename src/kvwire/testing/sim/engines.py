@@ -68,7 +68,9 @@ class _Xfer:
 
 
 class SimEngine:
-    """One engine (all its ranks) across its lives: a crash starts a new incarnation at the same address."""
+    """One engine (all its ranks) across its lives: a crash starts a new incarnation at the same address,
+    under the same engine id or (as kvwire serve and vLLM do by default) a new one, ``wire_id``;
+    ``engine_id`` stays the simulator's name for the engine (partitions, reports)."""
 
     def __init__(
         self,
@@ -89,6 +91,8 @@ class SimEngine:
         self.tp, self.pp, self.num_blocks, self.mode, self.config = tp, pp, num_blocks, mode, config
         self._make_core, self._on_event = make_core, on_event
         self.life = 0
+        self.wire_id = engine_id
+        self.expired = 0  # D: quarantines the lives before this one released at the bound
         self.graveyard: list[KVCache] = []  # old lives' memory stays mapped: late writes must not crash us
         self._start_life()
 
@@ -96,10 +100,8 @@ class SimEngine:
     def _start_life(self) -> None:
         w = self.world
         self.life += 1
-        self.incarnation = f"{self.engine_id}-life{self.life}"
-        self.info = EngineInfo(
-            self.engine_id, self.incarnation, "sim", self.spec, self.tp, self.pp, self.mode
-        )
+        self.incarnation = f"{self.wire_id}-life{self.life}"
+        self.info = EngineInfo(self.wire_id, self.incarnation, "sim", self.spec, self.tp, self.pp, self.mode)
         self.caches: dict[RankKey, KVCache] = {}
         self.agent_names: dict[RankKey, str] = {}
         for p in range(self.pp):
@@ -110,7 +112,7 @@ class SimEngine:
                     first_layer=window.start, num_layers=len(window),
                 )  # fmt: skip
                 self.caches[(p, t)] = cache
-                name = make_agent_name(self.engine_id, self.incarnation, p, t)
+                name = make_agent_name(self.wire_id, self.incarnation, p, t)
                 self.agent_names[(p, t)] = name
                 w.agents[name] = self
                 for r in cache.regions():
@@ -138,9 +140,13 @@ class SimEngine:
         self._tick_at = math.inf
         self._feeder = Feeder(self.core, self._execute, self._failed)
 
-    def crash(self) -> None:
-        """The process dies: every agent, transfer and request of this life is gone; restart at once."""
+    def crash(self, new_id: bool = False) -> None:
+        """The process dies: every agent, transfer and request of this life is gone; restart at once,
+        under a new engine id with ``new_id``."""
         w = self.world
+        self.expired = self.quarantines_expired()
+        if new_id:
+            self.wire_id = f"{self.engine_id}.{self.life + 1}"
         for name in self.agent_names.values():
             w.agents.pop(name, None)
         w.memory.remove(self)
@@ -149,6 +155,10 @@ class SimEngine:
         for x in self.xfers.values():
             x.released = True
         self._start_life()
+
+    def quarantines_expired(self) -> int:
+        """D: dead P lives' blocks released at the quarantine bound, never confirmed, over all its lives."""
+        return self.expired + self.core.stats.quarantine_expired
 
     def pause(self, seconds: float) -> None:
         self.paused_until = max(self.paused_until, self.world.now + seconds)

@@ -219,7 +219,7 @@ class SimHandshakes:
             self._step(key, addr, FetchErr(addr, error or PeerUnreachable(str(addr))))
             return
         self._fetched[(key, addr)] = (target, tlife)
-        self._step(key, addr, FetchOk(addr, target.engine_id, target.incarnation))
+        self._step(key, addr, FetchOk(addr, target.wire_id, target.incarnation))
 
     def _load(self, key: RankKey, addr: PeerAddress, mode: PeerMode) -> None:
         target, _ = self._fetched.pop((key, addr))
@@ -227,7 +227,7 @@ class SimHandshakes:
         agent = target.agent_names[remote]
         self.engine.loaded[key].add(agent)
         peer = PeerRank(
-            engine_id=target.engine_id,
+            engine_id=target.wire_id,
             incarnation=target.incarnation,
             host=addr.host,
             port=addr.port,

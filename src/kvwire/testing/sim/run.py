@@ -143,6 +143,7 @@ class _Req:
     d_done: float | None = None
     p_done: float | None = None
     p_incarnation: str = ""  # P's life at submit: the one that prefills
+    p_wire_id: str = ""  # and its engine id, as P's answer names it
     d_after: float = 0.0  # when D allocates, after submit (push) or after P's prefill (pull)
 
 
@@ -212,7 +213,7 @@ class Simulation:
         abort = w.chance(w.faults.abort, "abort", plan)
         side, abort_after = plan.choice(("p", "d")), plan.random() * 20e-3
         req = _Req(f"r{number}", number, p, d, tokens, cached, w.now, p_life=p.life, d_life=d.life)
-        req.p_incarnation = p.incarnation
+        req.p_incarnation, req.p_wire_id = p.incarnation, p.wire_id
         req.d_after = d_after
         n = math.ceil(tokens / SPEC.block_size)
         p_blocks = p.allocate(req.tid, n)
@@ -245,7 +246,7 @@ class Simulation:
         # The life that prefilled, as P's answer names it (a P restarted since must be refused).
         incarnation = req.p_incarnation
         return RemoteEngine(
-            req.p.engine_id, "sim", req.p.port, req.p.tp, req.p.pp, blocks, incarnation=incarnation
+            req.p_wire_id, "sim", req.p.port, req.p.tp, req.p.pp, blocks, incarnation=incarnation
         )
 
     def _allocate_d(self, req: _Req) -> None:
@@ -336,9 +337,9 @@ class Simulation:
         if w.chance(f.pause * period, "pause", plan):
             plan.choice(self.engines).pause(plan.random() * 10.0)
         if w.chance(f.crash * period, "crash", plan):
-            self._crash(plan.choice(self.engines))
+            self._crash(plan.choice(self.engines), new_id=plan.random() < 0.5)
 
-    def _crash(self, engine: SimEngine) -> None:
+    def _crash(self, engine: SimEngine, *, new_id: bool) -> None:
         # The requests of the dead life are gone from this side; the other side must still end them.
         for req in self.reqs.values():
             if req.p is engine and req.p_life == engine.life and not req.p_freed:
@@ -348,7 +349,8 @@ class Simulation:
                 self._d_ended(req)
                 req.d_events.append(ConsumerEventKind.RELEASED)
         self.outcomes["crash"] += 1
-        engine.crash()
+        self.outcomes["crash_new_id"] += new_id
+        engine.crash(new_id)
 
     # -- the run ---------------------------------------------------------------------------------------------
     def bound_s(self) -> float:
@@ -386,6 +388,11 @@ class Simulation:
         # Quiescence: past every timer (tombstones, leases), nothing may stay held.
         w.run_until(w.now + CONFIG.tombstone_s + CONFIG.kv_lease_duration_s + 5.0)
         self._check_quiescent()
+        # Blocks released at the quarantine bound, never confirmed: legitimate after a freeze or a
+        # partition, but a crashed P's address answers (a new life) and must confirm it sooner.
+        expired = sum(d.quarantines_expired() for d in self.ds)
+        if expired:
+            self.outcomes["d_quarantine_expired"] = expired
 
     def _all_ended(self) -> bool:
         return self.open_sides == 0
