@@ -155,6 +155,22 @@ def test_d_releases_a_dead_lifes_blocks_when_a_newer_life_answers(engine_id: str
     assert events(t.h.tick(7.25)) == [ev(RELEASED, FailReason.PEER_DEAD)]
 
 
+def test_an_older_lifes_cached_answer_does_not_call_a_live_life_gone() -> None:
+    # One D rank's cache may still hold an older life of the address (another rank loaded the new one):
+    # its answer is no news about the live life there, whose verdict must still wait for a confirmation.
+    t = D(dataclasses.replace(CFG, dead_quarantine_s=4.0))
+    t.start(0.0)  # req-1 on P-life1
+    hs = one(t.h.at(0.25, t.allocated("req-2")), StartHandshake)
+    t.h.done(
+        0.25, hs.token, dataclasses.replace(t.p.peer_rank(mode=PeerMode.NOTIF_ONLY), incarnation="P-life0")
+    )
+    probe = declared_dead(t)  # P-life1, silent since 0
+    t.h.at(5.25, HandshakeDone(probe.token, None, "timed out"))
+    mine = [e for e in events(t.h.ticks(10.125 - 2**-5, 0.25)) if getattr(e, "transfer_id", "") == TID]
+    assert ev(RELEASED, FailReason.PEER_DEAD) not in mine  # not at the grace (6.125): at the bound
+    assert ev(RELEASED, FailReason.PEER_DEAD) in events(t.h.tick(10.125))
+
+
 def test_d_forgets_a_dead_lifes_liveness_once_no_request_waits_on_it() -> None:
     t = D()
     t.start(0.0)

@@ -275,10 +275,14 @@ class ConsumerCore(CoreBase):
             life.last_seen = max(life.last_seen, now)
         where = (peer.host, peer.port)
         life.addresses.add(where)
-        # Another life answers at an address the older one held: that process is over. Matched by address
+        # Another life answers at an address a dead one held: that process is over. Matched by address
         # too, not by engine id alone: kvwire serve and vLLM give a restarted engine a new id by default.
+        # Only lives with a verdict: this answer may come from a rank's cache, and an entry of an older
+        # life there must not call a live newer one gone (its own verdict's probe asks afresh).
         for (engine_id, _), other in self._life.items():
-            if other is not life and (engine_id == peer.engine_id or where in other.addresses):
+            if other is life or not (other.verdicts or other.dead_at is not None):
+                continue
+            if engine_id == peer.engine_id or where in other.addresses:
                 self._lives.gone(other, now)
         self._start(now, req, part, link, peer)
 
