@@ -4,6 +4,8 @@ bad notifications. Fences, timeouts and dead peers are pinned in virtual time in
 
 from __future__ import annotations
 
+import msgspec
+
 from kvwire.connector import ConsumerEventKind, ProducerOutcome
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.codec import encode_notif
@@ -92,6 +94,27 @@ def test_bad_notifications_are_counted_and_dropped() -> None:
         # The connector still works.
         pair.consumer.request_allocated("ok", [0], 4, 0, pair.remote())
         pair.producer.request_finished("ok", [1], 4)
+        assert _kinds(pair.d_event("ok")) == [(K.READY, None)]
+    finally:
+        pair.close()
+
+
+def test_a_request_naming_a_p_replaced_at_its_address_fails_peer_dead_then_one_naming_it_is_served() -> None:
+    # A P restarted under a new engine id (kvwire serve's and vLLM's default): a decode leg naming the old
+    # id finds another engine at the address. It fails peer_dead (P's KV is gone; a retry may cure it),
+    # not incompatible (a misconfiguration the engine answers with x-should-retry: false). Through the
+    # real handshake manager, side channel and consumer core.
+    pair = Pair(SPEC)
+    try:
+        old = msgspec.structs.replace(pair.remote(), engine_id="prefill-before-restart")
+        pair.consumer.request_allocated("gone", [0], 4, 0, old)
+        assert _kinds(pair.d_event("gone")) == [
+            (K.FAILED, FailReason.PEER_DEAD),
+            (K.RELEASED, FailReason.PEER_DEAD),
+        ]
+        # The engine that is there serves the next request as usual.
+        pair.consumer.request_allocated("ok", [1], 4, 0, pair.remote())
+        pair.producer.request_finished("ok", [2], 4)
         assert _kinds(pair.d_event("ok")) == [(K.READY, None)]
     finally:
         pair.close()
