@@ -4,8 +4,8 @@ Threads: ``concurrency`` workers send the requests; one "monkey" kills a peer at
 restarts it on the same ports and reopens the gate once the router serves again. While a peer is down only
 one worker (the prober) keeps sending, so the run measures how fast the router answers 502/503 without
 spending all its requests on them. Until every planned kill is made, the workers start at most
-``concurrency`` requests past the next kill's moment: a fast run cannot end before its kills (a CI run
-that ended first never killed D, which also left a D-side leak after P's kill unmasked, and unasked).
+``concurrency`` requests past the next kill's moment, and leave one unsent per kill to come: a fast run
+cannot end before its kills (a CI run did, and never killed D).
 Every wait is bounded by the run's deadline.
 """
 
