@@ -126,8 +126,11 @@ def test_workers_cannot_run_past_a_kill_not_yet_made() -> None:
         run.hold_for([second])
         assert [run._take() for _ in range(4)] == [(i, False) for i in range(19, 23)]
         worker, late = take_in_thread()
-        run.hold_for([])
-        run.up.clear()  # a peer is down: the held worker becomes the prober
+        run.hold_while_down(1)  # the second kill is made; a third would come: still held at 23
+        run.up.clear()  # a peer is down: the held worker would be the prober
+        worker.join(0.3)
+        assert worker.is_alive() and late == []
+        run.hold_while_down(0)  # no kill to come
         worker.join(5.0)
         assert late == [(23, True)]
         run._probe.release()

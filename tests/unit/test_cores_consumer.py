@@ -155,20 +155,46 @@ def test_d_releases_a_dead_lifes_blocks_when_a_newer_life_answers(engine_id: str
     assert events(t.h.tick(7.25)) == [ev(RELEASED, FailReason.PEER_DEAD)]
 
 
-def test_an_older_lifes_cached_answer_does_not_call_a_live_life_gone() -> None:
-    # One D rank's cache may still hold an older life of the address (another rank loaded the new one):
-    # its answer is no news about the live life there, whose verdict must still wait for a confirmation.
+@pytest.mark.parametrize("answer", ["P-life0", "Q"])
+@pytest.mark.parametrize("when", ["before_the_verdict", "after_the_verdict"])
+def test_a_cached_answer_of_another_life_confirms_nothing(answer: str, when: str) -> None:
+    # One D rank's cache may still hold an older life of the address (an older incarnation of P, or the
+    # engine Q that held the address before) after another rank loaded P-life1: that answer is no news
+    # about P-life1, alive or frozen and declared dead, whose blocks must wait for a real confirmation.
     t = D(dataclasses.replace(CFG, dead_quarantine_s=4.0))
     t.start(0.0)  # req-1 on P-life1
-    hs = one(t.h.at(0.25, t.allocated("req-2")), StartHandshake)
-    t.h.done(
-        0.25, hs.token, dataclasses.replace(t.p.peer_rank(mode=PeerMode.NOTIF_ONLY), incarnation="P-life0")
+    stale = dataclasses.replace(
+        t.p.peer_rank(mode=PeerMode.NOTIF_ONLY), engine_id=answer[0], incarnation=answer
     )
+
+    def stale_answer(now: float) -> None:
+        remote = msgspec.structs.replace(t.allocated("req-2").remote, engine_id=answer[0])
+        hs = one(t.h.at(now, msgspec.structs.replace(t.allocated("req-2"), remote=remote)), StartHandshake)
+        t.h.done(now, hs.token, stale, cached=True)
+
+    if when == "before_the_verdict":
+        stale_answer(0.25)
     probe = declared_dead(t)  # P-life1, silent since 0
-    t.h.at(5.25, HandshakeDone(probe.token, None, "timed out"))
+    t.h.at(5.25, HandshakeDone(probe.token, None, "timed out"))  # frozen: the probe learns nothing
+    if when == "after_the_verdict":
+        stale_answer(5.5)
     mine = [e for e in events(t.h.ticks(10.125 - 2**-5, 0.25)) if getattr(e, "transfer_id", "") == TID]
-    assert ev(RELEASED, FailReason.PEER_DEAD) not in mine  # not at the grace (6.125): at the bound
+    assert ev(RELEASED, FailReason.PEER_DEAD) not in mine  # not at the grace (6.125 or 6.5): at the bound
     assert ev(RELEASED, FailReason.PEER_DEAD) in events(t.h.tick(10.125))
+
+
+def test_a_fresh_answer_of_another_engine_at_the_address_confirms_a_dead_life_gone() -> None:
+    # The same answer from the address itself (not a cache): another process holds it, P-life1 is over.
+    t = D(dataclasses.replace(CFG, dead_quarantine_s=4.0))
+    t.start(0.0)
+    probe = declared_dead(t)
+    t.h.at(5.25, HandshakeDone(probe.token, None, "timed out"))
+    q = dataclasses.replace(t.p.peer_rank(mode=PeerMode.NOTIF_ONLY), engine_id="Q", incarnation="Q-1")
+    remote = msgspec.structs.replace(t.allocated("req-2").remote, engine_id="Q")
+    hs = one(t.h.at(5.5, msgspec.structs.replace(t.allocated("req-2"), remote=remote)), StartHandshake)
+    t.h.done(5.5, hs.token, q)
+    assert events(t.h.tick(6.375)) == []  # the grace, from the answer at 5.5
+    assert ev(RELEASED, FailReason.PEER_DEAD) in events(t.h.tick(6.5))
 
 
 def test_d_forgets_a_dead_lifes_liveness_once_no_request_waits_on_it() -> None:

@@ -219,6 +219,7 @@ def test_a_caller_naming_another_engine_refreshes_the_entry_and_the_reply_decide
     else:
         assert isinstance(got, Refuse) and isinstance(got.error, PeerReplaced)
         assert refusal(got.error) is FailReason.PEER_DEAD and failure_reason(got.error).value == "replaced"
+        assert core.stats.failures[failure_reason(got.error)] == 1  # counted by reason, as other failures are
 
 
 def test_a_disallowed_address_is_refused() -> None:

@@ -409,7 +409,7 @@ class ConnectorBase(Generic[E]):
         if hit is not None:
             # Cached (the usual case): answered right after the input that asked, as an outcome is
             # (never re-entrantly), not a loop pass later: that pass cost each rank pair a wake-up.
-            self._feeder.follow(HandshakeDone(a.token, hit, ""))
+            self._feeder.follow(HandshakeDone(a.token, hit, "", cached=True))
             return
         task = asyncio.ensure_future(mgr.ensure(*args, engine_id=a.engine_id, incarnation=a.incarnation))
         self._tasks.add(task)

@@ -37,8 +37,9 @@ class ConnectorConfig:
     # had posted, and after a healed partition the old connection still drains what the kernels held.
     dead_peer_grace_s: float = 1.0
     # After the grace, D still keeps a dead P life's target blocks quarantined until that life is confirmed
-    # (it spoke again, which it does only after recalling its writes, or a newer life of the engine
-    # answered), at most this long: a frozen P thawed later could land a write it had posted.
+    # (it spoke again, which it does only after recalling its writes, or another life answered at its
+    # address, or nobody listens there), at most this long: a frozen P thawed later could land a write
+    # it had posted.
     dead_quarantine_s: float = 30.0
     # A posted transfer still in progress after this is released and reported failed (NIXL #2047).
     transfer_timeout_s: float = 30.0

@@ -255,10 +255,12 @@ class ConsumerCore(CoreBase):
             log("%s: %s", req.transfer_id, why)
             self._fail(req, part, CT.HANDSHAKE_FAILED, reason)
         else:
-            self._linked(now, req, part, link, peer)
+            self._linked(now, req, part, link, peer, fresh=not inp.cached)
         self._settle(now, req)
 
-    def _linked(self, now: float, req: Request, part: LocalPart, link: Link, peer: PeerRank) -> None:
+    def _linked(
+        self, now: float, req: Request, part: LocalPart, link: Link, peer: PeerRank, *, fresh: bool
+    ) -> None:
         """The handshake with ``link``'s P rank succeeded."""
         if part.machine.state is not ConsumerState.REGISTERING:
             return
@@ -275,16 +277,19 @@ class ConsumerCore(CoreBase):
             life.last_seen = max(life.last_seen, now)
         where = (peer.host, peer.port)
         life.addresses.add(where)
-        # Another life answers at an address a dead one held: that process is over. Matched by address
-        # too, not by engine id alone: kvwire serve and vLLM give a restarted engine a new id by default.
-        # Only lives with a verdict: this answer may come from a rank's cache, and an entry of an older
-        # life there must not call a live newer one gone (its own verdict's probe asks afresh).
-        for (engine_id, _), other in self._life.items():
-            if other is life or not (other.verdicts or other.dead_at is not None):
-                continue
-            if engine_id == peer.engine_id or where in other.addresses:
-                self._lives.gone(other, now)
+        if fresh:
+            self._replaced_at(now, life, peer.engine_id, where)
         self._start(now, req, part, link, peer)
+
+    def _replaced_at(self, now: float, life: PeerLife, engine_id: str, where: tuple[str, int]) -> None:
+        """``life`` answered at ``where`` just now, not from a cache: any other life of that engine, or that
+        held that address, is over. Matched by address too, not by engine id alone: kvwire serve and vLLM
+        give a restarted engine a new id by default. A cached answer proves nothing (one rank's cache may
+        still name an older life after another rank loaded the new one: it would call a live, or a frozen
+        and declared dead, newer life gone, and release its blocks at the grace)."""
+        for (eid, _), other in self._life.items():
+            if other is not life and (eid == engine_id or where in other.addresses):
+                self._lives.gone(other, now)
 
     def _start(self, now: float, req: Request, part: LocalPart, link: Link, peer: PeerRank) -> None:
         raise NotImplementedError

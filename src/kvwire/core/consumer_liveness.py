@@ -30,11 +30,11 @@ _VERDICTS_KEPT = 8  # per life: the verdicts whose confirmation is remembered (P
 
 def release_at(life: PeerLife, dead_at: float, grace_s: float, quarantine_s: float) -> float:
     """When blocks a dead P life may still write can go back: the grace after the verdict (at ``dead_at``)
-    and after the life's confirmation (it spoke again, or a newer life answered), and never later than the
-    quarantine bound. A word is taken as the sign that the writes are recalled (a thawed P recalls before
-    it speaks), not that their bytes have landed: after a partition heals, the word comes over a new
-    connection while the old one still drains what the kernels held (a netns run saw 114 KB land after
-    RELEASED when the grace ran from the verdict only)."""
+    and after the life's confirmation (it spoke again, or another life answered at its address), and never
+    later than the quarantine bound. A word is taken as the sign that the writes are recalled (a thawed P
+    recalls before it speaks), not that their bytes have landed: after a partition heals, the word comes
+    over a new connection while the old one still drains what the kernels held (a netns run saw 114 KB
+    land after RELEASED when the grace ran from the verdict only)."""
     bound = dead_at + grace_s + quarantine_s  # at most, confirmed or not
     confirmed = life.confirmed.get(dead_at)
     if confirmed is not None:
@@ -98,7 +98,7 @@ class Lives:
         self._confirm(life, now)
 
     def gone(self, life: PeerLife, now: float) -> None:
-        """A newer life (or nobody) answers at its address: the process is over."""
+        """Another life (or nobody) answers at its address, not from a cache: the process is over."""
         life.gone = True
         self._confirm(life, now)
 

@@ -82,11 +82,12 @@ def wrong_peer(peer: PeerRank, remote: RemoteEngine) -> tuple[FailReason, str] |
 class PeerLife:
     last_seen: float  # any sign of life: a notification or a handshake answer
     dead_at: float | None = None
-    gone: bool = False  # a newer life of the engine answered: this process is over
+    gone: bool = False  # another life answered at its address (not from a cache): this process is over
     # Each death verdict's time (``dead_at`` goes back to None when a fresh handshake revives the life; the
-    # links that got a verdict keep its time) -> the first word after it (a message, or a newer life
-    # answering; None until then). The word is the sign the writes are recalled, but bytes the kernels
-    # held may drain for a grace after it. A few entries: one per verdict, dropped past the quarantine.
+    # links that got a verdict keep its time) -> the first word after it (a message, or another life
+    # answering at its address; None until then). The word is the sign the writes are recalled, but
+    # bytes the kernels held may drain for a grace after it. A few entries: one per verdict, dropped
+    # past the quarantine.
     confirmed: dict[float, float | None] = field(default_factory=dict)
     # No registration with this life that may still be written is older (a lower bound: links that ended
     # leave it low until the next liveness pass that visits the life recomputes it).

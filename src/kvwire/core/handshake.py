@@ -267,6 +267,7 @@ class HandshakeCore:
                 f"{peer.host}:{peer.port} is engine {peer.engine_id}/{peer.incarnation}, not {engine_id}: "
                 "that engine restarted under a new id, or another took its address"
             )
+            self.stats.failures[FailureReason.REPLACED] += 1
             self._out.append(Refuse(PeerReplaced(msg)))
             return
         self.last_used[peer.engine_id] = now

@@ -63,10 +63,14 @@ class HandshakeDone(msgspec.Struct, frozen=True):
     peer: PeerRank | None
     error: str = ""
     # Why it failed, as the request's reason: incompatible and unauthorized are permanent (a client must
-    # not retry them), anything else is handshake_failed.
+    # not retry them), another engine at the address than the one named is peer_dead (``PeerReplaced``:
+    # it restarted), anything else is handshake_failed.
     reason: FailReason = FailReason.HANDSHAKE_FAILED
     # The connection was refused: no process listens at that address (a killed peer's is closed).
     nobody_listens: bool = False
+    # ``peer`` came from the local rank's cache, not from the address now: no news of who holds it (one
+    # rank's cache may still name an older life after another rank loaded the new one).
+    cached: bool = False
 
 
 class Outcome(msgspec.Struct, frozen=True):

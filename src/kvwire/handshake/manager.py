@@ -193,9 +193,10 @@ class HandshakeManager:
     ) -> PeerRank:
         """The remote rank loaded into the local agent at least in ``mode``.
 
-        ``engine_id``, when given, must match the peer's (else ``IncompatiblePeer``). ``incarnation``, when
-        given, is the one the caller knows of (e.g. from a message): a cached entry of another incarnation
-        is refreshed first. The peer's answer wins; compare ``PeerRank.incarnation`` to detect stale
+        ``engine_id``, when given, must match the peer's (else ``PeerReplaced``: the engine there now is
+        another, the named one restarted under a new id). ``incarnation``, when given, is the one the
+        caller knows of (e.g. from a message): a cached entry of another incarnation or engine id is
+        refreshed first. The peer's answer wins; compare ``PeerRank.incarnation`` to detect stale
         messages.
         """
         addr = PeerAddress(host, port, pp_rank, tp_rank)
@@ -234,8 +235,9 @@ class HandshakeManager:
         incarnation: str | None = None,
     ) -> PeerRank | None:
         """What ``ensure`` would return at once from the cache (counted as a hit), or None when it would
-        have to handshake. Raises ``IncompatiblePeer`` as ``ensure`` does. No I/O, no await: callers on
-        the loop skip a task per request."""
+        have to handshake (a cached entry of another engine id or incarnation than named is a miss: the
+        handshake asks the address again). No I/O, no await: callers on the loop skip a task per
+        request."""
         addr = PeerAddress(host, port, pp_rank, tp_rank)
         return self._answer(self._run(Lookup(addr, mode, engine_id, incarnation)))
 

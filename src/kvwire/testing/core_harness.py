@@ -183,9 +183,10 @@ class CoreHarness:
         reason: FailReason = FailReason.HANDSHAKE_FAILED,
         *,
         nobody_listens: bool = False,
+        cached: bool = False,
     ) -> list[Action]:
         """Answer a ``StartHandshake``."""
-        return self.at(now, HandshakeDone(token, peer, error, reason, nobody_listens))
+        return self.at(now, HandshakeDone(token, peer, error, reason, nobody_listens, cached))
 
     def ended(self, now: float, token: int, ok: bool = True, detail: str = "") -> list[Action]:
         """A posted transfer ended."""

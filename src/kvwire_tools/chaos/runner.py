@@ -126,6 +126,12 @@ class ChaosRun:
             bound = max(moment, self._next_index) + self.cfg.concurrency
             self._hold_at = max(moment, min(bound, len(self.records) - len(kills)))
 
+    def hold_while_down(self, kills_left: int) -> None:
+        """A peer is down: the gate holds all but the prober, who may send all but one request per kill
+        still to come (a long restart must not spend them)."""
+        with self._lock:
+            self._hold_at = len(self.records) - kills_left
+
     def _take(self) -> tuple[int, bool] | None:
         """The next request's index and whether this worker is the prober; None: no request is left.
         The gate comes first, so a worker waiting out a restart holds no index (the hold counts indices)."""
@@ -211,7 +217,7 @@ class ChaosRun:
         event = report.KillEvent(kill.victim.value, time.monotonic())
         self.group.kill(server)
         self.kills.append(event)
-        self.hold_for([])  # the gate holds the workers while the peer is down
+        self.hold_while_down(len(after))
         try:
             time.sleep(kill.down_s)
             event.restarted_at = time.monotonic()

@@ -91,7 +91,7 @@ class SimHandshakes:
         addr = PeerAddress(a.host, a.port, a.remote[0], a.remote[1])
         steps = self._run(a.key, Lookup(addr, a.mode, a.engine_id, a.incarnation, dial=True))
         if steps:  # answered from the cache: at once, as the connector does (after this input, as an outcome)
-            self._answer(a, steps[0], self.engine.follow)
+            self._answer(a, steps[0], self.engine.follow, cached=True)
         else:
             self._want(a, addr, 0)
 
@@ -131,11 +131,16 @@ class SimHandshakes:
             self._answer(a, step)
 
     def _answer(
-        self, a: StartHandshake, step: HsStep, done: Callable[[HandshakeDone], None] | None = None
+        self,
+        a: StartHandshake,
+        step: HsStep,
+        done: Callable[[HandshakeDone], None] | None = None,
+        *,
+        cached: bool = False,
     ) -> None:
         answer = done or self._done
         if isinstance(step, Ready):
-            answer(HandshakeDone(a.token, step.peer, ""))
+            answer(HandshakeDone(a.token, step.peer, "", cached=cached))
         elif isinstance(step, Refuse):
             answer(self._failed(a, step.error))
         else:
