@@ -275,21 +275,8 @@ class ConsumerCore(CoreBase):
             # (found by the simulator: new requests kept a silent P "alive" and old ones waiting forever).
             life.dead_at = None
             life.last_seen = max(life.last_seen, now)
-        where = (peer.host, peer.port)
-        life.addresses.add(where)
-        if fresh:
-            self._replaced_at(now, life, peer.engine_id, where)
+        self._lives.answered(life, peer, now, fresh=fresh)
         self._start(now, req, part, link, peer)
-
-    def _replaced_at(self, now: float, life: PeerLife, engine_id: str, where: tuple[str, int]) -> None:
-        """``life`` answered at ``where`` just now, not from a cache: any other life of that engine, or that
-        held that address, is over. Matched by address too, not by engine id alone: kvwire serve and vLLM
-        give a restarted engine a new id by default. A cached answer proves nothing (one rank's cache may
-        still name an older life after another rank loaded the new one: it would call a live, or a frozen
-        and declared dead, newer life gone, and release its blocks at the grace)."""
-        for (eid, _), other in self._life.items():
-            if other is not life and (eid == engine_id or where in other.addresses):
-                self._lives.gone(other, now)
 
     def _start(self, now: float, req: Request, part: LocalPart, link: Link, peer: PeerRank) -> None:
         raise NotImplementedError

@@ -102,6 +102,21 @@ class Lives:
         life.gone = True
         self._confirm(life, now)
 
+    def answered(self, life: PeerLife, peer: PeerRank, now: float, *, fresh: bool) -> None:
+        """``life`` answered a handshake as ``peer``. From the address itself (``fresh``), not a cache: any
+        other life of that engine, or that held that address, is over. Matched by address too, not by
+        engine id alone: kvwire serve and vLLM give a restarted engine a new id by default. A cached answer
+        proves nothing (one rank's cache may still name an older life after another rank loaded the new
+        one: it would call a live, or a frozen and declared dead, newer life gone, and release its blocks
+        at the grace)."""
+        where = (peer.host, peer.port)
+        life.addresses.add(where)
+        if not fresh:
+            return
+        for (engine_id, _), other in self.table.items():
+            if other is not life and (engine_id == peer.engine_id or where in other.addresses):
+                self.gone(other, now)
+
     def _confirm(self, life: PeerLife, now: float) -> None:
         for verdict, word in life.confirmed.items():
             if word is None:
