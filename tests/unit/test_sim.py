@@ -3,6 +3,7 @@ exactly, and each planted bug is caught (while the real cores, under the same fa
 
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing
 import re
@@ -30,9 +31,9 @@ def _assert_clean(report: Report) -> None:
     assert sum(report.faults.values()) > 0
 
 
-@pytest.mark.parametrize("mode", ["push", "pull"])
-def test_real_cores_under_chaos_keep_every_invariant(mode: str) -> None:
-    report = simulate(4000, 11, mode=TransferMode(mode))
+@pytest.mark.parametrize(("mode", "layerwise"), [("push", False), ("pull", False), ("push", True)])
+def test_real_cores_under_chaos_keep_every_invariant(mode: str, layerwise: bool) -> None:
+    report = simulate(4000 if not layerwise else 2500, 11, mode=TransferMode(mode), layerwise=layerwise)
     _assert_clean(report)
     failed = sum(v for k, v in report.outcomes.items() if k.startswith("d_released"))
     assert failed > 0  # the faults made some requests fail, and those too ended cleanly
@@ -69,6 +70,16 @@ def test_fault_free_run_delivers_every_request() -> None:
     assert report.outcomes == {"p_sent": 1000, "d_ready": 1000}
 
 
+def test_fault_free_layerwise_run_streams_every_request_before_it_finishes() -> None:
+    # Each layer is written as P's step computes it, the last with done once all are: D is READY before
+    # P's request_finished for most requests (the rest registered after the step, or share it with a
+    # digest), and every READY request's bytes were compared with P's.
+    report = simulate(1000, 3, faults=Faults(), layerwise=True)
+    assert report.violations == [] and report.layerwise and report.as_json()["layerwise"] is True
+    assert (report.outcomes["p_sent"], report.outcomes["d_ready"]) == (1000, 1000)
+    assert report.outcomes["d_ready_before_p_finished"] > 500
+
+
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_metering_the_cores_changes_nothing_and_counts_part_of_the_run(mode: str) -> None:
     plain = simulate(600, 5, mode=TransferMode(mode))
@@ -89,18 +100,18 @@ def test_metering_the_cores_changes_nothing_and_counts_part_of_the_run(mode: str
 @pytest.mark.parametrize("name", sorted(PLANTS))
 def test_each_planted_bug_is_caught(name: str) -> None:
     planted = PLANTS[name]
-    seed = planted.seed
-    mode = planted.mode
-    caught = simulate(6000, seed, faults=planted.faults, plant=planted.plant, mode=mode, stop_at_first=True)
+    seed, faults = planted.seed, planted.faults
+    run = functools.partial(simulate, mode=planted.mode, layerwise=planted.layerwise)
+    caught = run(6000, seed, faults=faults, plant=planted.plant, stop_at_first=True)
     assert caught.violations, f"{name} went unnoticed"
     assert planted.breaks in caught.violations[0]
     if planted.plant.producer is not None and planted.plant.consumer is not None:
         # A layered plant: each half alone is not what this schedule catches.
         for half in (Plant(producer=planted.plant.producer), Plant(consumer=planted.plant.consumer)):
-            alone = simulate(6000, seed, faults=planted.faults, plant=half, mode=mode, stop_at_first=True)
+            alone = run(6000, seed, faults=faults, plant=half, stop_at_first=True)
             assert alone.violations == [] or alone.violations[0] != caught.violations[0]
     # The same schedule with the real cores is clean: the violation is the plant's.
-    real = simulate(1000, seed, faults=planted.faults, mode=mode)
+    real = run(1000, seed, faults=faults)
     assert real.violations == []
 
 
@@ -160,3 +171,10 @@ def test_the_schedule_does_not_depend_on_the_cores() -> None:
     assert real.outcomes != other.outcomes  # the cores behaved differently...
     assert {k: real.faults.get(k, 0) for k in schedule} == {k: other.faults.get(k, 0) for k in schedule}
     assert sum(real.faults.get(k, 0) for k in schedule) > 0  # ...under the same schedule
+
+
+def test_cli_refuses_layerwise_pull_naming_the_fix() -> None:
+    cmd = [sys.executable, "-m", "kvwire.cli", "sim", "--requests", "10", "--layerwise", "--mode", "pull"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2
+    assert "--layerwise is a push mode" in done.stderr and "drop --mode pull" in done.stderr

@@ -99,21 +99,35 @@ def _slab_tokens(
 
 
 def scatter_tokens(
-    ranks: Sequence[LocalRank], block_ids: Sequence[int], kv: np.ndarray, tokens: range | None = None
+    ranks: Sequence[LocalRank],
+    block_ids: Sequence[int],
+    kv: np.ndarray,
+    tokens: range | None = None,
+    layers: range | None = None,
 ) -> None:
-    """Write logical KV (tokens ``tokens``, default all of ``kv``) into each rank's blocks."""
+    """Write logical KV (tokens ``tokens``, default all of ``kv``; the model's layers ``layers``, default
+    all) into each rank's blocks (a layer-wise prefill writes one layer at a time)."""
     tokens = range(kv.shape[3]) if tokens is None else tokens
     positions: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # by block size: the same for most ranks
     for rank in ranks:
         cache = rank.own_cache()
+        held = cache.layers
+        lo, hi = (
+            (held.start, held.stop)
+            if layers is None
+            else (max(held.start, layers.start), min(held.stop, layers.stop))
+        )
+        if lo >= hi:
+            continue  # this rank (a pipeline stage) holds none of those layers
         bs = cache.spec.block_size
         if bs not in positions:
             positions[bs] = _positions(cache.spec, block_ids, tokens)
         blocks, slots = positions[bs]
         heads = slice(cache.first_head, cache.first_head + cache.heads)
-        layers = cache.layers
-        part = kv[layers.start : layers.stop, :, heads, tokens.start : tokens.stop, :]
+        part = kv[lo:hi, :, heads, tokens.start : tokens.stop, :]
         index, _, back = _slab_tokens(cache, blocks, slots)
+        if (lo, hi) != (held.start, held.stop):  # the slab's first axis is the rank's own layers
+            index = (slice(lo - held.start, hi - held.start), *index[1:])
         cache.slab[index] = part.transpose(back)
 
 

@@ -15,6 +15,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="the seed; a failing seed replays exactly")
     parser.add_argument("--mode", choices=[m.value for m in TransferMode], default="push")
     parser.add_argument(
+        "--layerwise",
+        action="store_true",
+        help="push mode, layer by layer: P writes each layer as its prefill step computes it",
+    )
+    parser.add_argument(
         "--faults", choices=["chaos", "none"], default="chaos", help="the fault mix (Faults.chaos or none)"
     )
     parser.add_argument(
@@ -43,11 +48,17 @@ def run(args: argparse.Namespace) -> int:
             return 2
         planted = PLANTS[args.plant]
         plant, faults, mode = planted.plant, planted.faults, planted.mode  # a plant runs in its own mode
+    layerwise = args.layerwise or bool(args.plant and PLANTS[args.plant].layerwise)
+    if layerwise and mode is not TransferMode.PUSH:
+        print("kvwire sim: --layerwise is a push mode: drop --mode pull", file=sys.stderr)
+        return 2
     report = simulate(
-        args.requests, args.seed, faults=faults, mode=mode, plant=plant, meter_cores=args.meter_cores
-    )
+        args.requests, args.seed, faults=faults, mode=mode, plant=plant, meter_cores=args.meter_cores,
+        layerwise=layerwise,
+    )  # fmt: skip
+    label = mode.value + (" layer-wise" if layerwise else "")
     print(
-        f"{args.requests} requests, seed {args.seed}, {mode.value}: {len(report.violations)} violations; "
+        f"{args.requests} requests, seed {args.seed}, {label}: {len(report.violations)} violations; "
         f"{report.simulated_seconds:.1f} s simulated in {report.wall_seconds:.1f} s "
         f"({report.requests_per_second:.0f} requests/s; {report.cpu_seconds:.1f} s CPU, "
         f"{report.requests_per_cpu_second:.0f} requests per CPU second)"
@@ -66,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     if report.violations:
         print(
             f"replay: kvwire sim --requests {args.requests} --seed {args.seed} --mode {mode.value}"
+            + (" --layerwise" if layerwise and not args.plant else "")
             + (f" --plant {args.plant}" if args.plant else f" --faults {args.faults}")
         )
     if args.json is not None:

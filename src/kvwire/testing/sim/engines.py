@@ -301,6 +301,7 @@ class SimEngine:
             self.feed(XferEnded(x.token, False, "write failed" if fail else "peer gone"))
             return
         self._check_landing(x.transfer_id, x.dst)
+        self._check_source(x.transfer_id, x.src)
         w.copy(x.src, x.dst)
         x.ended = True
         if x.notif is not None:
@@ -359,6 +360,23 @@ class SimEngine:
                     w.violation(f"C1: {tid}'s bytes landed in {engine.engine_id} {what}{state}")
                     return
             checked.add(span)
+
+    def _check_source(self, tid: str, rows: np.ndarray) -> None:
+        """S1: every source block (P's, of a push write or a pull read) must still be held for this transfer
+        when the copy completes: P's engine may reuse a block it freed (a layer-wise write after the step,
+        a write after the freeable event). A released transfer's drain is not checked: it only lands in
+        blocks D holds back (C1), whatever it read."""
+        w = self.world
+        for engine, first, last in set(w.memory.spans(rows)):
+            if engine is None:
+                w.violation(f"S1: {tid} copied from outside any live cache")
+                return
+            owner = engine.owner
+            if any(owner.get(b) != tid for b in range(first, last + 1)):
+                w.violation(
+                    f"S1: {tid}'s bytes were read from {engine.engine_id} blocks no longer held for it"
+                )
+                return
 
     def _report(self, a: ReportFailure) -> None:
         """A ``report_failed`` on the peer's side channel: lost when nobody listens there or the link is

@@ -15,7 +15,8 @@ from kvwire.core.consumer import PushConsumerCore
 from kvwire.core.consumer_pull import PullConsumerCore
 from kvwire.core.consumer_records import PeerLife
 from kvwire.core.consumer_records import Request as ConsumerRequest
-from kvwire.core.io import Action, Allocated, HandshakeDone, Input, StartHandshake, XferEnded
+from kvwire.core.io import Action, Allocated, HandshakeDone, Input, LayersReady, StartHandshake, XferEnded
+from kvwire.core.producer_layers import LayerwisePushProducerCore
 from kvwire.core.producer_push import PushProducerCore
 from kvwire.core.producer_records import Reg, Request
 from kvwire.protocol.messages import Cancel, Failed, Notification, TransferMode
@@ -104,6 +105,23 @@ class ReadAnyLife(PullConsumerCore):
         super()._on_input(now, inp)
 
 
+class StreamUnreadyLayers(LayerwisePushProducerCore):
+    """P takes the first ``LayersReady`` of a request for all of its layers (the rule it breaks: a layer is
+    written only once the step computed it), so D gets the bytes a block held before the prefill."""
+
+    def _layers_ready(self, now: float, inp: LayersReady) -> None:
+        everything = tuple(range(self.engine.spec.num_layers))
+        super()._layers_ready(now, msgspec.structs.replace(inp, layers=everything))
+
+
+class StreamAfterStepEnd(LayerwisePushProducerCore):
+    """P keeps writing a request's layers after the engine's step ended (the rule it breaks: between the
+    step's end and ``request_finished`` nothing holds the blocks; an aborted request's may be reused)."""
+
+    def _step_ended(self, now: float, transfer_id: str) -> None:
+        return
+
+
 @dataclass(frozen=True)
 class Planted:
     plant: Plant
@@ -111,6 +129,7 @@ class Planted:
     breaks: str  # a substring of the violation it must cause
     seed: int = 1  # a seed whose schedule exposes it
     mode: TransferMode = TransferMode.PUSH
+    layerwise: bool = False  # run with layer-wise push (the plant is a ``LayerwisePushProducerCore``)
 
 
 PLANTS: dict[str, Planted] = {
@@ -148,10 +167,19 @@ PLANTS: dict[str, Planted] = {
         Faults(stuck_write=0.2, release_lands=1.0, release_drain_max_s=0.5),
         "C1",
     ),
+    "stream-unready-layers": Planted(
+        Plant(producer=StreamUnreadyLayers), Faults(), "READY with bytes that are not P's", layerwise=True
+    ),
+    "stream-after-step-end": Planted(
+        Plant(producer=StreamAfterStepEnd),
+        Faults(abort=0.5, delay=0.5, delay_max_s=0.02),
+        "S1",
+        layerwise=True,
+    ),
     "read-any-life": Planted(
         Plant(consumer=ReadAnyLife),
         Faults(crash=0.5, pause=0.5),
-        "READY with bytes that are not P's",
+        "S1",  # the read copies blocks the new life never lent: before, caught as READY with wrong bytes
         seed=5,
         mode=TransferMode.PULL,
     ),

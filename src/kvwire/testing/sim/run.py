@@ -33,8 +33,9 @@ from kvwire.core.config import ConnectorConfig
 from kvwire.core.consumer import PushConsumerCore
 from kvwire.core.consumer_pull import PullConsumerCore
 from kvwire.core.events import ConsumerEvent, ConsumerEventKind, ProducerEvent
-from kvwire.core.io import Abort, Allocated, Finished, RemoteEngine
+from kvwire.core.io import Abort, Allocated, Finished, LayersReady, RemoteEngine, StepEnded
 from kvwire.core.producer import PullProducerCore
+from kvwire.core.producer_layers import LayerwisePushProducerCore
 from kvwire.core.producer_push import PushProducerCore
 from kvwire.handshake.types import EngineInfo, LocalRank
 from kvwire.kv.mapping import RankLayout
@@ -83,6 +84,7 @@ class Report:
     cpu_seconds: float = 0.0
     # With ``meter_cores``: the part of ``cpu_seconds`` inside the cores' ``handle`` (None: not metered).
     core_cpu_seconds: float | None = None
+    layerwise: bool = False  # push, layer by layer (``LayerwisePushProducerCore``)
 
     @property
     def requests_per_second(self) -> float:
@@ -98,6 +100,7 @@ class Report:
             "requests": self.requests,
             "seed": self.seed,
             "mode": self.mode,
+            "layerwise": self.layerwise,
             "violations": self.violations,
             "faults": self.faults,
             "outcomes": self.outcomes,
@@ -138,6 +141,9 @@ class _Req:
     d_life: int = 0
     finished: bool = False  # P told its core
     p_aborted: bool = False
+    streaming: bool = False  # layer-wise: P's engine is in the step that computes the request's layers
+    abort_at_step_end: bool = False  # layer-wise: aborted during that step (the engine frees after it)
+    between_steps: bool = False  # layer-wise: the step ended, request_finished comes with the next one
     p_freed: bool = False
     d_events: list[ConsumerEventKind] = field(default_factory=list)
     d_done: float | None = None
@@ -160,10 +166,14 @@ class Simulation:
         mode: TransferMode,
         plant: Plant | None = None,
         meter_cores: bool = False,
+        layerwise: bool = False,
     ) -> None:
+        if layerwise and mode is not TransferMode.PUSH:
+            raise ValueError("layer-wise transfer is a push mode")
         self.world = World(seed, faults)
         self.world.meter_cores = meter_cores  # before the engines: their cores are wrapped as they start
         self.mode = mode
+        self.layerwise = layerwise
         self.plant = plant or Plant()
         rng = np.random.default_rng(seed)
         shape = (SPEC.num_layers, 2, SPEC.kv_heads, MAX_TOKENS, SPEC.head_dim)
@@ -178,7 +188,8 @@ class Simulation:
     def _engine(self, name: str, tp: int, pp: int, *, producer: bool) -> SimEngine:
         push = self.mode is TransferMode.PUSH
         if producer:
-            kind = self.plant.producer or (PushProducerCore if push else PullProducerCore)
+            real = LayerwisePushProducerCore if self.layerwise else PushProducerCore
+            kind = self.plant.producer or (real if push else PullProducerCore)
         else:
             kind = self.plant.consumer or (PushConsumerCore if push else PullConsumerCore)
 
@@ -188,7 +199,7 @@ class Simulation:
             return kind(info, layouts, n, cfg, host=host)
 
         handler: Callable[[SimEngine, object], None] = self._p_event if producer else self._d_event
-        config = dataclasses.replace(CONFIG, mode=self.mode)
+        config = dataclasses.replace(CONFIG, mode=self.mode, layerwise=self.layerwise)
         engine = SimEngine(
             self.world, name, 9000 + len(self.engines), SPEC, tp=tp, pp=pp, num_blocks=4096,
             mode=self.mode, config=config, make_core=make, on_event=handler,
@@ -228,7 +239,10 @@ class Simulation:
         req.p_blocks, req.d_blocks = p_blocks, d_blocks
         self.reqs[req.tid] = req
         self.open_sides += 2
-        w.after(prefill, lambda: self._prefilled(req))
+        if self.layerwise:  # the prefill's last step is its second half
+            w.after(prefill / 2, lambda: self._step(req, prefill / 2))
+        else:
+            w.after(prefill, lambda: self._prefilled(req))
         if self.mode is TransferMode.PUSH:
             w.after(d_after, lambda: self._allocate_d(req))
         if abort:
@@ -262,22 +276,94 @@ class Simulation:
             self._no_decode_leg(req)
             return
         scatter_tokens(_ranks(p), req.p_blocks, self.kv(req))
-        req.finished = True
-        p.feed(Finished(req.tid, tuple(req.p_blocks), req.tokens))
+        self._finish(req)
+
+    def _finish(self, req: _Req) -> None:
+        req.finished, req.between_steps = True, False
+        req.p.feed(Finished(req.tid, tuple(req.p_blocks), req.tokens))
         if self.mode is TransferMode.PULL:
             self.world.after(req.d_after, lambda: self._allocate_d(req))
 
+    # -- layer-wise push: the prefill's last step, one layer at a time ---------------------------------------
+    def _step(self, req: _Req, duration: float) -> None:
+        """The step that computes the request's layers starts: its blocks hold wrong bytes but in the layers
+        computed so far, each told to P's core as it is (``LayersReady``: vLLM's ``save_kv_layer``)."""
+        p = req.p
+        if p.life != req.p_life or req.p_aborted:
+            return
+        req.streaming = True
+        scatter_tokens(_ranks(p), req.p_blocks, ~self.kv(req))  # not computed yet: every byte differs
+        n = SPEC.num_layers
+        for layer in range(n):
+            self.world.after(duration * (layer + 1) / (n + 1), lambda ly=layer: self._layer(req, ly))  # type: ignore[misc]
+        deadline = self.world.now + duration + CONFIG.transfer_timeout_s
+        self.world.after(duration, lambda: self._step_over(req, deadline, CONFIG.poll_interval_s))
+
+    def _layer(self, req: _Req, layer: int) -> None:
+        p = req.p
+        if p.life != req.p_life:
+            return
+        if p.paused:  # a frozen process computes nothing
+            self.world.at(p.paused_until, lambda: self._layer(req, layer))
+            return
+        scatter_tokens(_ranks(p), req.p_blocks, self.kv(req), layers=range(layer, layer + 1))
+        p.feed(LayersReady(req.tid, tuple(req.p_blocks), req.tokens, (layer,)))
+
+    def _step_over(self, req: _Req, deadline: float, poll: float) -> None:
+        """vLLM's ``wait_for_save``: poll until none of the request's layer writes is in flight (at most
+        until ``deadline``, on the engine's clock, which a freeze does not stop), then ``StepEnded``. The
+        request then finishes (``Finished``); aborted during the step, the engine frees its blocks. The
+        connector polls every ``poll_interval_s``; here the interval doubles up to 50 ms (a write stuck
+        until the deadline would cost 20,000 polls), which only delays the step's end a little."""
+        p, w = req.p, self.world
+        if p.life != req.p_life:
+            return
+        if p.paused:
+            w.at(p.paused_until, lambda: self._step_over(req, deadline, poll))
+            return
+        core = p.core
+        if isinstance(core, LayerwisePushProducerCore) and core.streaming((req.tid,)) and w.now < deadline:
+            w.after(poll, lambda: self._step_over(req, deadline, min(2 * poll, 0.05)))
+            return
+        req.streaming = False
+        p.feed(StepEnded(req.tid))
+        # The scheduler runs between two steps: it frees an aborted request's blocks at once (the next step
+        # may reuse them), and the workers hear of the end (Abort, or request_finished) with the next step.
+        gap = 1e-4 + w.rng.random() * 1e-3
+        if req.abort_at_step_end:
+            req.p_aborted = True
+            self._free_p(req)
+            self._no_decode_leg(req)
+            w.after(gap, lambda: self._next_step(req, lambda: p.feed(Abort(req.tid))))
+        else:
+            req.between_steps = True
+            w.after(gap, lambda: self._next_step(req, lambda: self._finish(req)))
+
+    @staticmethod
+    def _next_step(req: _Req, fn: Callable[[], None]) -> None:
+        if req.p.life == req.p_life:  # the life that prefilled (a crash ended the request on P)
+            fn()
+
     def _abort(self, req: _Req, side: str) -> None:
         if side == "p" and req.p.life == req.p_life and not req.p_freed:
-            if not req.finished:  # still prefilling: the engine frees its own blocks
-                req.p_aborted = True
-                self._free_p(req)
-                self._no_decode_leg(req)
-            req.p.feed(Abort(req.tid))
+            if req.streaming:  # mid-step: vLLM frees the blocks after the step (wait_for_save)
+                req.abort_at_step_end = True
+            elif req.between_steps:  # the scheduler already finished it: the abort follows request_finished
+                self.world.after(2e-3, lambda: self._abort(req, side))
+            elif not req.finished:  # still prefilling: the engine frees its own blocks
+                self._abort_prefill(req)
+            else:
+                req.p.feed(Abort(req.tid))
         elif side == "d" and req.d.life == req.d_life and req.d_done is None:
             req.d.feed(Abort(req.tid))
 
     # -- events ----------------------------------------------------------------------------------------------
+    def _abort_prefill(self, req: _Req) -> None:
+        req.p_aborted = True
+        self._free_p(req)
+        self._no_decode_leg(req)
+        req.p.feed(Abort(req.tid))
+
     def _p_event(self, engine: SimEngine, event: object) -> None:
         assert isinstance(event, ProducerEvent)
         req = self.reqs.get(event.transfer_id)
@@ -309,6 +395,8 @@ class Simulation:
         self.outcomes[f"d_{kind.value}" + (f"_{event.reason.value}" if event.reason else "")] += 1
         if kind is ConsumerEventKind.READY:
             self._verify(req)
+            if not req.finished:  # layer-wise: every layer landed before P's request_finished
+                self.outcomes["d_ready_before_p_finished"] += 1
             # Decoding holds the blocks a while, then the engine frees them (and reuses them at once).
             self.world.after(1e-3 + self.world.rng.random() * 4e-3, lambda: self._free_d(req))
         else:
@@ -442,12 +530,13 @@ def simulate(
     plant: Plant | None = None,
     stop_at_first: bool = False,
     meter_cores: bool = False,
+    layerwise: bool = False,
 ) -> Report:
     """Run ``requests`` simulated requests under ``faults`` (default: ``Faults.chaos()``); with
     ``stop_at_first``, stop at the first violation (a planted bug's hunt); with ``meter_cores``, also
     measure the CPU inside the cores' ``handle`` (a timer call per input: the run itself gets slower)."""
     started, cpu_started = time.perf_counter(), time.process_time()
-    sim = Simulation(seed, Faults.chaos() if faults is None else faults, mode, plant, meter_cores)
+    sim = Simulation(seed, Faults.chaos() if faults is None else faults, mode, plant, meter_cores, layerwise)
     kvwire_log = logging.getLogger("kvwire")
     level = kvwire_log.level
     kvwire_log.setLevel(logging.ERROR)  # the cores' warnings (peers declared dead...) are expected here
@@ -460,6 +549,7 @@ def simulate(
         requests=requests,
         seed=seed,
         mode=mode.value,
+        layerwise=layerwise,
         violations=w.violations,
         faults=dict(w.fault_counts),
         outcomes=dict(sim.outcomes),
