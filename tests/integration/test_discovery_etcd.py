@@ -5,6 +5,7 @@ under the prefix. Run them with ``-k "etcd or discovery"``."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
@@ -278,6 +279,36 @@ def test_etcd_watcher_survives_a_failing_view_update(etcd: EtcdServer) -> None:
         task = asyncio.create_task(watcher.run())
         await until(lambda: view.urls() == {record().url}, "the view after the failure")
         assert calls[0] >= 2 and not task.done()
+        await client.close()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await watcher.client.close()
+
+    run(body)
+
+
+def test_etcd_a_key_that_is_not_utf8_is_skipped_and_the_view_follows_on(etcd: EtcdServer) -> None:
+    """Anyone who can write under the prefix can write a binary key: it is counted and skipped, the watch goes
+    on (before, its decoding raised out of every listing: the view froze, and a router started then had no
+    discovered engine at all)."""
+
+    async def body() -> None:
+        target = parse_target(etcd.url)
+        client = EtcdClient(target)
+        first = record(url="http://127.0.0.1:8101")
+        await client.put(engine_key("/kvwire", FleetRole.PREFILL, first.url), encode(first))
+        junk = {"key": base64.b64encode(b"/kvwire/engines/prefill/\xff\xfe").decode(), "value": "eA=="}
+        await client.call("/v3/kv/put", junk)
+        view = View()
+        watcher = FleetWatcher(EtcdClient(target), view)
+        task = asyncio.create_task(watcher.run())
+        await until(lambda: watcher.synced.is_set(), "the listing")
+        assert view.urls() == {first.url} and watcher.rejected == 1
+        await client.call("/v3/kv/put", junk)  # the same junk again, now through the watch
+        joined = record(url="http://127.0.0.1:8102")
+        await client.put(engine_key("/kvwire", FleetRole.PREFILL, joined.url), encode(joined))
+        await until(lambda: view.urls() == {first.url, joined.url}, "the engine that joined after the junk")
+        assert watcher.synced.is_set() and watcher.rejected == 2 and watcher.resyncs == 0
         await client.close()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -218,7 +218,7 @@ def test_leg_bodies_follow_the_serving_api() -> None:
 
 
 def test_health_info_refuses_incomplete_bodies() -> None:
-    with pytest.raises(KeyError):
+    with pytest.raises(ValueError, match="engine_id"):
         HealthInfo.parse({"status": "ok", "role": "prefill"})
     with pytest.raises(ValueError):
         HealthInfo.parse({"status": "starting", "role": "prefill", "engine_id": "P", "side_channel_host": "h",

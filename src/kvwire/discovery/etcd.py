@@ -142,7 +142,7 @@ class EtcdClient:
         """Every key under ``prefix`` and the store's revision at that moment."""
         out = await self.call("/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))})
         revision = int(out.get("header", {}).get("revision", 0))
-        kvs = {_unb64(kv["key"]).decode(): _unb64(kv.get("value", "")) for kv in out.get("kvs", [])}
+        kvs = {_key(kv["key"]): _unb64(kv.get("value", "")) for kv in out.get("kvs", [])}
         return revision, kvs
 
     async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[WatchEvent]:
@@ -193,10 +193,16 @@ def _events(message: Any) -> list[WatchEvent]:
     out = []
     for ev in result.get("events", []):
         kv = ev.get("kv", {})
-        key = _unb64(kv.get("key", "")).decode()
+        key = _key(kv.get("key", ""))
         value = None if ev.get("type") == "DELETE" else _unb64(kv.get("value", ""))
         out.append(WatchEvent(key, value, int(kv.get("mod_revision", 0))))
     return out
+
+
+def _key(b64: str) -> str:
+    """A key as text. Anyone who can write under the prefix may write a key that is not UTF-8: it becomes
+    a key no record matches (skipped and counted by the watcher), never an error that stops the listing."""
+    return _unb64(b64).decode(errors="replace")
 
 
 def open_store(text: str, timeout_s: float = 2.0) -> EtcdClient:

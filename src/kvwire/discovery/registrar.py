@@ -36,7 +36,8 @@ class Registrar:
         self.client = client
         self.snapshot = snapshot
         self.ttl_s = ttl_s
-        # Three renewals per TTL: one lost renewal never lets the lease expire.
+        # Three renewals per TTL, each given at most the interval, and a failed one tried again within
+        # 0.1 s: one lost renewal (refused, or hanging to the client timeout) never lets the lease expire.
         self.interval_s = interval_s if interval_s is not None else ttl_s / 3
         self.lease = 0
         self.draining = False
@@ -95,23 +96,33 @@ class Registrar:
         self.registered.set()
 
     async def run(self) -> None:
-        failing = False
+        failures = 0
         while not self._stop.is_set():
             try:
-                await self._renew()
-                if failing:
+                async with asyncio.timeout(self.interval_s):  # a hung call gives way to the next try
+                    await self._renew()
+                if failures:
                     log.info("etcd at %s answers again", self.client.target)
-                failing = False
-            except SourceUnavailable as exc:
-                if not failing:
-                    log.warning("etcd unreachable, serving on and retrying: %s", exc)
-                failing = True
+                failures = 0
+            except (SourceUnavailable, TimeoutError) as exc:
+                if not failures:
+                    log.warning(
+                        "etcd unreachable, serving on and retrying: %s",
+                        str(exc) or "no answer within the interval",
+                    )
+                failures += 1
                 self.registered.clear()
             except Exception:  # a bug here must not end the registration for good: log it, try again
                 log.exception("registration failed")
+                failures += 1
                 self.registered.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), timeout=self.interval_s)
+                await asyncio.wait_for(self._stop.wait(), timeout=self._wait(failures))
+
+    def _wait(self, failures: int) -> float:
+        """Until the next try: the interval after a renewal; after a failed one 0.1 s, doubling with each
+        failure in a row up to the interval (etcd down costs each engine a try per interval, not a storm)."""
+        return self.interval_s if not failures else min(self.interval_s, 0.1 * 2 ** (failures - 1))
 
     async def drain(self) -> None:
         """Mark the record draining now (best effort: with etcd away the router's health checks see it)."""

@@ -81,7 +81,9 @@ class FleetWatcher:
         self.resyncs += self._listed
         self._listed = True
         self.records = {}
-        for key, raw in list(kvs.items())[:MAX_ENGINES]:
+        for key, raw in kvs.items():  # junk keys are skipped, not counted toward the bound
+            if len(self.records) >= MAX_ENGINES:
+                break
             self._set(key, raw)
         self.on_change(dict(self.records))
         self.synced.set()

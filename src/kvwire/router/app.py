@@ -217,6 +217,7 @@ class Router:
             rid, transfer_id, p_url, d_url, req.stream, extra=transfer_extra(transfer_id),
         )  # fmt: skip
         self.registry.begin(p_url, d_url)
+        streaming = False  # from _stream on, the stream ends the in-flight counts (its failure or its relay)
         try:
             prefilled = None
             if cfg.mode is TransferMode.PULL:
@@ -224,10 +225,11 @@ class Router:
                 prefilled = await self._prefill_first(p_url, legs[0], tokens)
                 legs[1]["kv_transfer_params"].update(pull_params(p_url, prefilled))
             if req.stream:
+                streaming = True
                 return await self._stream(req, rid, p_url, d_url, legs, start, prefilled), None
             return await self._unary(req, rid, (p_url, d_url), legs, prefilled, start)
         finally:
-            if not req.stream:
+            if not streaming:
                 self.registry.end(p_url, d_url)
 
     def _tokens(self, req: ParsedRequest) -> int:

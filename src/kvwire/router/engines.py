@@ -336,7 +336,11 @@ class EngineRegistry:
     # -- discovery ---------------------------------------------------------------------------------------
     def sync(self, found: Mapping[tuple[Role, str], HealthInfo], draining: Mapping[str, bool]) -> None:
         """Make the discovered engines exactly ``found`` (static ones stay). A new engine, or a new life
-        (incarnation) of a known one, is healthy at once: it registered once it served."""
+        (incarnation) of a known one, or one back in the fleet (its lease lapsed and it registered again), is
+        healthy at once: it registered once it served. A URL listed under both roles (a P killed and a D
+        started at its address within the lease, or a wrong advertised URL) keeps the role it has here, else
+        prefill's, until one record goes: one state per URL, whatever the records say."""
+        found = self._one_role_per_url(found)
         for (role, url), info in found.items():
             state = self._by_url.get(url)
             if state is None or state.role is not role:
@@ -348,10 +352,11 @@ class EngineRegistry:
                 state.static = info
                 if state.info is not None and state.info.incarnation == info.incarnation:
                     info = dataclasses.replace(info, model=state.info.model)
-            if not state.in_fleet:
+            back = not state.in_fleet
+            if back:
                 state.in_fleet = True
                 self.engines[role].append(state)
-            if state.info is None or state.info.incarnation != info.incarnation:
+            if back or state.info is None or state.info.incarnation != info.incarnation:
                 if state.info is not None:
                     log.info("%s engine %s: new life (incarnation %s)", role.value, url, info.incarnation)
                     self.prefix.forget(url)
@@ -367,6 +372,21 @@ class EngineRegistry:
                 self._touch(state)
                 self.prefix.forget(state.url)
                 self._drop_if_gone(state.url)
+
+    def _one_role_per_url(
+        self, found: Mapping[tuple[Role, str], HealthInfo]
+    ) -> dict[tuple[Role, str], HealthInfo]:
+        out: dict[tuple[Role, str], HealthInfo] = {}
+        for (role, url), info in found.items():
+            other = Role.DECODE if role is Role.PREFILL else Role.PREFILL
+            if (other, url) in found:
+                state = self._by_url.get(url)
+                keep = state.role if state is not None and state.in_fleet else Role.PREFILL
+                if role is not keep:
+                    log.warning("%s is listed as prefill and as decode: kept as %s", url, keep.value)
+                    continue
+            out[(role, url)] = info
+        return out
 
     @staticmethod
     def _discovered(url: str, role: Role, old: EngineState | None) -> EngineState:
@@ -392,7 +412,10 @@ class EngineRegistry:
     async def poll(self, interval_s: float, stop: asyncio.Event) -> None:
         """Re-check every engine each ``interval_s`` until ``stop`` is set."""
         while not stop.is_set():
-            await self.check_all()
+            try:
+                await self.check_all()
+            except Exception:  # a bug in one check must not end health checking for the whole fleet
+                log.exception("router: a health round failed; checking again in %.1f s", interval_s)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=interval_s)
 

@@ -8,10 +8,41 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from kvwire.protocol.messages import TransferMode
 from kvwire.router.policy import Load
+
+_Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
+_Size = Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
+
+
+class _LoadBody(msgspec.Struct):
+    running: _Count = 0
+    waiting: _Count = 0
+    free_blocks: _Count = 0
+
+
+class _HealthBody(msgspec.Struct):
+    """A kvwire engine's ``/health`` (``kvwire.engine.server``); fields it does not name are ignored."""
+
+    role: str
+    engine_id: str
+    side_channel_host: str
+    side_channel_port: Annotated[int, msgspec.Meta(ge=0, le=65535)]
+    status: str = "ok"
+    incarnation: str = ""
+    tp_size: _Size = 1
+    pp_size: _Size = 1
+    model: str = ""
+    load: _LoadBody | None = None
+    seed: int | None = None
+    mode: TransferMode | None = None
+    authenticated: bool | None = None
+    kv_blocks: _Count = 0
+    block_size: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
 
 
 @dataclass(frozen=True)
@@ -35,30 +66,22 @@ class HealthInfo:
 
     @classmethod
     def parse(cls, body: Mapping[str, Any]) -> HealthInfo:
-        """Raises ``KeyError``, ``TypeError`` or ``ValueError`` on a body that does not follow the API."""
-        load = body.get("load") or {}
-        info = cls(
-            role=str(body["role"]),
-            engine_id=str(body["engine_id"]),
-            incarnation=str(body.get("incarnation", "")),
-            side_channel_host=str(body["side_channel_host"]),
-            side_channel_port=int(body["side_channel_port"]),
-            tp_size=int(body.get("tp_size", 1)),
-            pp_size=int(body.get("pp_size", 1)),
-            model=str(body.get("model", "")),
-            load=Load(
-                running=int(load.get("running", 0)),
-                waiting=int(load.get("waiting", 0)),
-                free_blocks=int(load.get("free_blocks", 0)),
-            ),
-            seed=int(body["seed"]) if body.get("seed") is not None else None,
-            mode=TransferMode(body["mode"]) if body.get("mode") is not None else None,
-            authenticated=bool(body["authenticated"]) if body.get("authenticated") is not None else None,
-            kv_tokens=int(body.get("kv_blocks", 0)) * int(body.get("block_size", 0)),
-        )
-        if body.get("status", "ok") != "ok":
-            raise ValueError(f"status {body.get('status')!r}")
-        return info
+        """``ValueError`` naming the field on a body that does not follow the API (a missing field, a wrong
+        type, a count out of range: one engine's odd answer makes that engine unhealthy, nothing more)."""
+        try:
+            b = msgspec.convert(body, _HealthBody)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"/health does not follow the API: {exc}") from None
+        load = b.load or _LoadBody()
+        if b.status != "ok":
+            raise ValueError(f"status {b.status!r}")
+        return cls(
+            role=b.role, engine_id=b.engine_id, incarnation=b.incarnation,
+            side_channel_host=b.side_channel_host, side_channel_port=b.side_channel_port,
+            tp_size=b.tp_size, pp_size=b.pp_size, model=b.model,
+            load=Load(running=load.running, waiting=load.waiting, free_blocks=load.free_blocks),
+            seed=b.seed, mode=b.mode, authenticated=b.authenticated, kv_tokens=b.kv_blocks * b.block_size,
+        )  # fmt: skip
 
 
 def split_fragment(url: str) -> tuple[str, str]:

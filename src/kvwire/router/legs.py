@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
+from aiohttp.http_exceptions import HttpProcessingError
 
 from kvwire.errors import InvalidRequest
 from kvwire.kv_params import FIELD, KvTransferParams, parse_kv_params
@@ -208,8 +209,10 @@ class DecodeStream:
                     await self._drain()
                     return None
                 return self._event(data)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            # ValueError: a line over aiohttp's line limit (no event of an engine is that long).
+        except (aiohttp.ClientError, TimeoutError, ValueError, HttpProcessingError) as exc:
+            # A line over aiohttp's line limit (512 KiB: an echo of a long prompt) is ValueError in older
+            # aiohttp and LineTooLong (an HttpProcessingError, no ClientError) in 3.9+: the leg's error either
+            # way, so the client gets a typed error (or an SSE error event mid-stream), not a cut stream.
             raise _translate(Role.DECODE, self.url, exc) from exc
         return None
 

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 BLOCK_TOKENS = 16
 DEFAULT_CAPACITY = 16384  # blocks per engine: 256k tokens at 16 per block
+MAX_CAPACITY = 1 << 20  # blocks per engine whatever it says (16M tokens): an engine's word sizes no table
 MAX_BLOCKS_PER_PROMPT = 8192  # a longer prompt is matched on its first 128k tokens only
 
 
@@ -59,7 +60,7 @@ class PrefixIndex:
 
     def set_capacity(self, url: str, blocks: int) -> None:
         """The engine's cache size in this index's blocks (``BLOCK_TOKENS`` tokens each)."""
-        self._capacity[url] = max(1, blocks)
+        self._capacity[url] = min(max(1, blocks), MAX_CAPACITY)
         self._evict(url)
 
     def overlaps(self, hashes: Sequence[bytes]) -> dict[str, int]:

@@ -1,0 +1,250 @@
+"""The router and an engine's registration under the faults a fleet sees: a failed pull-mode stream, an
+odd ``/health`` body, an SSE line longer than aiohttp reads, one URL listed under both roles, a lease that
+lapsed and came back, a renewal that hangs. Scripted engines on 127.0.0.1 (``kvwire.testing.http_fakes``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvwire.config import RouterConfig
+from kvwire.discovery.etcd import EtcdTarget, EtcdUnavailable
+from kvwire.discovery.record import EngineRecord, FleetRole
+from kvwire.discovery.registrar import Registrar
+from kvwire.protocol.messages import TransferMode
+from kvwire.router.app import Router
+from kvwire.router.engines import EngineRegistry, HealthInfo
+from kvwire.router.fleet import health_info
+from kvwire.router.http import EngineClient
+from kvwire.router.openai_api import ApiKind
+from kvwire.router.policy import Role
+from kvwire.testing.http_fakes import Seen, scripted_app, serving_here
+from kvwire.testing.procs import free_port
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _health(role: str, url: str, mode: str = "push") -> dict[str, Any]:
+    return {
+        "status": "ok", "role": role, "engine_id": f"{role}-{url[-5:]}", "side_channel_host": "127.0.0.1",
+        "side_channel_port": 5600, "model": "kvwire", "mode": mode,
+    }  # fmt: skip
+
+
+def _ask(stream: bool) -> bytes:
+    return json.dumps(
+        {"model": "kvwire", "prompt": "hello world", "max_tokens": 4, "stream": stream}
+    ).encode()
+
+
+@pytest.mark.parametrize("answer", ["error", "no_block_ids"])
+async def test_a_failed_pull_stream_ends_the_in_flight_counts(answer: str) -> None:
+    # Pull mode asks P first; a stream used to hand its counts to the stream's own cleanup only once D's leg
+    # began, so P failing before that left P and D one request busier, for good, at each try.
+    p, d = (f"http://127.0.0.1:{free_port()}" for _ in range(2))
+
+    async def handle(seen: Seen) -> tuple[int, Any]:
+        role = "prefill" if seen.url == p else "decode"
+        if seen.path == "/health":
+            return 200, _health(role, seen.url, "pull")
+        if role == "prefill" and answer == "error":
+            return 500, {"error": {"message": "boom", "type": "internal"}}
+        return 200, {"choices": [{"index": 0, "text": "a", "finish_reason": "length"}]}
+
+    router = Router(RouterConfig((p,), (d,), mode=TransferMode.PULL))
+    apps = [(scripted_app(handle), int(u.rsplit(":", 1)[1])) for u in (p, d)]
+    async with serving_here(apps):
+        await router.registry.check_all()
+        for _ in range(3):
+            resp = await router.serve(_ask(stream=True), ApiKind.COMPLETION)
+            assert resp.status_code == 502
+        assert (router.registry.get(p).inflight, router.registry.get(d).inflight) == (0, 0)
+    await router.close()
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [{"load": 0.42}, {"load": [1]}, {"load": {"running": 10**30}}, {"side_channel_port": 70000},
+     {"tp_size": "2"}, {"load": {"waiting": -1}}],
+)  # fmt: skip
+async def test_an_odd_health_body_makes_that_engine_unhealthy_and_nothing_else(odd: dict[str, Any]) -> None:
+    # A generic service's load average, a list, a count past any machine: each used to raise out of the
+    # health check (AttributeError, OverflowError) and end the poller for every engine, or Router.start.
+    p1, p2, d = (f"http://127.0.0.1:{free_port()}" for _ in range(3))
+    odd_now = {"on": True}
+
+    async def handle(seen: Seen) -> tuple[int, Any]:
+        body = _health("decode" if seen.url == d else "prefill", seen.url)
+        if seen.url == p2 and odd_now["on"]:
+            body.update(odd)
+        return 200, body
+
+    router = Router(RouterConfig((p1, p2), (d,), health_interval_s=0.1))
+    apps = [(scripted_app(handle), int(u.rsplit(":", 1)[1])) for u in (p1, p2, d)]
+    async with serving_here(apps):
+        await router.start()
+        bad = router.registry.get(p2)
+        assert not bad.healthy and bad.error is not None and "does not follow the API" in bad.error
+        assert router.registry.get(p1).healthy and router.registry.get(d).healthy
+        odd_now["on"] = False  # it mends its /health: the poller, still running, sees it
+        for _ in range(50):
+            if bad.healthy:
+                break
+            await asyncio.sleep(0.05)
+        assert bad.healthy
+        await router.close()
+
+
+def _streaming_engine(role: str, big_at: int) -> FastAPI:
+    """P answers its leg; D streams two events, the one at ``big_at`` over 512 KiB (an echoed prompt)."""
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return _health(role, "http://x:00000")
+
+    @app.post("/v1/completions")
+    async def completions() -> Any:
+        if role == "prefill":
+            return JSONResponse({"choices": [{"index": 0, "text": "p", "finish_reason": "length"}]})
+
+        def event(text: str) -> bytes:
+            chunk = {"choices": [{"index": 0, "text": text, "token_ids": [1], "finish_reason": None}]}
+            return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+        async def gen() -> AsyncIterator[bytes]:
+            for i in range(2):
+                yield event("x" * 600_000 if i == big_at else "y")
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.mark.parametrize("big_at", [0, 1])
+async def test_an_sse_line_over_the_read_limit_is_a_typed_decode_error(big_at: int) -> None:
+    ports = free_port(), free_port()
+    servers = [
+        uvicorn.Server(uvicorn.Config(_streaming_engine(role, big_at), host="127.0.0.1", port=port,
+                                      log_level="warning", lifespan="off"))
+        for role, port in zip(("prefill", "decode"), ports, strict=True)
+    ]  # fmt: skip
+    tasks = [asyncio.create_task(s.serve()) for s in servers]
+    while not all(s.started for s in servers):
+        await asyncio.sleep(0.01)
+    router = Router(RouterConfig((f"http://127.0.0.1:{ports[0]}",), (f"http://127.0.0.1:{ports[1]}",)))
+    try:
+        await router.registry.check_all()
+        resp = await router.serve(_ask(stream=True), ApiKind.COMPLETION)
+        if big_at == 0:  # before any token: the leg's typed error, not a 500 "router error"
+            assert resp.status_code == 502
+            assert "decode engine" in json.loads(bytes(resp.body))["error"]["message"]
+            return
+        assert resp.status_code == 200
+        body = b"".join([chunk async for chunk in resp.body_iterator])  # type: ignore[attr-defined]
+        events = [line[6:] for line in body.split(b"\n") if line.startswith(b"data: ")]
+        assert b'"y"' in events[0]
+        assert b'"error"' in events[-1] and b"[DONE]" not in body  # an SSE error event ends it, not a cut
+    finally:
+        await router.close()
+        for s in servers:
+            s.should_exit = True
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _info(role: Role, url: str, incarnation: str = "a") -> HealthInfo:
+    rec = EngineRecord(
+        role=FleetRole(role.value), engine_id=f"{role.value}-{url[-4:]}", incarnation=incarnation,
+        model="kvwire", url=url, side_channel_host="127.0.0.1", side_channel_port=5600, mode="push",
+    )  # fmt: skip
+    return health_info(rec)
+
+
+def test_a_url_listed_under_both_roles_keeps_one_state() -> None:
+    # A P killed and a D started at its address within the lease: each sync used to flip the URL's state
+    # and append a new one to a role's list (1,000 syncs, 1,000 states, round robin skewed to that URL).
+    reg = EngineRegistry(EngineClient(1.0, 1.0, None), [], [], 1.0)
+    x, d = "http://10.0.0.9:8100", "http://10.0.0.3:8200"
+    both = {(Role.PREFILL, x): _info(Role.PREFILL, x), (Role.DECODE, x): _info(Role.DECODE, x),
+            (Role.DECODE, d): _info(Role.DECODE, d)}  # fmt: skip
+    for _ in range(100):
+        reg.sync(both, {})
+    assert [s.url for s in reg.engines[Role.PREFILL]] == [x]
+    assert [s.url for s in reg.engines[Role.DECODE]] == [d]
+    reg.sync({k: v for k, v in both.items() if k != (Role.PREFILL, x)}, {})  # the P's record expires
+    assert reg.engines[Role.PREFILL] == [] and sorted(s.url for s in reg.engines[Role.DECODE]) == [d, x]
+    assert reg.get(x).role is Role.DECODE
+
+
+def test_an_engine_whose_lease_lapsed_is_pickable_again_when_its_record_returns() -> None:
+    reg = EngineRegistry(EngineClient(1.0, 1.0, None), [], [], 1.0)
+    p = "http://10.0.0.1:8100"
+    found = {(Role.PREFILL, p): _info(Role.PREFILL, p)}
+    reg.sync(found, {})
+    reg.begin(p)  # a request on it while its record is gone
+    reg.sync({}, {})
+    assert not reg.in_view(p)
+    reg.sync(found, {})  # the same life registered again
+    state = reg.get(p)
+    assert reg.in_view(p) and state.healthy and state.pickable
+    reg.end(p)
+
+
+class _HangingStore:
+    """A lease store whose second keepalive hangs (a network drop), tracking the lease's real expiry."""
+
+    target = EtcdTarget("127.0.0.1", 1)
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s, self.expires, self.calls, self.expired = ttl_s, 0.0, 0, 0
+
+    async def grant(self, ttl: int) -> int:
+        self.expires = time.monotonic() + self.ttl_s
+        return 1
+
+    async def keepalive(self, lease: int) -> int:
+        self.calls += 1
+        if self.calls == 2:
+            await asyncio.sleep(30)  # until the client's timeout, or cancelled first
+            raise EtcdUnavailable("timed out")
+        if time.monotonic() > self.expires:
+            self.expired += 1
+            return 0
+        self.expires = time.monotonic() + self.ttl_s
+        return int(self.ttl_s)
+
+    async def put(self, key: str, value: bytes, lease: int = 0) -> None:
+        return None
+
+    async def revoke(self, lease: int) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_one_hung_renewal_does_not_let_the_lease_expire() -> None:
+    # Before: the next try came an interval after the hung call gave up, past the TTL (2 TTL/3 + timeout).
+    rec = EngineRecord(role=FleetRole.PREFILL, engine_id="p", incarnation="a", model="m", url="http://h:1",
+                       side_channel_host="h", side_channel_port=1)  # fmt: skip
+    store = _HangingStore(ttl_s=1.0)
+    registrar = Registrar(store, lambda: rec, ttl_s=1)  # type: ignore[arg-type]
+    registrar.start()
+    await asyncio.sleep(2.0)
+    await registrar.close()
+    assert store.calls >= 4  # renewals went on after the hung one
+    assert (store.expired, registrar.registrations) == (0, 1)
