@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 
 from kvwire.errors import InvalidRequest
+from kvwire.protocol.messages import IdText
 
 FIELD = "kv_transfer_params"  # the request body's key, and the parameter an error names
 
@@ -27,12 +28,14 @@ class KvTransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
     do_remote_decode: bool | None = None
     # D's leg: the prompt's KV comes from a remote prefiller (the remote_* fields say which).
     do_remote_prefill: bool | None = None
-    transfer_id: str | None = None  # kvwire's id of the transfer, the same in both legs
-    remote_request_id: str | None = None  # vLLM's name for it (P's request id): read if transfer_id is not
-    remote_engine_id: str | None = None
+    # Ids go on the wire, where they are at most MAX_ID_CHARS: a longer one is refused here (400), before
+    # any leg starts, not by P's core after D registered.
+    transfer_id: IdText | None = None  # kvwire's id of the transfer, the same in both legs
+    remote_request_id: IdText | None = None  # vLLM's name for it (P's request id): read if transfer_id is not
+    remote_engine_id: IdText | None = None
     # The life (incarnation) of P that prefilled and holds the KV: a P restarted since holds none, and D
     # must not read (pull) or wait on (push) its new life's blocks. Not given: not checked (older peers).
-    remote_incarnation: str | None = None
+    remote_incarnation: IdText | None = None
     remote_host: str | None = None  # where P's side channel listens
     remote_port: int | None = None
     remote_tp_size: int | None = None  # P's parallelism; not given: 1

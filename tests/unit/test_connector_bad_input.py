@@ -10,6 +10,7 @@ import random
 import pytest
 
 from kvwire.connector import ConnectorConfig, ConsumerEventKind, ProducerOutcome
+from kvwire.errors import TransferIdReused
 from kvwire.handshake.server import SideChannelServer
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.codec import decode_notif, encode_notif
@@ -307,5 +308,22 @@ def test_nested_bombs_in_a_batch_cost_only_themselves(caplog: pytest.LogCaptureF
         pair.producer.request_finished("live", [4, 5], 8)
         assert [e.kind for e in pair.d_event("live")] == [ConsumerEventKind.READY]
         assert same_bytes(pair.d_tokens([0, 1], range(8)), kv)
+    finally:
+        pair.close()
+
+
+def test_a_second_request_finished_under_a_held_id_is_refused_at_the_call() -> None:
+    """The core drops a second Finished for a held id with no event, so the engine would hold that
+    request's blocks for good: the call refuses it (the first is untouched), and once the first's event was
+    polled the id may be used again."""
+    pair = Pair(SPEC, config=ConnectorConfig(kv_lease_duration_s=0.3))
+    try:
+        pair.producer.request_finished("t-held", [1], 4)
+        with pytest.raises(TransferIdReused):
+            pair.producer.request_finished("t-held", [2], 4)
+        events = []
+        wait_for(lambda: events.extend(pair.producer.poll()) or bool(events), "the first request's event")
+        assert [(e.transfer_id, e.outcome) for e in events] == [("t-held", ProducerOutcome.EXPIRED)]
+        pair.producer.request_finished("t-held", [2], 4)  # polled: the id is free again
     finally:
         pair.close()

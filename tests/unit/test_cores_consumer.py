@@ -512,3 +512,15 @@ def test_ps_first_word_after_a_silence_touches_it() -> None:
     quick.start(0.0)
     quick.from_p(0.5, quick.heartbeat())
     assert TouchPeer("P") not in quick.from_p(0.75, quick.done())
+
+
+def test_d_splits_a_live_set_longer_than_a_heartbeat_carries() -> None:
+    from kvwire.protocol.limits import MAX_HEARTBEAT_IDS
+
+    t = D(dataclasses.replace(CFG, liveness_timeout_s=50.0))
+    tids = [f"r{i}" for i in range(MAX_HEARTBEAT_IDS + 3)]
+    for tid in tids:
+        t.start(0.0, tid)
+    beats = sent(t.h.ticks(1.0, 0.25), Heartbeat)
+    assert sorted(len(b.transfer_ids) for b in beats) == [3, MAX_HEARTBEAT_IDS]
+    assert sorted(t for b in beats for t in b.transfer_ids) == sorted(tids)

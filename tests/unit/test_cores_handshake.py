@@ -282,6 +282,15 @@ def test_a_word_from_the_engine_closes_its_circuit() -> None:
     assert core.breaker.closed_by_word == 1
 
 
+def test_a_word_from_an_engine_never_loaded_adds_no_entry() -> None:
+    # A heartbeat names its sender's engine id (any name, without a secret): each used to add a last_used
+    # entry kept engine_ttl_s (an hour), so a stream of made-up ids grew the table.
+    core = HandshakeCore(timeout_s=1.0, retries=0)
+    for i in range(300):
+        core.handle(float(i), Touch(f"ghost-{i}"))
+    assert core.last_used == {}
+
+
 def test_handshake_machines_stay_bounded_when_peers_name_many_addresses(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -223,6 +223,30 @@ def test_full_handshake_with_a_pp_stage_validates_its_layer_window() -> None:
     run(body)
 
 
+def test_a_peer_whose_layout_is_refused_is_not_left_loaded() -> None:
+    # Same model, so the compat hashes agree, but D's block size does not divide P's: the layout check
+    # refuses it. It ran after the agent was loaded, and nothing unloaded it (the peer never reaches the
+    # cache, so reaping never found it): a remote agent and its endpoint per such handshake, for good.
+    async def body() -> None:
+        fabric = InprocFabric()
+        p_info, p_ranks = build_registered_engine("P", SPEC, 16, fabric.create_agent)
+        odd = KVSpec(num_layers=4, kv_heads=2, head_dim=8, block_size=3)
+        d_info, d_ranks = build_registered_engine("D", odd, 16, fabric.create_agent)
+        server = SideChannelServer(d_info, d_ranks)
+        await server.start()
+        mgr = HandshakeManager(p_info, p_ranks[0], timeout_s=2.0, retries=0, clock_samples=1)
+        try:
+            with pytest.raises(IncompatiblePeer, match="block sizes"):
+                await mgr.ensure(HOST, server.port, 0, 0, PeerMode.FULL)
+            assert p_ranks[0].agent.peer_mode(d_ranks[0].agent.name) is None
+            assert not mgr.core.peers
+        finally:
+            await mgr.close()
+            await server.close()
+
+    run(body)
+
+
 def test_timeout_against_a_listener_that_never_answers() -> None:
     async def body() -> None:
         fabric = InprocFabric()

@@ -252,7 +252,9 @@ def test_auth_good_missing_wrong_and_replayed() -> None:
                 replies, closed = await exchange(server.port, encode_frame(bad))
                 assert isinstance(replies[0], ErrorReply), bad
                 assert replies[0].code is ErrorCode.UNAUTHORIZED
-                assert not closed  # a refusal of a well-formed request keeps the connection
+                # Then the connection closes: one that cannot prove the secret gets no second try on it (it
+                # kept the slot, later requests with the long idle deadline: a lock-out from the address).
+                assert closed
             assert server.stats.replies[ErrorCode.UNAUTHORIZED.value] == 6
 
     run(body)
@@ -308,19 +310,23 @@ def test_a_newcomer_over_the_per_host_cap_evicts_the_oldest_idle_connection() ->
     run(body)
 
 
-def test_connections_beyond_the_cap_are_refused_when_none_is_idle() -> None:
+def test_a_newcomer_evicts_the_connection_whose_frame_began_first_when_none_is_idle() -> None:
+    """Connections that begin a frame and trickle it (no secret needed) used to be unevictable: the host's
+    slots stayed theirs and the peer's real handshakes from that address were refused."""
+
     async def body() -> None:
         fabric = InprocFabric()
         info, ranks = build_registered_engine("P", SPEC, 16, fabric.create_agent)
         async with SideChannelServer(info, ranks, max_connections_per_host=3) as server:
-            held = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(3)]
-            for _, w in held:
-                w.write((100).to_bytes(4, "big"))  # a frame begun, its body not sent: busy, not idle
-            await asyncio.sleep(0.05)
-            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-            assert await asyncio.wait_for(reader.read(), 5) == b""  # refused: closed at once
-            writer.close()
-            assert server.stats.refused_connections == 1 and server.stats.evicted_connections == 0
+            held = []
+            for _ in range(3):
+                held.append(await asyncio.open_connection("127.0.0.1", server.port))
+                held[-1][1].write((100).to_bytes(4, "big") + b"\x80")  # a frame begun, then a trickle
+                await asyncio.sleep(0.05)
+            replies, _ = await exchange(server.port, encode_frame(GetMetadata(pp_rank=0, tp_rank=0)))
+            assert isinstance(replies[0], Metadata)
+            assert await asyncio.wait_for(held[0][0].read(), 5) == b""  # the first frame begun went
+            assert server.stats.evicted_connections == 1 and server.stats.refused_connections == 0
             for _, w in held:
                 w.close()
 
@@ -378,13 +384,23 @@ def test_an_authenticated_connection_is_never_evicted() -> None:
     run(body)
 
 
-def test_a_connection_that_sends_no_request_is_closed_after_the_first_request_deadline() -> None:
+@pytest.mark.parametrize("later", [False, True], ids=["first", "later"])
+def test_a_request_that_trickles_is_closed_after_the_short_deadline(later: bool) -> None:
+    """The first request has 0.2 s from accept; a later one may begin after an idle wait (up to 30 s here),
+    and its body then has the same 0.2 s (before, a trickling later request held its slot 30 s)."""
+
     async def body() -> None:
         fabric = InprocFabric()
         info, ranks = build_registered_engine("P", SPEC, 16, fabric.create_agent)
         async with SideChannelServer(info, ranks, idle_timeout_s=30, first_request_timeout_s=0.2) as server:
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-            writer.write(b"\x00\x00")  # a trickle: half a header, then nothing
+            if later:
+                writer.write(encode_frame(GetMetadata(pp_rank=0, tp_rank=0)))
+                assert FrameDecoder().feed(await asyncio.wait_for(reader.read(65536), 5))
+                await asyncio.sleep(0.5)  # idle between requests: the idle timeout applies
+                writer.write((100).to_bytes(4, "big") + b"\x80")  # the next frame begins, then a trickle
+            else:
+                writer.write(b"\x00\x00")  # a trickle: half a header, then nothing
             t0 = asyncio.get_running_loop().time()
             assert await asyncio.wait_for(reader.read(), 5) == b""
             assert asyncio.get_running_loop().time() - t0 < 2.0

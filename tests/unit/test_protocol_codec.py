@@ -367,3 +367,26 @@ def test_huge_flat_bodies_are_refused_without_walking_them() -> None:
     with pytest.raises(MalformedMessage, match="not explained"):
         decode_notif(notif)
     assert time.perf_counter() - start < 0.5
+
+
+def test_ids_and_heartbeat_lists_past_their_bounds_are_malformed() -> None:
+    # Ids key bounded tables (the connector's timeline, P's tombstones) and a heartbeat's every id is
+    # looked up: a peer's 4 MiB id, or a million ids in one heartbeat, is refused at the decode.
+    from kvwire.protocol.limits import MAX_HEARTBEAT_IDS, MAX_ID_CHARS
+    from kvwire.protocol.messages import Heartbeat, id_batches
+
+    def hb(ids: list[str], tid: str = "") -> Heartbeat:
+        return Heartbeat(transfer_id=tid, engine_id="e", incarnation="i", transfer_ids=ids)
+
+    assert decode_notif(encode_notif(hb(["t"] * MAX_HEARTBEAT_IDS))) == hb(["t"] * MAX_HEARTBEAT_IDS)
+    with pytest.raises(MalformedMessage, match="length"):
+        decode_notif(encode_notif(hb(["t"] * (MAX_HEARTBEAT_IDS + 1))))
+    with pytest.raises(MalformedMessage, match="length"):
+        decode_notif(encode_notif(hb([], tid="x" * (MAX_ID_CHARS + 1))))
+    with pytest.raises(MalformedMessage, match="length"):
+        decode_notif(encode_notif(hb(["x" * (MAX_ID_CHARS + 1)])))
+    # A sender splits a longer live set: every id once, each part within the bound.
+    ids = [f"t{i}" for i in range(2 * MAX_HEARTBEAT_IDS + 5)]
+    parts = id_batches(ids)
+    assert [len(p) for p in parts] == [MAX_HEARTBEAT_IDS, MAX_HEARTBEAT_IDS, 5]
+    assert [t for p in parts for t in p] == ids and id_batches([]) == [[]]

@@ -552,6 +552,8 @@ class ConnectorBase(Generic[E]):
 
     def _poll_transfers(self, now: float) -> None:
         for token, (key, handle, transfer_id) in list(self._handles.items()):
+            if token not in self._handles:
+                continue  # released by an earlier end in this pass (a layer-wise registration's other writes)
             try:
                 state = self.ranks[key].agent.status(handle)
             except TransportError:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 from collections.abc import Sequence
 
 from kvwire.connector._base import ConnectorBase
@@ -34,7 +35,7 @@ from kvwire.core.io import Abort, Finished, LayersReady, StepEnded
 from kvwire.core.producer import ProducerCore, PullProducerCore
 from kvwire.core.producer_layers import LayerwisePushProducerCore
 from kvwire.core.producer_push import PushProducerCore
-from kvwire.errors import BlockRangeError, ConfigError
+from kvwire.errors import BlockRangeError, ConfigError, TransferIdReused
 from kvwire.kv.groups import moved_ids
 from kvwire.kv.mapping import RankLayout
 from kvwire.protocol.messages import TransferMode
@@ -51,13 +52,30 @@ class Producer(ConnectorBase[ProducerEvent]):
     core: ProducerCore
 
     def _make_core(self, layouts: dict[RankKey, RankLayout], num_blocks: int) -> ProducerCore:
+        # The engine thread's record of the ids it handed over and has not polled the event of: a second
+        # request_finished for a held id is refused at the call (the core would drop it, with no event, and
+        # the engine would never free that request's blocks).
+        self._held: set[str] = set()
+        self._held_lock = threading.Lock()
         kind: type[ProducerCore] = PullProducerCore
         if self.config.mode is TransferMode.PUSH:
             kind = LayerwisePushProducerCore if self.config.layerwise else PushProducerCore
         return kind(self.engine, layouts, num_blocks, self.config, host=self.host)
 
     def request_finished(self, transfer_id: str, block_ids: Sequence[int], num_tokens: int) -> None:
-        self._call(Finished(transfer_id, self._checked(transfer_id, block_ids, num_tokens), int(num_tokens)))
+        """Raises ``TransferIdReused`` while another request holds ``transfer_id`` (its event not polled)."""
+        ids = self._checked(transfer_id, block_ids, num_tokens)
+        with self._held_lock:
+            if transfer_id in self._held:
+                raise TransferIdReused(transfer_id)
+            self._held.add(transfer_id)
+        self._call(Finished(transfer_id, ids, int(num_tokens)))
+
+    def poll(self) -> list[ProducerEvent]:
+        out = super().poll()
+        with self._held_lock:
+            self._held.difference_update(e.transfer_id for e in out)
+        return out
 
     def layers_ready(
         self, transfer_id: str, block_ids: Sequence[int], num_tokens: int, layers: Sequence[int]

@@ -53,6 +53,7 @@ from kvwire.protocol.messages import (
     Heartbeat,
     Notification,
     PushReg,
+    id_batches,
 )
 from kvwire.protocol.ranks import RankEnd, RankKey
 from kvwire.protocol.states import ConsumerRequest, ConsumerState
@@ -311,14 +312,12 @@ class ConsumerCore(CoreBase):
                 for link in part.links.values():
                     if link.peer is not None and link.dead_at is None:
                         live[(part.key, link.peer.agent_name)].append(req.transfer_id)
+        engine = self.engine
         for (key, agent_name), tids in live.items():
-            hb = Heartbeat(
-                transfer_id="",
-                engine_id=self.engine.engine_id,
-                incarnation=self.engine.incarnation,
-                transfer_ids=tids,
-            )
-            self._send(key, agent_name, hb)
+            for batch in id_batches(tids):
+                hb = Heartbeat(transfer_id="", engine_id=engine.engine_id, incarnation=engine.incarnation,
+                               transfer_ids=batch)  # fmt: skip
+                self._send(key, agent_name, hb)
             self.stats.heartbeats_sent += 1
 
     def _on_shutdown(self, now: float) -> None:

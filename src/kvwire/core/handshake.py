@@ -225,7 +225,9 @@ class HandshakeCore:
             case ForgetAgent(agent_name):
                 self._forget_agent(agent_name)
             case Touch(engine_id):
-                self.last_used[engine_id] = now
+                # Only an engine this rank loaded: a sender-chosen id must not add an entry (kept an hour).
+                if engine_id in self.last_used:
+                    self.last_used[engine_id] = now
                 self.breaker.heard(engine_id)
             case Reap(in_use, ttl_s):
                 self._reap(now, in_use, ttl_s)

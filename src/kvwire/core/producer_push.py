@@ -589,7 +589,8 @@ class PushProducerCore(ProducerCore):
     def _heartbeats(self) -> None:
         """Tell each D agent which of its registrations we still hold (a long prefill is alive)."""
         for (key, sender), tids in live_registrations(self._live_reqs).items():
-            self._send(key, sender, self._replies.heartbeat(tids))
+            for heartbeat in self._replies.heartbeats(tids):  # one, unless the live set is that long
+                self._send(key, sender, heartbeat)
             self.stats.heartbeats_sent += 1
 
     def _on_shutdown(self, now: float) -> None:

@@ -18,7 +18,15 @@ from kvwire.core.types import EngineInfo, PeerRank
 from kvwire.errors import BlockRangeError, LayoutError
 from kvwire.kv.mapping import tp_peers
 from kvwire.kv.spec import KVSpec
-from kvwire.protocol.messages import CancelAck, Failed, FailReason, Heartbeat, Notification, PushReg
+from kvwire.protocol.messages import (
+    CancelAck,
+    Failed,
+    FailReason,
+    Heartbeat,
+    Notification,
+    PushReg,
+    id_batches,
+)
 from kvwire.protocol.ranks import RankKey
 from kvwire.protocol.states import ProducerRegistration, ProducerState
 
@@ -284,10 +292,11 @@ class Replies:
             wrote=wrote,
         )
 
-    def heartbeat(self, transfer_ids: list[str]) -> Heartbeat:
-        return Heartbeat(
-            transfer_id="",
-            engine_id=self._engine_id,
-            incarnation=self._incarnation,
-            transfer_ids=transfer_ids,
-        )
+    def heartbeats(self, transfer_ids: list[str]) -> list[Heartbeat]:
+        """The heartbeats that carry ``transfer_ids`` (more than one past ``MAX_HEARTBEAT_IDS``)."""
+        return [
+            Heartbeat(
+                transfer_id="", engine_id=self._engine_id, incarnation=self._incarnation, transfer_ids=part
+            )
+            for part in id_batches(transfer_ids)
+        ]

@@ -8,6 +8,7 @@ role) or the Consumer (decode role), starts it (its side channel binds then) and
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +17,7 @@ from kvwire.connector import ConnectorConfig, Consumer, Producer
 from kvwire.engine.config import Role
 from kvwire.engine.engine import Engine
 from kvwire.engine.hooks import HookEvents, TransferRequest
-from kvwire.errors import ConfigError, InvalidRequest
+from kvwire.errors import ConfigError, InvalidRequest, TransferIdReused
 from kvwire.handshake.types import EngineInfo
 from kvwire.integrations.api import Endpoint, close_all, open_ranks, remote_engine, start_connector
 from kvwire.metrics import HandshakeStats, KvMetrics, TransferStats
@@ -46,7 +47,15 @@ class ProducerHooks(_Hooks):
     connector: Producer
 
     def request_finished(self, req: TransferRequest) -> bool:
-        self.connector.request_finished(req.transfer_id, req.block_ids, req.num_tokens)
+        """Whether the connector holds the blocks; not for a transfer id another held request has (the
+        blocks go back at once, and D's registration for it is answered by the one that holds it)."""
+        try:
+            self.connector.request_finished(req.transfer_id, req.block_ids, req.num_tokens)
+        except TransferIdReused:
+            logging.getLogger(__name__).warning(
+                "transfer id %s is held by another request: not sent", req.transfer_id
+            )
+            return False
         return True
 
     def request_allocated(self, req: TransferRequest) -> None:

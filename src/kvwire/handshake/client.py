@@ -241,9 +241,9 @@ def _check(md: Metadata, addr: PeerAddress, compat_hash: str, notif_only: bool) 
     if md.version != VERSION:
         raise IncompatiblePeer(f"{addr}: wire version {md.version}, this side speaks {VERSION}")
     if md.compat_hash != compat_hash:
-        detail = f"compat hash differs: {_mismatch(md, compat_hash)}"
+        detail = refusals.clip(f"compat hash differs: {_mismatch(md, compat_hash)}")
         refusals.record(addr.host, addr.port, detail)
-        raise IncompatiblePeer(f"{addr} ({md.engine_id}): {detail}")
+        raise IncompatiblePeer(f"{addr} ({refusals.clip(md.engine_id)}): {detail}")
     refusals.clear(addr.host, addr.port)
     if (md.pp_rank, md.tp_rank) != (addr.pp_rank, addr.tp_rank):
         raise HandshakeError(f"{addr}: answered for rank pp{md.pp_rank}/tp{md.tp_rank}")

@@ -364,14 +364,16 @@ class HandshakeManager:
 
     async def _load(self, addr: PeerAddress, step: Load, fetched: Fetched, steps: _Steps) -> PeerRank:
         md = fetched.metadata
+        # The layout is checked before the agent is loaded: a peer refused here would otherwise stay loaded
+        # (a remote agent and its UCX endpoint) for the agent's life, since it never enters the cache.
+        t1 = self._clock()
+        layout = None if step.mode is PeerMode.NOTIF_ONLY else validate_layout(self.engine, self.local, md)
+        steps.prepare = self._clock() - t1
         t0 = self._clock()
         try:
             name = await self._add_agent(addr, md.agent_name, md.agent_metadata, step.timeout_s)
         finally:
             steps.add_agent = self._clock() - t0
-        t1 = self._clock()
-        layout = None if step.mode is PeerMode.NOTIF_ONLY else validate_layout(self.engine, self.local, md)
-        steps.prepare = self._clock() - t1
         return _peer_rank(addr, step.mode, name, layout, fetched, fetched.clock_offset_s)
 
     async def _add_agent(self, addr: PeerAddress, agent_name: str, metadata: bytes, left: float) -> str:

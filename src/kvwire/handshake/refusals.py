@@ -13,11 +13,19 @@ from __future__ import annotations
 import threading
 
 _MAX = 256  # peers remembered; a process talks to a handful
+# Characters kept per peer: the text quotes the peer's own fields (its model id...), which it chooses.
+MAX_DETAIL = 512
 _lock = threading.Lock()
 _last: dict[tuple[str, int], str] = {}
 
 
+def clip(detail: str) -> str:
+    """``detail``, cut to ``MAX_DETAIL`` characters."""
+    return detail if len(detail) <= MAX_DETAIL else detail[: MAX_DETAIL - 3] + "..."
+
+
 def record(host: str, port: int, detail: str) -> None:
+    detail = clip(detail)
     with _lock:
         _last.pop((host, port), None)
         if len(_last) >= _MAX:

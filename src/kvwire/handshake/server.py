@@ -52,7 +52,9 @@ from kvwire.protocol.messages import (
 from kvwire.protocol.seal import ReplySeal
 
 log = logging.getLogger("kvwire.handshake")
-_R = TypeVar("_R", Metadata, ErrorReply, Ack, Metadata | ErrorReply, Ack | ErrorReply)
+_R = TypeVar(
+    "_R", Metadata, ErrorReply, Ack, Metadata | ErrorReply, Ack | ErrorReply, Metadata | ErrorReply | Ack
+)
 
 DEFAULT_IDLE_TIMEOUT_S = 10.0
 DEFAULT_MAX_REQUESTS = 64
@@ -88,6 +90,7 @@ class _Conn:
     counted: bool = True  # counts against its host's budget (until a request on it is authenticated)
     # Between requests (from accept on: a new connection has sent nothing): evictable unless authenticated.
     waiting: bool = True
+    frame_at: float = 0.0  # when its current frame's header came (mid-frame: evictable after idle ones)
     task: asyncio.Task[None] | None = None
 
 
@@ -273,14 +276,14 @@ class SideChannelServer:
         return len(self._conns) < self._max_conns or self._evict(None)
 
     def _evict(self, host: str | None) -> bool:
-        idle = [
-            c
-            for c in self._conns.values()
-            if c.waiting and c.counted and (host is None or c.host == host) and c.task is not None
-        ]
-        if not idle:
+        """Evict one connection not yet authenticated: the oldest idle one, else the one whose frame began
+        first (a client sends a frame in milliseconds: one that trickles its bytes holds its slot at most
+        until a newcomer needs it)."""
+        open_ = [c for c in self._conns.values() if c.counted and (host is None or c.host == host) and c.task]
+        if not open_:
             return False
-        victim = min(idle, key=lambda c: c.opened)
+        idle = [c for c in open_ if c.waiting]
+        victim = min(idle, key=lambda c: c.opened) if idle else min(open_, key=lambda c: c.frame_at)
         assert victim.task is not None
         self._conns.pop(victim.task)
         self._uncount(victim)
@@ -324,30 +327,34 @@ class SideChannelServer:
         writer = conn.writer
         for served in range(self._max_requests):
             # The first request has a short deadline from accept, header and body together.
+            # Any later one may wait the idle timeout to begin, then has that short deadline for its body.
             limit = self._first_timeout_s if served == 0 else self._idle_timeout_s
             try:
                 async with asyncio.timeout(limit):
                     conn.waiting = True
                     header = await self._read(reader, FRAME_HEADER_BYTES, at_start=True)
-                    conn.waiting = False
+                    conn.waiting, conn.frame_at = False, self._clock()
                     if header is None:
                         return
-                    body = await self._read(reader, parse_frame_header(header), at_start=False)
+                    async with asyncio.timeout(self._first_timeout_s):
+                        body = await self._read(reader, parse_frame_header(header), at_start=False)
                 assert body is not None
                 msg = decode_side(body)
             except ProtocolError as exc:
                 # The stream is out of sync after a bad frame: answer, then close.
                 await self._send(writer, self._error_for(exc))
                 return
-            if isinstance(msg, ReportFailed):
-                await self._send(writer, self.sealed(msg, self._trusting(conn, self.report(msg))))
-                continue
-            if not isinstance(msg, GetMetadata):
+            if not isinstance(msg, ReportFailed | GetMetadata):
                 await self._send(
                     writer, self._refuse(ErrorCode.BAD_REQUEST, f"{type(msg).__name__} is no request")
                 )
                 return
-            await self._send(writer, self.sealed(msg, self._trusting(conn, self.answer(msg))))
+            reply: Metadata | ErrorReply | Ack = self._trusting(
+                conn, self.report(msg) if isinstance(msg, ReportFailed) else self.answer(msg)
+            )
+            await self._send(writer, self.sealed(msg, reply))
+            if isinstance(reply, ErrorReply) and reply.code is ErrorCode.UNAUTHORIZED:
+                return  # no second try on a connection that could not prove the secret: its slot goes
 
     def _trusting(self, conn: _Conn, reply: _R) -> _R:
         """With a secret, a request that was not refused as unauthorized proved it (``answer`` and

@@ -16,6 +16,12 @@ from __future__ import annotations
 MAX_DEPTH = 32
 # A notification carries ids, never KV: a push_reg for a million-token prompt is a few hundred KB.
 MAX_NOTIF_BYTES = 4 * 1024 * 1024
+# An id (transfer, engine, incarnation) in characters: a uuid is 36, vLLM's request ids about 50. Ids are
+# keys of bounded tables (timeline, tombstones): each entry's size is bounded too.
+MAX_ID_CHARS = 1024
+# Transfer ids in one heartbeat: its sender splits a longer live set, its receiver looks each one up (so a
+# heartbeat costs its receiver a few milliseconds at most, whoever sent it).
+MAX_HEARTBEAT_IDS = 16_384
 # Items the shape walk reads before giving up (about 15 ms). It only runs on bodies that already failed the
 # typed decode, to explain why; a body with more items than this is refused as malformed unexplained.
 MAX_WALK_ITEMS = 1 << 16

@@ -17,6 +17,8 @@ from typing import Annotated
 
 import msgspec
 
+from kvwire.protocol.limits import MAX_HEARTBEAT_IDS, MAX_ID_CHARS
+
 VERSION = 1
 NOTIF_MAGIC = b"KVW1"
 MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -31,6 +33,7 @@ Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 ReasonText = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 # A content digest (CRC-32 today: 4 bytes); longer is refused as malformed before it is kept anywhere.
 DigestBytes = Annotated[bytes, msgspec.Meta(max_length=64)]
+IdText = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
 
 
 class TransferMode(enum.Enum):
@@ -224,9 +227,9 @@ SideMessage = GetMetadata | Metadata | ErrorReply | Sealed | ReportFailed | Ack
 
 class _Notif(msgspec.Struct, kw_only=True):
     version: Version = VERSION
-    transfer_id: str
-    engine_id: str
-    incarnation: str
+    transfer_id: IdText
+    engine_id: IdText
+    incarnation: IdText
 
 
 class PushReg(_Notif, tag="push_reg", tag_field="type", kw_only=True):
@@ -274,8 +277,15 @@ class CancelAck(_Notif, tag="cancel_ack", tag_field="type", kw_only=True):
 
 
 class Heartbeat(_Notif, tag="heartbeat", tag_field="type", kw_only=True):
-    # transfer_id is unused on heartbeats ("" by convention); the live set is in transfer_ids.
-    transfer_ids: list[str] = []
+    # transfer_id is unused on heartbeats ("" by convention); the live set is in transfer_ids (a longer
+    # one goes in several heartbeats: ``id_batches``).
+    transfer_ids: Annotated[list[IdText], msgspec.Meta(max_length=MAX_HEARTBEAT_IDS)] = []
+
+
+def id_batches(ids: list[str]) -> list[list[str]]:
+    """``ids`` in heartbeat-sized parts (one part, maybe empty, when they fit)."""
+    n = MAX_HEARTBEAT_IDS
+    return [ids[i : i + n] for i in range(0, len(ids), n)] or [ids]
 
 
 Notification = PushReg | Done | Failed | Cancel | CancelAck | Heartbeat

@@ -149,7 +149,8 @@ class WorkerSide:
                 # Bad local input: nothing was registered with a peer, so the blocks are vLLM's at once.
                 log.warning("kvwire: %s %s refused: %s", op.kind.value, op.req_id, exc)
                 if op.kind is OpKind.SEND:
-                    self._sends.pop(op.transfer_id, None)
+                    if self._sends.get(op.transfer_id) == op.req_id:  # not another request's, same id
+                        del self._sends[op.transfer_id]
                     self._done.sending.add(op.req_id)
                 elif op.kind is OpKind.LOAD:
                     if self._loads.get(op.transfer_id) == op.req_id:  # not another request's, same id
@@ -161,6 +162,8 @@ class WorkerSide:
         log.debug("kvwire: %s %s transfer_id=%s blocks=%d tokens=%d cached=%d", op.kind.value, op.req_id,
                   op.transfer_id, len(op.block_ids), op.num_tokens, op.num_cached_tokens)  # fmt: skip
         if op.kind is OpKind.SEND and self.producer is not None:
+            if op.transfer_id in self._sends:  # a held request's id (a client's retry): kvwire refuses it too
+                raise TransferIdReused(op.transfer_id)
             self._sends[op.transfer_id] = op.req_id
             self.producer.request_finished(op.transfer_id, op.block_ids, op.num_tokens)
         elif op.kind is OpKind.LOAD and self.consumer is not None and op.remote is not None:
@@ -174,6 +177,8 @@ class WorkerSide:
         elif op.kind is OpKind.STREAM and self.streamer is not None:
             self.streamer.stream(op)
         elif op.kind is OpKind.DROP and self.producer is not None:
+            if self._sends.get(op.transfer_id, op.req_id) != op.req_id:
+                return  # the id is another (held) request's: this one never reached kvwire
             self.producer.abort(op.transfer_id)  # no event follows: the engine already owns the blocks
         elif op.kind is OpKind.ABORT and self.consumer is not None:
             tid = next((t for t, r in self._loads.items() if r == op.req_id), None)
