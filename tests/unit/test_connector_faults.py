@@ -4,9 +4,12 @@ bad notifications. Fences, timeouts and dead peers are pinned in virtual time in
 
 from __future__ import annotations
 
-import msgspec
+import logging
 
-from kvwire.connector import ConsumerEventKind, ProducerOutcome
+import msgspec
+import pytest
+
+from kvwire.connector import ConnectorConfig, ConsumerEventKind, ProducerOutcome
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.codec import encode_notif
 from kvwire.protocol.messages import FailReason, PushReg
@@ -116,5 +119,31 @@ def test_a_request_naming_a_p_replaced_at_its_address_fails_peer_dead_then_one_n
         pair.consumer.request_allocated("ok", [1], 4, 0, pair.remote())
         pair.producer.request_finished("ok", [2], 4)
         assert _kinds(pair.d_event("ok")) == [(K.READY, None)]
+    finally:
+        pair.close()
+
+
+def test_layer_writes_that_fail_together_end_once_each(caplog: pytest.LogCaptureFixture) -> None:
+    """A failed layer write makes the core release its registration's other writes; the driver then polled
+    those released handles in the same pass and fed their ends to the core (one ERROR traceback each)."""
+    spec = KVSpec(num_layers=4, kv_heads=2, head_dim=8, block_size=4)
+    pair = Pair(spec, config=ConnectorConfig(layerwise=True), d_config=ConnectorConfig())
+    try:
+        blocks, n = [1, 2], 8
+        pair.fill_p(blocks, n)
+        pair.consumer.request_allocated("t1", [5, 6], n, 0, pair.remote())
+        wait_for(lambda: pair.on_loop(lambda: pair.producer.core.registrations("t1")) == 1, "the push_reg")
+        faults = pair.p_agent().faults
+        faults.delay_s, faults.fail_transfers = 0.3, 3  # three layer writes in flight, all end FAILED
+        with caplog.at_level(logging.INFO, logger="kvwire"):
+            for layer in (0, 1, 2):
+                pair.producer.layers_ready("t1", blocks, n, (layer,))
+            wait_for(
+                lambda: pair.on_loop(lambda: not pair.producer.core.streaming({"t1"})), "the writes' end"
+            )
+            pair.producer.request_finished("t1", blocks, n)
+            assert pair.p_event("t1").outcome is ProducerOutcome.FAILED
+            assert [(e.kind, e.reason) for e in pair.d_event("t1")][-1][1] is FailReason.WRITE_FAILED
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     finally:
         pair.close()
