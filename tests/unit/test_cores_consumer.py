@@ -524,3 +524,45 @@ def test_d_splits_a_live_set_longer_than_a_heartbeat_carries() -> None:
     beats = sent(t.h.ticks(1.0, 0.25), Heartbeat)
     assert sorted(len(b.transfer_ids) for b in beats) == [3, MAX_HEARTBEAT_IDS]
     assert sorted(t for b in beats for t in b.transfer_ids) == sorted(tids)
+
+
+def _p_heartbeat(*tids: str) -> Heartbeat:
+    return Heartbeat(transfer_id="", engine_id="P", incarnation="P-life1", transfer_ids=list(tids))
+
+
+def test_a_registration_p_stopped_naming_fails_while_p_lives_on() -> None:
+    """r1's done is lost; P lives on, serving r2, and its heartbeats name r2 only. Liveness never ends r1
+    (P speaks every second): before, r1 held its blocks for as long as P had other work with D. Now it fails
+    once P has not named it for longer than P's handshake with D can take, and its blocks wait the grace."""
+    t = D()
+    cfg = t.core.config
+    window = cfg.handshake_timeout_s * (cfg.handshake_retries + 1) + cfg.liveness_timeout_s
+    window += 2 * cfg.heartbeat_interval_s
+    t.start(0.0, "r1")
+    t.start(0.0, "r2")
+    second, failed_at = 0.0, None
+    while failed_at is None:
+        second += 1.0
+        assert second < window + 3, "r1 never failed"
+        t.from_p(second, _p_heartbeat("r2"))  # r1's done (and every word after it) never came
+        for step in range(1, 20):
+            got = events(t.h.tick(second + step * 0.05))
+            if got:
+                assert got == [ev(FAILED, FailReason.TRANSFER_TIMEOUT, "r1")]
+                failed_at = second + step * 0.05
+                break
+    assert window < failed_at <= window + 2
+    assert events(t.h.ticks(failed_at + cfg.dead_peer_grace_s - 0.1, 0.05)) == []  # the grace
+    assert events(t.h.ticks(failed_at + cfg.dead_peer_grace_s + 0.1, 0.05)) == [
+        ev(RELEASED, FailReason.TRANSFER_TIMEOUT, "r1")
+    ]
+    assert events(t.from_p(second + 2, t.done("r2"))) == [ev(READY, tid="r2")]  # r2 was never touched
+    assert t.core.stats.peers_declared_dead == 0
+
+
+def test_a_registration_p_keeps_naming_waits_past_that_window() -> None:
+    t = D(dataclasses.replace(CFG, transfer_timeout_s=1000.0))
+    t.start(0.0, "r1")
+    for second in range(1, 60):  # a minute of prefill: P names r1 in every heartbeat
+        assert events(t.from_p(float(second), _p_heartbeat("r1")) + t.h.ticks(second + 0.5, 0.25)) == []
+    assert events(t.from_p(60.0, t.done("r1"))) == [ev(READY, tid="r1")]

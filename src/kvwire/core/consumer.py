@@ -14,8 +14,6 @@ every rank still registered, and RELEASED comes when every P rank has ended its 
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 from kvwire.core.base import CoreBase, DropReason
 from kvwire.core.consumer_liveness import Lives, drain_hold, quarantined, release_at
 from kvwire.core.consumer_records import Link, LocalPart, PeerLife, Request, UsedIds, sampled, wrong_peer
@@ -34,13 +32,7 @@ from kvwire.core.io import (
     TouchPeer,
 )
 from kvwire.core.types import EngineInfo, PeerRank
-from kvwire.errors import (
-    BlockRangeError,
-    IllegalTransition,
-    LayoutError,
-    TransferIdReused,
-    UnexpectedSender,
-)
+from kvwire.errors import BlockRangeError, IllegalTransition, LayoutError, TransferIdReused, UnexpectedSender
 from kvwire.kv.digest import DigestScope, common_layers, p_layers, pair_heads, payload_bytes
 from kvwire.kv.groups import grouped, moved_ids
 from kvwire.kv.mapping import HeadSlice, source_ranks
@@ -297,23 +289,21 @@ class ConsumerCore(CoreBase):
     def _on_peer_msg(self, now: float, key: RankKey, sender: str, msg: Notification) -> None:
         raise self._refuse(DropReason.UNEXPECTED, f"{type(msg).__name__} from {sender}")
 
+    def _end_forgotten(self, now: float) -> None:
+        pass
+
     def _timers(self, now: float) -> None:
         for req in [r for r in self._held.values() if now >= r.hold_until]:
             self._settle(now, req)
         if self._heartbeat_due(now):
+            self._end_forgotten(now)
             self._heartbeats()
             self._do(Reap(frozenset(req.remote.engine_id for req in self._requests.values())))
             self._lives.prune(self._requests)
 
     def _heartbeats(self) -> None:
-        live: dict[tuple[RankKey, str], list[str]] = defaultdict(list)
-        for req in self._requests.values():
-            for part in req.parts.values():
-                for link in part.links.values():
-                    if link.peer is not None and link.dead_at is None:
-                        live[(part.key, link.peer.agent_name)].append(req.transfer_id)
         engine = self.engine
-        for (key, agent_name), tids in live.items():
+        for (key, agent_name), tids in self._lives.live_links(self._requests).items():
             for batch in id_batches(tids):
                 hb = Heartbeat(transfer_id="", engine_id=engine.engine_id, incarnation=engine.incarnation,
                                transfer_ids=batch)  # fmt: skip
@@ -414,6 +404,21 @@ class PushConsumerCore(ConsumerCore):
                     incarnation=self.engine.incarnation,
                 )
                 self._send(part.key, link.peer.agent_name, cancel)
+
+    def _on_notif(self, now: float, key: RankKey, sender: str, msg: Notification) -> None:
+        if isinstance(msg, Heartbeat):
+            self._lives.note_listed(self._requests, key, sender, msg.transfer_ids, now)
+        super()._on_notif(now, key, sender, msg)
+
+    def _end_forgotten(self, now: float) -> None:
+        """End the ranks whose P rank, alive, no longer names their registration (``Lives.forgotten``): the
+        blocks wait the grace, since the lost word may have been a ``failed`` after a released write."""
+        for req, part, link in self._lives.forgotten(self._requests, now, self.config):
+            self._log_warning(
+                "%s: P rank %s stopped naming it, its last word lost", req.transfer_id, link.src
+            )
+            req.hold_until = max(req.hold_until, now + self.config.dead_peer_grace_s)
+            self._rank_ended(now, req, part, link.src, RankEnd.FAILED, FailReason.TRANSFER_TIMEOUT)
 
     def _on_peer_msg(self, now: float, key: RankKey, sender: str, msg: Notification) -> None:
         if not isinstance(msg, Done | Failed | CancelAck):

@@ -18,11 +18,14 @@ A pass with none of these visits no request.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Iterator, Mapping
 
+from kvwire.core.config import ConnectorConfig
 from kvwire.core.consumer_records import Link, LocalPart, PeerLife, Request
 from kvwire.core.types import PeerRank
 from kvwire.protocol.messages import CancelAck, Failed, FailReason
+from kvwire.protocol.ranks import RankKey
 
 LifeKey = tuple[str, str]  # (engine_id, incarnation) of a P engine
 _VERDICTS_KEPT = 8  # per life: the verdicts whose confirmation is remembered (PeerLife.confirmed)
@@ -91,6 +94,59 @@ class Lives:
         self._unswept: set[LifeKey] = set()  # dead lives whose links may not all hold their verdict
         self._verdicts_wake = math.inf  # the earliest grace or quarantine end of a verdict
         self._verdicts_dirty = False  # a word came that may confirm a dead life
+
+    @staticmethod
+    def live_links(requests: Mapping[str, Request]) -> dict[tuple[RankKey, str], list[str]]:
+        """(local rank, P agent) -> transfer ids of the requests waiting on that P rank (D's heartbeats)."""
+        live: dict[tuple[RankKey, str], list[str]] = defaultdict(list)
+        for req in requests.values():
+            for part in req.parts.values():
+                for link in part.links.values():
+                    if link.peer is not None and link.dead_at is None:
+                        live[(part.key, link.peer.agent_name)].append(req.transfer_id)
+        return live
+
+    @staticmethod
+    def note_listed(
+        requests: Mapping[str, Request], key: RankKey, sender: str, tids: list[str], now: float
+    ) -> None:
+        """A heartbeat from P agent ``sender`` to local rank ``key`` names the registrations it holds."""
+        for tid in tids:
+            req = requests.get(tid)
+            part = None if req is None else req.parts.get(key)
+            for link in () if part is None else part.links.values():
+                if link.peer is not None and link.peer.agent_name == sender:
+                    link.listed_at = now
+
+    def forgotten(
+        self, requests: Mapping[str, Request], now: float, cfg: ConnectorConfig
+    ) -> list[tuple[Request, LocalPart, Link]]:
+        """Registrations whose P rank no longer holds them: it is alive (it spoke within the liveness
+        timeout) and has not named them in a heartbeat since D registered, for longer than P's whole
+        handshake with D can take (P names a registration once D is loaded) and two heartbeats. P ended
+        them and its ending word (``done``, ``failed``, ``cancel_ack``) was lost, or it never had them (a
+        lost ``push_reg``): while it serves other registrations its heartbeats keep it alive, so liveness
+        alone would never end them."""
+        window = cfg.handshake_timeout_s * (cfg.handshake_retries + 1) + cfg.liveness_timeout_s
+        window += 2 * cfg.heartbeat_interval_s
+        out = []
+        for req in requests.values():
+            for part in req.parts.values():
+                pending = part.machine.ranks.pending
+                for link in part.links.values():
+                    peer = link.peer
+                    if peer is None or link.dead_at is not None or link.src not in pending:
+                        continue
+                    if now - max(link.registered_at, link.listed_at) <= window:
+                        continue
+                    life = self.table.get(life_key(peer))
+                    if (
+                        life is not None
+                        and life.dead_at is None
+                        and now - life.last_seen < cfg.liveness_timeout_s
+                    ):
+                        out.append((req, part, link))
+        return out
 
     def heard(self, life: PeerLife, now: float) -> None:
         """A notification from ``life``: a sign of life, and maybe the proof that it recalled its writes."""

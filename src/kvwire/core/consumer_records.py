@@ -21,6 +21,7 @@ class Link:
     src: RankKey
     peer: PeerRank | None = None
     registered_at: float = math.inf
+    listed_at: float = 0.0  # push: the last heartbeat of this P rank that named the registration
     cancel_sent: bool = False
     dead_at: float | None = None
     token: int = 0  # pull: the READ in flight (0: none)
