@@ -577,3 +577,18 @@ def test_ds_first_word_after_a_silence_touches_it_and_later_words_do_not() -> No
     later = P()
     later.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
     assert later.from_d(2.0, later.push_reg())[0] == TouchPeer("D")
+
+
+def test_tombstones_are_bounded_and_keep_none_of_ds_block_ids() -> None:
+    """A flood of push_regs with a 1 ms fence ends a request per push_reg, each a tombstone for 60 s: their
+    number had no bound (12,288 entries after 12,288 push_regs, whatever max_early_registrations), and each
+    kept the push_reg's block ids. Past max_tombstones the oldest go, and a tombstone keeps no block id."""
+    t = P(dataclasses.replace(CFG, max_tombstones=8))
+    for i in range(20):
+        t.from_d(i * 0.01, t.push_reg(f"flood{i}", fence_ms=1, blocks=list(range(100))))
+    t.h.ticks(1.0, 0.1)  # every fence expired: each request ended
+    core = t.core
+    assert core.live_requests == 0 and core.registrations("flood19") == 1
+    assert len(core._requests) == 8 and core.stats.tombstones_dropped == 12
+    assert core.registrations("flood0") == 0  # the oldest went first
+    assert all(not reg.msg.block_ids for req in core._requests.values() for reg in req.regs.values())

@@ -248,3 +248,27 @@ async def test_one_hung_renewal_does_not_let_the_lease_expire() -> None:
     await registrar.close()
     assert store.calls >= 4  # renewals went on after the hung one
     assert (store.expired, registrar.registrations) == (0, 1)
+
+
+def test_pair_problems_are_judged_per_profile_not_per_pair() -> None:
+    # /health judged every healthy P against every healthy D on the router's loop: 2,048 x 2,048 engines
+    # took 1.3-2.5 s per probe. Now once per pair of profiles, with how many engine pairs each covers.
+    reg = EngineRegistry(EngineClient(1.0, 1.0, None), [], [], 1.0)
+
+    def rec(role: Role, url: str, seed: int) -> HealthInfo:
+        return health_info(EngineRecord(
+            role=FleetRole(role.value), engine_id=url, incarnation="a", model="kvwire", url=url,
+            side_channel_host="127.0.0.1", side_channel_port=5600, mode="push", seed=seed, authenticated=True,
+        ))  # fmt: skip
+
+    found = {(Role.PREFILL, f"http://p{i}:1"): rec(Role.PREFILL, f"http://p{i}:1", 0) for i in range(300)}
+    found |= {(Role.DECODE, f"http://d{i}:2"): rec(Role.DECODE, f"http://d{i}:2", 0) for i in range(300)}
+    reg.sync(found, {})
+    assert reg.pair_problems(TransferMode.PUSH) == []
+    found[(Role.DECODE, "http://d7:2")] = rec(Role.DECODE, "http://d7:2", 1)  # one D on another seed
+    reg.sync(found, {})
+    t0 = time.perf_counter()
+    problems = reg.pair_problems(TransferMode.PUSH)
+    assert time.perf_counter() - t0 < 0.5
+    assert len(problems) == 1 and "seed 0" in problems[0] and "seed 1" in problems[0]
+    assert problems[0].endswith("(and 299 other pairs alike)")

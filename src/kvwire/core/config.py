@@ -54,6 +54,9 @@ class ConnectorConfig:
     idle_poll_interval_s: float = 0.002
     # How long P remembers an ended registration, to answer a late cancel or push_reg correctly.
     tombstone_s: float = 60.0
+    # P: ended requests remembered at most (oldest forgotten first, before tombstone_s): a flood of
+    # push_regs with a 1 ms fence ends thousands of requests a second, each a tombstone.
+    max_tombstones: int = 65_536
     # P: registrations for requests it has not finished yet (D registers while P prefills) at most; more
     # are dropped (counted as "overload"): one peer's flood of push_regs cannot grow P without bound.
     max_early_registrations: int = 4096
@@ -90,7 +93,13 @@ class ConnectorConfig:
                 raise ConfigError(f"{name} must be positive, got {value!r}")
         if not 0.0 <= self.kv_digest_sample <= 1.0:
             raise ConfigError(f"kv_digest_sample must be in [0, 1], got {self.kv_digest_sample!r}")
-        for name in ("max_early_registrations", "max_early_registrations_per_peer", "max_served_ids"):
+        bounds = (
+            "max_early_registrations",
+            "max_early_registrations_per_peer",
+            "max_served_ids",
+            "max_tombstones",
+        )
+        for name in bounds:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         PeerAllowList.parse(self.allowed_peers)  # ConfigError naming a bad entry

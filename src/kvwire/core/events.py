@@ -67,6 +67,8 @@ class ConnectorStats:
     cancels: int = 0
     # D: a dead P life's blocks released at the quarantine bound, never confirmed gone (see docs).
     quarantine_expired: int = 0
+    # P: ended requests forgotten before tombstone_s, past max_tombstones.
+    tombstones_dropped: int = 0
     # KV digests computed (P: over its source, for a D that asked; D: over the landed bytes, compared).
     digests: int = 0
     # Most recent transfer durations (seconds, post to DONE), bounded.

@@ -12,6 +12,8 @@ from __future__ import annotations
 import collections
 import math
 
+import msgspec
+
 from kvwire.core.base import CoreBase, DropReason
 from kvwire.core.events import ProducerEvent, ProducerOutcome
 from kvwire.core.io import Abort, Finished, Input, TouchPeer
@@ -135,9 +137,13 @@ class ProducerCore(CoreBase):
         req.forget_at = now + self.config.tombstone_s
         if self._live_reqs.pop(req.transfer_id, None) is req:
             self._tombs.append(req)
+            if len(self._tombs) > self.config.max_tombstones:
+                self._forget_oldest()
         for reg in req.regs.values():
             if reg.machine.accepts(PT.RELEASE):
                 reg.machine.handle(PT.RELEASE)
+            if not reg.machine.writes_in_flight and not reg.posting:
+                reg.msg = msgspec.structs.replace(reg.msg, block_ids=[])  # a tombstone needs none of D's ids
         if emit:
             self._emit(ProducerEvent(req.transfer_id, how))
 
@@ -166,6 +172,20 @@ class ProducerCore(CoreBase):
                 tombs.append(req)
             elif self._requests.get(req.transfer_id) is req:
                 del self._requests[req.transfer_id]
+
+    def _forget_oldest(self) -> None:
+        """Past ``max_tombstones``, forget the oldest ended requests now (a push_reg naming one later waits
+        for a Finished that never comes, and is answered at its fence instead of at once)."""
+        tombs = self._tombs
+        for _ in range(len(tombs)):
+            if len(tombs) <= self.config.max_tombstones:
+                return
+            req = tombs.popleft()
+            if any(r.machine.writes_in_flight or r.posting for r in req.regs.values()):
+                tombs.append(req)  # a write must end before we forget it
+            elif self._requests.get(req.transfer_id) is req:
+                del self._requests[req.transfer_id]
+                self.stats.tombstones_dropped += 1
 
     def _on_tick(self, now: float) -> None:
         self._forget_tombstones(now)
