@@ -272,3 +272,29 @@ def test_pair_problems_are_judged_per_profile_not_per_pair() -> None:
     assert time.perf_counter() - t0 < 0.5
     assert len(problems) == 1 and "seed 0" in problems[0] and "seed 1" in problems[0]
     assert problems[0].endswith("(and 299 other pairs alike)")
+
+
+async def test_a_burst_finding_no_healthy_engine_shares_one_round_of_checks() -> None:
+    # Every engine down: each request of a burst re-checked the whole role before refusing, so 50 requests
+    # cost 50 health checks per engine at the worst moment. They now share one round.
+    p, d = (f"http://127.0.0.1:{free_port()}" for _ in range(2))
+    seen: list[str] = []
+
+    async def handle(seen_req: Seen) -> tuple[int, Any]:
+        seen.append(seen_req.url)
+        if seen_req.url == p:
+            await asyncio.sleep(0.2)  # a slow, failing health check
+            return 503, {}
+        return 200, _health("decode", seen_req.url)
+
+    router = Router(RouterConfig((p,), (d,)))
+    apps = [(scripted_app(handle), int(u.rsplit(":", 1)[1])) for u in (p, d)]
+    async with serving_here(apps):
+        await router.registry.check_all()
+        seen.clear()
+        answers = await asyncio.gather(
+            *(router.serve(_ask(stream=False), ApiKind.COMPLETION) for _ in range(50))
+        )
+        assert {a.status_code for a in answers} == {503}
+        assert seen.count(p) <= 2  # one shared round (a second only if a request came after it ended)
+    await router.close()

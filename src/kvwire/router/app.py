@@ -249,7 +249,7 @@ class Router:
                 picks.append(self._pick_one(role, hashes, tokens))
             except NoHealthyEngine:
                 # The cached health may be stale (an engine came back): look again once before refusing.
-                await self.registry.check_all(role)
+                await self.registry.recheck_role(role)
                 try:
                     picks.append(self._pick_one(role, hashes, tokens))
                 except NoHealthyEngine as exc:

@@ -155,6 +155,7 @@ class EngineRegistry:
         self.prefix = PrefixIndex()
         # Prompt blocks sent to P, and of those the ones P was believed to hold (``/health``).
         self.prefix_blocks = {"hit": 0, "total": 0}
+        self._rechecks: dict[Role, asyncio.Task[None]] = {}  # recheck(role) in flight, shared
 
     def _state(self, url: str, role: Role) -> EngineState:
         return EngineState(split_fragment(url)[0], role, self.dialect.static_info(url, role))
@@ -268,6 +269,14 @@ class EngineRegistry:
             self._size_prefix(state)
         state.checked_at = time.monotonic()
         self._touch(state)
+
+    async def recheck_role(self, role: Role) -> None:
+        """``check_all(role)``, one at a time: a burst of requests finding no healthy engine (every engine
+        down) shares one round of checks instead of each starting its own."""
+        task = self._rechecks.get(role)
+        if task is None or task.done():
+            task = self._rechecks[role] = asyncio.create_task(self.check_all(role))
+        await asyncio.shield(task)
 
     async def check_all(self, role: Role | None = None) -> None:
         states = [*self._by_url.values()] if role is None else [*self.engines[role]]
@@ -431,6 +440,7 @@ class EngineRegistry:
 
     async def close(self) -> None:
         pending = [s._refreshing for s in self._by_url.values() if s._refreshing and not s._refreshing.done()]
+        pending += [task for task in self._rechecks.values() if not task.done()]
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
