@@ -390,3 +390,9 @@ def test_ids_and_heartbeat_lists_past_their_bounds_are_malformed() -> None:
     parts = id_batches(ids)
     assert [len(p) for p in parts] == [MAX_HEARTBEAT_IDS, MAX_HEARTBEAT_IDS, 5]
     assert [t for p in parts for t in p] == ids and id_batches([]) == [[]]
+    # By bytes too: 16,384 ids of 1,024 characters would be a 16 MiB heartbeat its peer refuses.
+    long_ids = [f"{i:08d}" + "x" * (MAX_ID_CHARS - 8) for i in range(5000)]
+    parts = id_batches(long_ids)
+    assert len(parts) > 1 and [t for p in parts for t in p] == long_ids
+    for part in parts:
+        assert decode_notif(encode_notif(hb(part))) == hb(part)

@@ -298,3 +298,41 @@ async def test_a_burst_finding_no_healthy_engine_shares_one_round_of_checks() ->
         assert {a.status_code for a in answers} == {503}
         assert seen.count(p) <= 2  # one shared round (a second only if a request came after it ended)
     await router.close()
+
+
+class _LeaseLostStore(_HangingStore):
+    """The first lease is lost (a keepalive answers TTL 0); the put after the second grant hangs past the
+    renewal's deadline; every later call answers."""
+
+    def __init__(self) -> None:
+        super().__init__(ttl_s=3.0)
+        self.grants, self.keepalives, self.written = 0, 0, 0
+
+    async def grant(self, ttl: int) -> int:
+        self.grants += 1
+        return self.grants
+
+    async def keepalive(self, lease: int) -> int:
+        self.keepalives += 1
+        return 0 if self.keepalives == 1 else int(self.ttl_s)
+
+    async def put(self, key: str, value: bytes, lease: int = 0) -> None:
+        if self.grants == 2 and lease == 2 and not getattr(self, "_hung", False):
+            self._hung = True
+            await asyncio.sleep(30)
+        self.written_under = lease
+        self.written += 1
+
+
+async def test_a_put_cut_by_the_renewal_deadline_is_written_at_the_next_renewal() -> None:
+    # The lease was lost and granted again, and the record's put under the new lease was cut by the try's
+    # deadline: the next renewal found the new lease alive and skipped the record as unchanged since the
+    # last put (under the lost lease), so the engine stayed out of etcd for good.
+    rec = EngineRecord(role=FleetRole.PREFILL, engine_id="p", incarnation="a", model="m", url="http://h:1",
+                       side_channel_host="h", side_channel_port=1)  # fmt: skip
+    store = _LeaseLostStore()
+    registrar = Registrar(store, lambda: rec, ttl_s=3)  # type: ignore[arg-type]
+    registrar.start()
+    await asyncio.sleep(2.5)
+    await registrar.close()
+    assert store.grants == 2 and store.written_under == 2  # the record is under the live lease

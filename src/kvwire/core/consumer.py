@@ -406,7 +406,7 @@ class PushConsumerCore(ConsumerCore):
                 self._send(part.key, link.peer.agent_name, cancel)
 
     def _on_notif(self, now: float, key: RankKey, sender: str, msg: Notification) -> None:
-        if isinstance(msg, Heartbeat):
+        if isinstance(msg, Heartbeat) and (msg.engine_id, msg.incarnation) in self._lives.table:
             self._lives.note_listed(self._requests, key, sender, msg.transfer_ids, now)
         super()._on_notif(now, key, sender, msg)
 

@@ -94,6 +94,7 @@ class Lives:
         self._unswept: set[LifeKey] = set()  # dead lives whose links may not all hold their verdict
         self._verdicts_wake = math.inf  # the earliest grace or quarantine end of a verdict
         self._verdicts_dirty = False  # a word came that may confirm a dead life
+        self.ranks_heard: dict[str, float] = {}  # P agent -> its last heartbeat (push: ``forgotten``)
 
     @staticmethod
     def live_links(requests: Mapping[str, Request]) -> dict[tuple[RankKey, str], list[str]]:
@@ -106,11 +107,12 @@ class Lives:
                         live[(part.key, link.peer.agent_name)].append(req.transfer_id)
         return live
 
-    @staticmethod
     def note_listed(
-        requests: Mapping[str, Request], key: RankKey, sender: str, tids: list[str], now: float
+        self, requests: Mapping[str, Request], key: RankKey, sender: str, tids: list[str], now: float
     ) -> None:
-        """A heartbeat from P agent ``sender`` to local rank ``key`` names the registrations it holds."""
+        """A heartbeat from P agent ``sender`` (of a watched life) to local rank ``key`` names the
+        registrations that P rank holds; the rank itself is heard."""
+        self.ranks_heard[sender] = now
         for tid in tids:
             req = requests.get(tid)
             part = None if req is None else req.parts.get(key)
@@ -121,15 +123,17 @@ class Lives:
     def forgotten(
         self, requests: Mapping[str, Request], now: float, cfg: ConnectorConfig
     ) -> list[tuple[Request, LocalPart, Link]]:
-        """Registrations whose P rank no longer holds them: it is alive (it spoke within the liveness
-        timeout) and has not named them in a heartbeat since D registered, for longer than P's whole
-        handshake with D can take (P names a registration once D is loaded) and two heartbeats. P ended
-        them and its ending word (``done``, ``failed``, ``cancel_ack``) was lost, or it never had them (a
-        lost ``push_reg``): while it serves other registrations its heartbeats keep it alive, so liveness
-        alone would never end them."""
-        window = cfg.handshake_timeout_s * (cfg.handshake_retries + 1) + cfg.liveness_timeout_s
-        window += 2 * cfg.heartbeat_interval_s
-        out = []
+        """Registrations whose P rank no longer holds them: that rank is alive (its heartbeat came within the
+        liveness timeout) and has not named them since D registered, for longer than P may need before it
+        names a registration (its handshake with D: named once D is loaded) or while it stops naming one
+        whose write is still posted (an ended request's, recalled at ``transfer_timeout_s``), plus the
+        liveness timeout and two heartbeats. P ended them and its ending word (``done``, ``failed``,
+        ``cancel_ack``) was lost, or it never had them (a lost ``push_reg``): its heartbeats for other
+        registrations keep the life alive, so liveness alone would never end them. The window uses this
+        side's settings: P's should be the same (docs/configuration.md)."""
+        window = max(cfg.handshake_timeout_s * (cfg.handshake_retries + 1), cfg.transfer_timeout_s)
+        window += cfg.liveness_timeout_s + 2 * cfg.heartbeat_interval_s
+        out, heard, named = [], self.ranks_heard, set()
         for req in requests.values():
             for part in req.parts.values():
                 pending = part.machine.ranks.pending
@@ -137,15 +141,14 @@ class Lives:
                     peer = link.peer
                     if peer is None or link.dead_at is not None or link.src not in pending:
                         continue
+                    named.add(peer.agent_name)
                     if now - max(link.registered_at, link.listed_at) <= window:
                         continue
                     life = self.table.get(life_key(peer))
-                    if (
-                        life is not None
-                        and life.dead_at is None
-                        and now - life.last_seen < cfg.liveness_timeout_s
-                    ):
+                    rank_alive = now - heard.get(peer.agent_name, -math.inf) < cfg.liveness_timeout_s
+                    if life is not None and life.dead_at is None and rank_alive:
                         out.append((req, part, link))
+        self.ranks_heard = {a: t for a, t in heard.items() if a in named}  # only ranks live links wait on
         return out
 
     def heard(self, life: PeerLife, now: float) -> None:

@@ -74,6 +74,9 @@ class Registrar:
         self.puts += 1
 
     async def _register(self) -> None:
+        # A put that does not finish (a renewal's deadline) must not leave the record counted as written
+        # under the new lease: the next renewal would see the lease alive and skip the unchanged record.
+        self._written = None
         self.lease = await self.client.grant(self.ttl_s)
         await self._put(force=True)
         self.registrations += 1

@@ -90,7 +90,9 @@ class _Conn:
     counted: bool = True  # counts against its host's budget (until a request on it is authenticated)
     # Between requests (from accept on: a new connection has sent nothing): evictable unless authenticated.
     waiting: bool = True
-    frame_at: float = 0.0  # when its current frame's header came (mid-frame: evictable after idle ones)
+    # Reading a frame's body since ``frame_at`` (a trickle: evictable after idle ones; never while served).
+    reading: bool = False
+    frame_at: float = 0.0
     task: asyncio.Task[None] | None = None
 
 
@@ -276,14 +278,18 @@ class SideChannelServer:
         return len(self._conns) < self._max_conns or self._evict(None)
 
     def _evict(self, host: str | None) -> bool:
-        """Evict one connection not yet authenticated: the oldest idle one, else the one whose frame began
-        first (a client sends a frame in milliseconds: one that trickles its bytes holds its slot at most
-        until a newcomer needs it)."""
+        """Evict one connection not yet authenticated: the oldest idle one, else the one whose frame's body
+        began first (a client sends a frame in milliseconds: one that trickles its bytes holds its slot at
+        most until a newcomer needs it). One being answered is never evicted."""
         open_ = [c for c in self._conns.values() if c.counted and (host is None or c.host == host) and c.task]
-        if not open_:
-            return False
         idle = [c for c in open_ if c.waiting]
-        victim = min(idle, key=lambda c: c.opened) if idle else min(open_, key=lambda c: c.frame_at)
+        reading = [c for c in open_ if c.reading]
+        if idle:
+            victim = min(idle, key=lambda c: c.opened)
+        elif reading:
+            victim = min(reading, key=lambda c: c.frame_at)
+        else:
+            return False
         assert victim.task is not None
         self._conns.pop(victim.task)
         self._uncount(victim)
@@ -333,11 +339,12 @@ class SideChannelServer:
                 async with asyncio.timeout(limit):
                     conn.waiting = True
                     header = await self._read(reader, FRAME_HEADER_BYTES, at_start=True)
-                    conn.waiting, conn.frame_at = False, self._clock()
+                    conn.waiting, conn.reading, conn.frame_at = False, True, self._clock()
                     if header is None:
                         return
                     async with asyncio.timeout(self._first_timeout_s):
                         body = await self._read(reader, parse_frame_header(header), at_start=False)
+                    conn.reading = False
                 assert body is not None
                 msg = decode_side(body)
             except ProtocolError as exc:

@@ -17,7 +17,7 @@ from typing import Annotated
 
 import msgspec
 
-from kvwire.protocol.limits import MAX_HEARTBEAT_IDS, MAX_ID_CHARS
+from kvwire.protocol.limits import MAX_HEARTBEAT_IDS, MAX_ID_CHARS, MAX_NOTIF_BYTES
 
 VERSION = 1
 NOTIF_MAGIC = b"KVW1"
@@ -283,9 +283,20 @@ class Heartbeat(_Notif, tag="heartbeat", tag_field="type", kw_only=True):
 
 
 def id_batches(ids: list[str]) -> list[list[str]]:
-    """``ids`` in heartbeat-sized parts (one part, maybe empty, when they fit)."""
-    n = MAX_HEARTBEAT_IDS
-    return [ids[i : i + n] for i in range(0, len(ids), n)] or [ids]
+    """``ids`` in heartbeat-sized parts (one part, maybe empty, when they fit): at most
+    ``MAX_HEARTBEAT_IDS`` ids and, counting each id's UTF-8 bytes and msgpack header, half of
+    ``MAX_NOTIF_BYTES`` (16,384 ids of 1,024 characters would be 16 MiB: a heartbeat its peer refuses)."""
+    budget = MAX_NOTIF_BYTES // 2
+    out: list[list[str]] = [[]]
+    size = 0
+    for tid in ids:
+        cost = len(tid.encode()) + 5
+        if len(out[-1]) == MAX_HEARTBEAT_IDS or (out[-1] and size + cost > budget):
+            out.append([])
+            size = 0
+        out[-1].append(tid)
+        size += cost
+    return out
 
 
 Notification = PushReg | Done | Failed | Cancel | CancelAck | Heartbeat

@@ -61,7 +61,8 @@ class SchedulerSide:
         self.block_size = block_size
         self._pending: dict[str, _Pending] = {}  # D: matched, blocks not yet allocated
         self._loading: set[str] = set()  # D: LOAD sent to the workers, not yet reported finished
-        self._sending: set[str] = set()  # P: SEND sent, not yet reported finished
+        self._sending: dict[str, str] = {}  # P: SEND sent, not yet reported finished: req id -> transfer id
+        self._held_tids: dict[str, str] = {}  # ...and the other way: a transfer id is held by one request
         # D: requests whose LOAD went out, until they end. vLLM asks again after a preemption (or a failed
         # load under kv_load_failure_policy=recompute): P has let go by then, so D recomputes locally.
         self._loaded: set[str] = set()
@@ -152,7 +153,15 @@ class SchedulerSide:
             # instead of waiting for P's fence.
             self._ops.append(Op(OpKind.DROP, req_id, tid))
             return False, None
-        self._sending.add(req_id)
+        if tid in self._held_tids:
+            # Another held request has this id (a client's retry): its D leg would be served from, or in
+            # pull mode read, the other request's blocks. Refused here, before any params go out.
+            self.rejected += 1
+            log.warning(
+                "kvwire: %s is not sent: transfer id %s is held by %s", req_id, tid, self._held_tids[tid]
+            )
+            return False, None
+        self._sending[req_id], self._held_tids[tid] = tid, req_id
         self._ops.append(Op(OpKind.SEND, req_id, tid, list(block_ids), num_prompt_tokens))
         return True, self._params_for_d(tid, block_ids)
 
@@ -190,7 +199,10 @@ class SchedulerSide:
         return ops
 
     def transfers_ended(self, sending: Iterable[str], recving: Iterable[str]) -> None:
-        self._sending.difference_update(sending)
+        for req_id in sending:
+            tid = self._sending.pop(req_id, None)
+            if tid is not None and self._held_tids.get(tid) == req_id:
+                del self._held_tids[tid]
         self._loading.difference_update(recving)
 
     def has_pending_sends(self) -> bool:
