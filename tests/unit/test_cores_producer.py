@@ -494,6 +494,22 @@ def test_one_d_life_holds_at_most_its_share_of_the_early_registrations() -> None
     assert t.core.stats.dropped_notifs["overload"] == 1
 
 
+def test_the_early_registrations_are_bounded_in_block_ids_too() -> None:
+    """4,096 early registrations of a 4 MiB push_reg each (~800k block ids, ~30 MB decoded) were within the
+    count bounds: the ids they name are bounded too (+1 per registration), and come back when a request
+    leaves the prefill."""
+    t = P(dataclasses.replace(CFG, max_early_block_ids=250))
+    big = list(range(100))
+    for tid in ("a1", "a2"):  # 101 each: 202 of 250
+        one(t.from_d(0.0, t.push_reg(tid, blocks=big)), StartHandshake)
+    over = t.from_d(0.0, t.push_reg("a3", blocks=big))
+    assert [type(a) for a in over] == [ReportFailure] and over[0].failed.reason is FailReason.OVERLOADED
+    one(t.from_d(0.0, t.push_reg("a4", blocks=[0, 1])), StartHandshake)  # a small one still fits: 205
+    t.h.at(0.1, Finished("a1", BLOCKS, TOKENS))  # a1 leaves the prefill: its 101 come back
+    one(t.from_d(0.2, t.push_reg("a3", blocks=big)), StartHandshake)
+    assert t.core.stats.dropped_notifs["overload"] == 1 and t.core.early_registrations == 3
+
+
 # -- P (pull) ---------------------------------------------------------------------------------------------
 
 

@@ -62,6 +62,10 @@ class ConnectorConfig:
     max_early_registrations: int = 4096
     # ...and from one D engine life at most: one peer cannot fill the table for every other D.
     max_early_registrations_per_peer: int = 1024
+    # ...and D's block ids they name, in all (+1 per registration): a 4 MiB push_reg names ~800k ids, about
+    # 30 MB once decoded, so the count alone bounded nothing in bytes. 4M ids: 64 registrations of a
+    # 1M-token prompt at 16 tokens a block at once.
+    max_early_block_ids: int = 1 << 22
     # D: transfer ids this life has served, remembered (oldest forgotten first) so that a new request
     # reusing one is refused. Past the bound an id can be registered again; its registration gets a new
     # reg_nonce, so a done of the old one still does not match it (docs/protocol.md).
@@ -96,6 +100,7 @@ class ConnectorConfig:
         bounds = (
             "max_early_registrations",
             "max_early_registrations_per_peer",
+            "max_early_block_ids",
             "max_served_ids",
             "max_tombstones",
         )

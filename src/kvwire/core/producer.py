@@ -20,7 +20,7 @@ from kvwire.core.io import Abort, Finished, Input, TouchPeer
 from kvwire.core.producer_records import Phase, Replies, Request, expected_d_ranks
 from kvwire.errors import BlockRangeError, IllegalTransition
 from kvwire.kv.groups import moved_ids
-from kvwire.protocol.messages import Done, Failed, Heartbeat, Notification
+from kvwire.protocol.messages import Done, Failed, Heartbeat, Notification, PushReg
 from kvwire.protocol.ranks import RankKey
 from kvwire.protocol.states import ProducerTrigger as PT
 
@@ -35,6 +35,7 @@ class ProducerCore(CoreBase):
         # tombstone period is fixed), so a busy engine's thousands of ended requests cost nothing per tick.
         self._live_reqs: dict[str, Request] = {}
         self._early = 0  # live requests still PREFILLING (registered by D, not finished here yet)
+        self._early_ids = 0  # D's block ids their registrations name
         self._early_by_life: collections.Counter[tuple[str, str]] = collections.Counter()  # their owners
         self._tombs: collections.deque[Request] = collections.deque()
         self._replies = Replies(self.engine)
@@ -57,6 +58,11 @@ class ProducerCore(CoreBase):
     @property
     def early_registrations(self) -> int:
         return self._early
+
+    @property
+    def early_block_ids(self) -> int:
+        """D's block ids (+1 per registration) the early registrations name (``max_early_block_ids``)."""
+        return self._early_ids
 
     def registrations(self, transfer_id: str) -> int:
         """How many push_regs P holds for ``transfer_id`` (0 when unknown)."""
@@ -88,8 +94,27 @@ class ProducerCore(CoreBase):
             self._early += 1
         return req
 
+    def _admit_early(self, known: Request | None, life: tuple[str, str], msg: PushReg) -> bool:
+        """Whether a ``push_reg`` may add a registration to a request not finished here: the early ones
+        are bounded in number (in all, and per D life) and in the block ids they name."""
+        cfg = self.config
+        if known is None and (
+            self._early >= cfg.max_early_registrations
+            or self._early_by_life[life] >= cfg.max_early_registrations_per_peer
+        ):
+            return False
+        early = known is None or known.phase is Phase.PREFILLING
+        return not early or self._early_ids + len(msg.block_ids) + 1 <= cfg.max_early_block_ids
+
+    def _note_early(self, req: Request, msg: PushReg) -> None:
+        if req.phase is Phase.PREFILLING:
+            req.early_ids += len(msg.block_ids) + 1
+            self._early_ids += len(msg.block_ids) + 1
+
     def _leave_early(self, req: Request) -> None:
         self._early -= 1
+        self._early_ids -= req.early_ids
+        req.early_ids = 0
         owner = req.early_owner
         if owner is not None:
             self._early_by_life[owner] -= 1

@@ -122,10 +122,7 @@ class PushProducerCore(ProducerCore):
         known = self._requests.get(msg.transfer_id)
         life = (msg.engine_id, msg.incarnation)
         cfg = self.config
-        if known is None and (
-            self._early >= cfg.max_early_registrations
-            or self._early_by_life[life] >= cfg.max_early_registrations_per_peer
-        ):
+        if not self._admit_early(known, life, msg):
             self._overloaded(key, sender, msg)
             return
         if known is not None and (key, sender) in known.regs:
@@ -138,6 +135,7 @@ class PushProducerCore(ProducerCore):
             self._early_by_life[life] += 1
         fence_s = min(msg.fence_ms, self.config.fence_ms) / 1000.0
         reg = req.regs[(key, sender)] = Reg(key, sender, msg, now + fence_s, received_at=now)
+        self._note_early(req, msg)
         self._sweep_at = min(self._sweep_at, reg.fence_at, now + cfg.liveness_timeout_s)
         reg.machine.handle(PT.PUSH_REG)
         bad = check_reg(req, reg, self._expected)

@@ -79,6 +79,7 @@ class Request:
     # The D life (engine_id, incarnation) whose push_reg created it while P was prefilling: its share of
     # the early-registration table (None: created by the engine's own call).
     early_owner: tuple[str, str] | None = None
+    early_ids: int = 0  # D's block ids its registrations name while PREFILLING (``max_early_block_ids``)
 
 
 # Why a push_reg that arrives for an ended request is refused.

@@ -513,9 +513,9 @@ class Simulation:
             live = getattr(engine.core, "live_requests", 0)
             if live:
                 self.world.violation(f"{engine.engine_id}: {live} requests still live at quiescence")
-            early = getattr(engine.core, "early_registrations", 0)
-            if early:  # the table a flood fills must empty with the requests, or its slots leak
-                self.world.violation(f"{engine.engine_id}: {early} early registrations left at quiescence")
+            early = getattr(engine.core, "early_registrations", 0), getattr(engine.core, "early_block_ids", 0)
+            if any(early):  # the table a flood fills must empty with the requests, or its slots leak
+                self.world.violation(f"{engine.engine_id}: {early} early registrations (block ids) left")
             if engine.owner:
                 held = sorted(set(engine.owner.values()))[:5]
                 self.world.violation(f"{engine.engine_id}: {len(engine.owner)} blocks leaked ({held} ...)")
