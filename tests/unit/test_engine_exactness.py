@@ -164,3 +164,24 @@ def test_windowed_model_disaggregated_equals_colocated() -> None:
         if all(r.state.finished for r in reqs):
             break
     assert [r.output_ids for r in reqs] == want
+
+
+def test_an_abort_racing_ready_frees_the_decode_legs_blocks() -> None:
+    """D's client leaves in the step where its KV landed: the abort fenced the prompt's blocks, awaiting a
+    RELEASED that never comes (READY was the connector's last word). Before, those blocks stayed
+    quarantined for the engine's life; now READY frees them."""
+    hub = LoopbackHub()
+    p, d = engine(Role.PREFILL, num_blocks=32), engine(Role.DECODE, num_blocks=32)
+    p.set_hooks(hub.producer(p.kv))
+    d.set_hooks(hub.consumer(d.kv))
+    prompt, outs = [1] * 40, []
+    d.submit(Request("d1", prompt, 4, role=TransferRole.REMOTE_PREFILL, transfer_id="t1", on_output=outs.append))
+    d.step()  # D lends its blocks: WAITING_FOR_KV
+    p.submit(Request("p1", prompt, 4, role=TransferRole.REMOTE_DECODE, transfer_id="t1"))
+    p.step()  # the KV lands: READY waits for D's next poll
+    d.abort("d1")  # in that same D step, before the poll
+    for _ in range(20):
+        d.step()
+        p.step()
+    assert [(o.finished, o.finish_reason.value if o.finish_reason else None) for o in outs] == [(True, "abort")]
+    assert d.scheduler.fenced == {} and d.kv.allocator.num_quarantined == 0 and d.scheduler.num_free == 32

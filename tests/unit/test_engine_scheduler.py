@@ -393,3 +393,28 @@ def test_close_ends_live_requests_and_closes_the_connector() -> None:
     assert hooks.closed and isinstance(got[-1].error, EngineOverloaded)
     with pytest.raises(KvwireError):
         e.submit(d_request("t2"))
+
+
+def test_a_second_queued_decode_leg_under_one_transfer_id_is_refused() -> None:
+    """Two decode legs with one transfer id, both queued: admitting both put the second in the first's place,
+    so the first was never answered, its blocks stayed fenced, and its later abort raised out of the step
+    (losing the rest of that inbox batch). Now the second is refused at once (400) and the first is served."""
+    hooks = ScriptedHooks()
+    e = make(Role.DECODE, hooks, max_num_seqs=1)
+    blocker = Request("blocker", [5] * 8, 4)  # holds the only slot: the legs queue behind it
+    a, b = d_request(), d_request()
+    a.request_id, b.request_id = "A", "B"
+    e.submit(blocker)
+    e.step()
+    e.submit(a)
+    e.submit(b)
+    e.step()
+    assert b.state is RequestState.FINISHED_ERROR and "already in use" in str(b.error)
+    for _ in range(20):
+        e.step()
+        if a.state is RequestState.WAITING_FOR_KV:
+            break
+    hooks.consumer("t1", ConsumerEventKind.READY)
+    e.run_until_idle()
+    assert a.state is RequestState.FINISHED_LENGTH and blocker.state.finished
+    assert [tr.transfer_id for tr in hooks.allocated] == ["t1"] and e.kv.allocator.num_free == 64

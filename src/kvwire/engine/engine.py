@@ -236,7 +236,10 @@ class Engine:
             self._inbox.clear()
         for item in items:
             if isinstance(item, str):
-                self._abort(item, outputs)
+                try:  # one abort's trouble must not cost the rest of the batch
+                    self._abort(item, outputs)
+                except KvwireError as exc:
+                    log.warning("abort of %s: %s", item, exc)
                 continue
             try:
                 self.scheduler.add(item)
@@ -280,7 +283,9 @@ class Engine:
         tid = ce.transfer_id
         reason = ce.reason.value if ce.reason is not None else "released without data"
         if ce.kind is ConsumerEventKind.READY:
-            self.scheduler.kv_ready(tid).kv_ready_at = time.monotonic()
+            ready = self.scheduler.kv_ready(tid)
+            if ready is not None:  # None: aborted since, its blocks now free
+                ready.kv_ready_at = time.monotonic()
         elif ce.kind is ConsumerEventKind.FAILED:
             req = self.scheduler.kv_failed(tid, recompute=recompute)
             log.warning("KV load of %s failed (%s)%s", tid, reason, "; recomputing" if recompute else "")

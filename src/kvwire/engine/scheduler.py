@@ -79,7 +79,11 @@ class Scheduler:
         if len(self.waiting) >= self.cfg.max_waiting:
             raise EngineOverloaded(f"{len(self.waiting)} requests already waiting")
         tid = req.transfer_id
-        if req.role is TransferRole.REMOTE_PREFILL and (tid in self.waiting_for_kv or tid in self.fenced):
+        if req.role is TransferRole.REMOTE_PREFILL and (
+            tid in self.waiting_for_kv
+            or tid in self.fenced
+            or any(w.transfer_id == tid and w.role is TransferRole.REMOTE_PREFILL for w in self.waiting)
+        ):  # a queued one too: admitting both would put the second in the first's place
             raise InvalidRequest(f"transfer id {req.transfer_id!r} is already in use here")
         req.state = RequestState.WAITING
         self.waiting.append(req)
@@ -145,8 +149,14 @@ class Scheduler:
             self.prefix_cache.insert(req.prefix_keys, req.block_ids)
 
     # -- transfer events -----------------------------------------------------------------------------------
-    def kv_ready(self, transfer_id: str) -> Request:
-        """D: the KV landed. The request runs its step for the last prompt position next."""
+    def kv_ready(self, transfer_id: str) -> Request | None:
+        """D: the KV landed. The request runs its step for the last prompt position next; None for one
+        aborted since (the engine fenced its blocks): READY is the connector's last word on it (no
+        RELEASED follows), so its blocks are free now."""
+        blocks = self.fenced.pop(transfer_id, None)
+        if blocks is not None:
+            self.allocator.release_quarantine(blocks, free=True)
+            return None
         req = self._pop_waiting_for_kv(transfer_id)
         self.allocator.release_quarantine(req.block_ids[: self.prompt_blocks(req)])
         req.needs_prefill = False

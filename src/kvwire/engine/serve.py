@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from kvwire.engine.fleet import Fleet
 
 log = logging.getLogger("kvwire.serve")
+_AFTER_DRAIN_S = 2  # seconds: uvicorn's wait for open connections once a drain ended (live ones get 503)
 
 
 @dataclass(frozen=True)
@@ -186,8 +187,11 @@ def run_engine(values: dict[str, Any], role: Role) -> int:
         log.warning("KVWIRE_SECRET is not set: the side channel authenticates no peer")
     fleet = _fleet(values, started, env)
     config = uvicorn.Config(
-        server.app, host=values["host"], port=started.port, log_config=None, lifespan="on", access_log=False
-    )
+        server.app, host=values["host"], port=started.port, log_config=None, lifespan="on", access_log=False,
+        # Under --discovery the drain already waited (at most --drain-timeout): then uvicorn's own wait for
+        # open connections must not hold the process past it (it has no bound of its own).
+        timeout_graceful_shutdown=None if fleet is None else _AFTER_DRAIN_S,
+    )  # fmt: skip
     if fleet is None:
         userver = uvicorn.Server(config)
     else:
