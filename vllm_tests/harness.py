@@ -295,24 +295,26 @@ class Engine:
         if not self.sched.has_requests():
             return  # EngineCore idles then: the worker is not polled, so kvwire must not need it to be
         out, ops = self.schedule()
-        self.worker.apply(ops)
-        self._forward()
+        # vLLM 0.34's order: bind_connector_metadata before the forward, start_load_kv after it (no kvwire
+        # load is synchronous), then wait_for_save.
+        self.worker.bind(ops)
+        self._forward(lambda: self.worker.start(ops))
         # As KvwireConnector.get_transfer_results: a step with nothing scheduled waits for kvwire's news.
         idle = bool(getattr(out.kv_connector_metadata, "idle", False))
         wait_s = self.worker.settings.idle_step_wait_ms / 1e3 if idle else 0.0
         self.update(out, self.worker.finished(wait_s) if poll else Finished())
 
-    def _forward(self) -> None:
+    def _forward(self, start_load_kv: Callable[[], None]) -> None:
         """The model's layers, as KvwireConnector sees them: ``save_kv_layer`` per layer (layer-wise push
-        streams the step's requests), then ``wait_for_save``. The fake model computes nothing: P's cache
-        holds its bytes from the start."""
+        streams the step's requests), then ``start_load_kv``, then ``wait_for_save``. The fake model
+        computes nothing: P's cache holds its bytes from the start."""
         streamer = self.worker.streamer
-        if streamer is None:
-            return
-        if streamer.active:
+        if streamer is not None and streamer.active:
             for i, name in enumerate(LAYER_NAMES):
                 streamer.layer_saved(name, self.backing[i])
-        streamer.step_over()
+        start_load_kv()
+        if streamer is not None:
+            streamer.step_over()
 
     def _complete(self, rid: str) -> bool:
         req = self.sched.requests[rid]

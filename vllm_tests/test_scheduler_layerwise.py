@@ -5,6 +5,8 @@ after a chunked prefill), the worker streams the layers of that step, and D load
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from harness import (
     MakeEngine,
@@ -32,12 +34,23 @@ def test_layerwise_streams_in_the_step_that_ends_each_prefill(make_engine: MakeE
     for rid, (tokens, tid) in reqs.items():
         d.add(f"d{rid}", tokens, 2, d_params(p, tid))
     run([d], lambda: all(registration_reached_p(p, tid) for _, tid in reqs.values()), "D's push_regs at P")
+    streamed: list[tuple[str, tuple[int, ...]]] = []  # what the forward's save_kv_layer calls handed over
+    producer = p.worker.producer
+    assert producer is not None
+    handed = producer.layers_ready
+
+    def recording(tid: str, block_ids: Any, num_tokens: int, layers: Any) -> None:
+        streamed.append((tid, tuple(layers)))
+        handed(tid, block_ids, num_tokens, layers)
+
+    producer.layers_ready = recording  # type: ignore[method-assign]
     for rid, (tokens, tid) in reqs.items():
         p.add(f"p{rid}", tokens, 1, p_params(tid))
     run([p, d], lambda: all(p.gone(f"p{r}") and d.gone(f"d{r}") for r in reqs), "the transfers")
     assert p.scheduled["pb"] == [106, 44]  # chunked: 256 - 150 tokens, then the rest
-    producer = p.worker.producer
-    assert producer is not None
+    # Each layer went during the forward of the step that ended its prefill: the STREAM op is bound before
+    # the forward (vLLM 0.34 calls start_load_kv after it; applied there, nothing streamed).
+    assert sorted(streamed) == sorted((tid, (layer,)) for _, tid in reqs.values() for layer in (0, 1))
     for rid, (tokens, tid) in reqs.items():
         stream, send = p.op(OpKind.STREAM, f"p{rid}"), p.op(OpKind.SEND, f"p{rid}")
         # One STREAM, in the step that ended the prefill, for the blocks the request finishes with.

@@ -250,3 +250,21 @@ def test_d_preempts_a_request_whose_kv_arrived(make_engine: MakeEngine) -> None:
     assert local.status is RequestStatus.FINISHED_LENGTH_CAPPED
     p.assert_clean()
     d.assert_clean()
+
+
+@pytest.mark.parametrize("role", [KvRole.PRODUCER, KvRole.CONSUMER])
+def test_a_prompt_embeds_request_is_judged_without_raising(make_engine: MakeEngine, role: KvRole) -> None:
+    """A prompt-embeds request has no prompt_token_ids (None): kvwire took len() of it in
+    get_num_new_matched_tokens, which vLLM calls for every new request, and killed the engine core."""
+    import torch
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    engine = make_engine(role)
+    sp = SamplingParams(max_tokens=1)
+    sp.extra_args = {"kv_transfer_params": {"do_remote_decode": True, "transfer_id": "t-embeds"}}
+    req = Request("embeds", None, sp, None, prompt_embeds=torch.zeros(40, 8))
+    assert req.prompt_token_ids is None and req.num_prompt_tokens == 40
+    connector = engine.sched.connector
+    assert connector is not None
+    assert connector.get_num_new_matched_tokens(req, 0) == (0, False)

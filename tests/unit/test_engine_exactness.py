@@ -175,7 +175,9 @@ def test_an_abort_racing_ready_frees_the_decode_legs_blocks() -> None:
     p.set_hooks(hub.producer(p.kv))
     d.set_hooks(hub.consumer(d.kv))
     prompt, outs = [1] * 40, []
-    d.submit(Request("d1", prompt, 4, role=TransferRole.REMOTE_PREFILL, transfer_id="t1", on_output=outs.append))
+    d.submit(
+        Request("d1", prompt, 4, role=TransferRole.REMOTE_PREFILL, transfer_id="t1", on_output=outs.append)
+    )
     d.step()  # D lends its blocks: WAITING_FOR_KV
     p.submit(Request("p1", prompt, 4, role=TransferRole.REMOTE_DECODE, transfer_id="t1"))
     p.step()  # the KV lands: READY waits for D's next poll
@@ -183,5 +185,7 @@ def test_an_abort_racing_ready_frees_the_decode_legs_blocks() -> None:
     for _ in range(20):
         d.step()
         p.step()
-    assert [(o.finished, o.finish_reason.value if o.finish_reason else None) for o in outs] == [(True, "abort")]
+    assert [(o.finished, o.finish_reason.value if o.finish_reason else None) for o in outs] == [
+        (True, "abort")
+    ]
     assert d.scheduler.fenced == {} and d.kv.allocator.num_quarantined == 0 and d.scheduler.num_free == 32

@@ -277,3 +277,16 @@ def test_vllm_connector_refuses_an_exposed_side_channel_without_secret(
     assert settings_from_extra({"side_channel_host": "10.0.0.1", "insecure": True}).insecure
     monkeypatch.setenv("KVWIRE_SECRET", "s3cret")
     assert settings_from_extra({"side_channel_host": "10.0.0.1"}).side_channel_host == "10.0.0.1"
+
+
+def test_vllm_connector_refuses_settings_it_would_get_wrong(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvwire.integrations.vllm.params import settings_from_extra
+
+    monkeypatch.setenv("KVWIRE_SECRET", "s3cret")
+    # A wildcard bind address is also what D was told to dial: D dialled itself.
+    for host in ("0.0.0.0", "::"):
+        with pytest.raises(ConfigError, match="D is told to dial"):
+            settings_from_extra({"side_channel_host": host})
+    # Accepted and ignored before: under vLLM, vLLM's own kv_transfer_config decides what a failed load does.
+    with pytest.raises(ConfigError, match="set it in kv_transfer_config"):
+        settings_from_extra({"kv_load_failure_policy": "recompute"})

@@ -230,7 +230,8 @@ class _Rank:
         then per layer compute it (its KV into ``block_ids``) and ``save_kv_layer``; with ``end``, then
         ``wait_for_save``. ``moved``: the producer's bytes written after each layer (and after the end)."""
         assert self.side is not None and self.side.streamer is not None and self.side.producer is not None
-        self.side.apply(_OPS.decode(ops))
+        step_ops = _OPS.decode(ops)
+        self.side.bind(step_ops)  # as vLLM: bind_connector_metadata before the forward, start_load_kv after
         kv = logical_kv(self.model, num_tokens, seed)[:, self.heads.start : self.heads.stop]
         moved = []
         for i in layers:
@@ -238,6 +239,7 @@ class _Rank:
             write_tokens({layer_name(0): tensor}, block_ids, kv[i : i + 1], self.model.block_size)
             self.side.streamer.layer_saved(layer_name(i), tensor)
             moved.append(self.side.producer.stats.bytes_moved)
+        self.side.start(step_ops)
         if end:
             self.side.streamer.step_over()
             moved.append(self.side.producer.stats.bytes_moved)

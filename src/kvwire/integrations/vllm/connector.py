@@ -153,11 +153,11 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return bool((extra_config or {}).get("layerwise"))
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        n = _prompt_len(request)
         if self._streams is not None:
-            n = len(request.prompt_token_ids)
             self._streams.watch(request.request_id, request.kv_transfer_params, n, request.max_tokens)
         return self._s().matched_tokens(
-            request.request_id, request.kv_transfer_params, len(request.prompt_token_ids), num_computed_tokens
+            request.request_id, request.kv_transfer_params, n, num_computed_tokens
         )
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
@@ -170,7 +170,7 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return tuple(ids) if ids is not None else tuple(super().get_loaded_kv_cache_group_ids(request))
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        n = len(request.prompt_token_ids)
+        n = _prompt_len(request)
         ids: list[int] = []
         try:
             ids = (
@@ -203,7 +203,7 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         aborted = "ABORT" in status or "ERROR" in status
         if self._streams is not None:
             self._streams.forget(request.request_id)
-        n, bs = len(request.prompt_token_ids), self._block_size
+        n, bs = _prompt_len(request), self._block_size
         ids: list[int] = []
         try:
             sends = self._s().sends(request.kv_transfer_params)
@@ -227,10 +227,19 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._w().register(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if (
+            isinstance(connector_metadata, KvwireMetadata)
+            and connector_metadata.ops
+            and self._worker is not None
+        ):
+            self._worker.bind(connector_metadata.ops)  # layer-wise: before the forward's save_kv_layer calls
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if isinstance(meta, KvwireMetadata) and meta.ops:
-            self._w().apply(meta.ops)
+            self._w().start(meta.ops)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """KV arrives before the request is scheduled (async load): nothing to wait for per layer."""
@@ -267,3 +276,10 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._worker.close()
         if self._fleet is not None:
             self._fleet.close()
+
+
+def _prompt_len(request: Any) -> int:
+    """The prompt's length in tokens: ``num_prompt_tokens`` (a prompt-embeds request has no
+    ``prompt_token_ids``: its ``len`` raised inside vLLM's scheduler and killed the engine core)."""
+    n = getattr(request, "num_prompt_tokens", None)
+    return int(n) if n is not None else len(request.prompt_token_ids or ())

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from kvwire.config import env_config
-from kvwire.core.config import ConnectorConfig, LoadFailurePolicy
+from kvwire.core.config import ConnectorConfig
 from kvwire.errors import ConfigError
 from kvwire.kv_params import KvTransferParams, parse_kv_params
 from kvwire.protocol.messages import TransferMode
@@ -68,7 +68,6 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     engine_ttl_s: float = _DEFAULTS.engine_ttl_s
     handshake_timeout_s: float = _DEFAULTS.handshake_timeout_s
     handshake_retries: int = _DEFAULTS.handshake_retries
-    kv_load_failure_policy: LoadFailurePolicy = _DEFAULTS.kv_load_failure_policy
     poll_interval_s: float = _DEFAULTS.poll_interval_s
     idle_poll_interval_s: float = _DEFAULTS.idle_poll_interval_s
     tombstone_s: float = _DEFAULTS.tombstone_s
@@ -100,6 +99,12 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 def settings_from_extra(extra: Mapping[str, Any] | None) -> Settings:
     """Parse ``kv_connector_extra_config``; a wrong key or value names itself."""
+    if "kv_load_failure_policy" in (extra or {}):
+        # Accepted and ignored before: vLLM decides what a failed load does, from its own config.
+        raise ConfigError(
+            "kv_connector_extra_config: kv_load_failure_policy is vLLM's setting under vLLM: set it in "
+            'kv_transfer_config ("kv_load_failure_policy": "recompute" or "fail"), not in the extra config'
+        )
     try:
         s = msgspec.convert(dict(extra or {}), Settings, strict=False)
     except msgspec.ValidationError as exc:
@@ -110,6 +115,11 @@ def settings_from_extra(extra: Mapping[str, Any] | None) -> Settings:
     if not 0 < s.side_channel_port < 65536:
         raise ConfigError(f"kv_connector_extra_config: side_channel_port {s.side_channel_port} out of range")
     where, override = "kv_connector_extra_config side_channel_host", 'set "insecure": true'
+    if s.side_channel_host in ("0.0.0.0", "::", ""):
+        raise ConfigError(
+            f"{where} {s.side_channel_host!r}: it is also the address D is told to dial (D would dial "
+            "itself): set this host's address that D reaches"
+        )
     check_exposure(s.side_channel_host, secret(), s.insecure, where, override)
     if s.discovery is not None:
         from kvwire.discovery.source import check_target  # a source's client: loaded only when asked for

@@ -141,6 +141,16 @@ class WorkerSide:
         return start_connector(cls, info, ranks, s.connector_config(), at, on_event=self._news.set)
 
     # -- per step --------------------------------------------------------------------------------------
+    def bind(self, ops: Iterable[Op]) -> None:
+        """vLLM's ``bind_connector_metadata``, before the step's forward: its STREAM ops, whose layers the
+        forward's ``save_kv_layer`` calls hand over (``start_load_kv`` comes too late for them)."""
+        self.apply(op for op in ops if op.kind is OpKind.STREAM)
+
+    def start(self, ops: Iterable[Op]) -> None:
+        """vLLM's ``start_load_kv``: the step's other ops. vLLM 0.32 (CPU) and 0.34 call it after the
+        forward unless a load of the step is synchronous, which kvwire's never are."""
+        self.apply(op for op in ops if op.kind is not OpKind.STREAM)
+
     def apply(self, ops: Iterable[Op]) -> None:
         for op in ops:
             try:
