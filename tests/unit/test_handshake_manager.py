@@ -5,11 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 import pytest
@@ -29,10 +26,10 @@ from kvwire.handshake.client import _stalled as stalled_note
 from kvwire.handshake.client import fetch_metadata
 from kvwire.handshake.manager import HandshakeManager
 from kvwire.handshake.server import SideChannelServer
-from kvwire.handshake.types import EngineInfo, FailureReason, LocalRank, PeerAddress
+from kvwire.handshake.types import FailureReason, PeerAddress
 from kvwire.kv.spec import KVSpec, RegionKind
-from kvwire.protocol.states import HandshakeState
-from kvwire.testing.handshake_env import SilentListener, build_registered_engine
+from kvwire.testing.handshake_env import SilentListener, build_registered_engine, manager_pair
+from kvwire.testing.procs import free_port
 from kvwire.transport.base import Desc, PeerMode, XferOp, XferStatus
 from kvwire.transport.inproc import InprocFabric
 
@@ -45,50 +42,9 @@ def run(coro_fn: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(asyncio.wait_for(coro_fn(), 30))  # type: ignore[arg-type]
 
 
-@dataclass
-class Pair:
-    fabric: InprocFabric
-    p_info: EngineInfo
-    p_ranks: list[LocalRank]
-    server: SideChannelServer
-    d_info: EngineInfo
-    d_rank: LocalRank
-    mgr: HandshakeManager
-
-    @property
-    def port(self) -> int:
-        return self.server.port
-
-
-@asynccontextmanager
-async def pair(
-    *,
-    server_secret: bytes | None = None,
-    client_secret: bytes | None = None,
-    p_model: str = "test-model",
-    p_tp: int = 1,
-    p_pp: int = 1,
-    port: int = 0,
-    **mgr_kwargs: float,
-) -> AsyncIterator[Pair]:
-    fabric = InprocFabric()
-    p_info, p_ranks = build_registered_engine(
-        "P", SPEC, 32, fabric.create_agent, tp_size=p_tp, pp_size=p_pp, model_id=p_model
-    )
-    d_info, d_ranks = build_registered_engine("D", SPEC, 16, fabric.create_agent)
-    server = SideChannelServer(p_info, p_ranks, port=port, secret=server_secret)
-    await server.start()
-    mgr = HandshakeManager(d_info, d_ranks[0], secret=client_secret, **mgr_kwargs)  # type: ignore[arg-type]
-    try:
-        yield Pair(fabric, p_info, p_ranks, server, d_info, d_ranks[0], mgr)
-    finally:
-        await mgr.close()
-        await server.close()
-
-
 def test_notif_only_handshake_loads_connection_only() -> None:
     async def body() -> None:
-        async with pair() as t:
+        async with manager_pair(SPEC) as t:
             peer = await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY)
             p_agent = t.p_ranks[0].agent
             assert peer.agent_name == p_agent.name
@@ -112,7 +68,7 @@ def test_notif_only_handshake_loads_connection_only() -> None:
 
 def test_full_handshake_makes_memory_addressable_with_region_addresses() -> None:
     async def body() -> None:
-        async with pair() as t:
+        async with manager_pair(SPEC) as t:
             peer = await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.FULL)
             assert peer.mode is PeerMode.FULL and peer.layout is not None
             p_cache = t.p_ranks[0].cache
@@ -144,7 +100,7 @@ def test_full_handshake_makes_memory_addressable_with_region_addresses() -> None
 
 def test_ten_concurrent_callers_share_one_fetch() -> None:
     async def body() -> None:
-        async with pair(clock_samples=1) as t:
+        async with manager_pair(SPEC, clock_samples=1) as t:
             peers = await asyncio.gather(
                 *(t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.FULL) for _ in range(10))
             )
@@ -160,7 +116,7 @@ def test_ten_concurrent_callers_share_one_fetch() -> None:
 
 def test_upgrade_does_only_the_missing_part() -> None:
     async def body() -> None:
-        async with pair(clock_samples=3, clock_rtt_target_s=0.0) as t:
+        async with manager_pair(SPEC, clock_samples=3, clock_rtt_target_s=0.0) as t:
             first = await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY)
             assert t.server.stats.replies["notif_only"] == 3  # the request and two more clock samples
             full = await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.FULL)
@@ -180,7 +136,7 @@ def test_upgrade_does_only_the_missing_part() -> None:
 
 def test_full_caller_joining_a_notif_only_handshake_gets_an_upgrade() -> None:
     async def body() -> None:
-        async with pair(clock_samples=1) as t:
+        async with manager_pair(SPEC, clock_samples=1) as t:
             notif, full, notif2 = await asyncio.gather(
                 t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY),
                 t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.FULL),
@@ -195,7 +151,7 @@ def test_full_caller_joining_a_notif_only_handshake_gets_an_upgrade() -> None:
 
 def test_handshakes_with_different_ranks_run_separately() -> None:
     async def body() -> None:
-        async with pair(p_tp=2, p_pp=2, clock_samples=1) as t:
+        async with manager_pair(SPEC, p_tp=2, p_pp=2, clock_samples=1) as t:
             peers = await asyncio.gather(
                 *(
                     t.mgr.ensure(HOST, t.port, pp, tp, PeerMode.NOTIF_ONLY)
@@ -215,7 +171,7 @@ def test_handshakes_with_different_ranks_run_separately() -> None:
 
 def test_full_handshake_with_a_pp_stage_validates_its_layer_window() -> None:
     async def body() -> None:
-        async with pair(p_pp=2, clock_samples=1) as t:
+        async with manager_pair(SPEC, p_pp=2, clock_samples=1) as t:
             peer = await t.mgr.ensure(HOST, t.port, 1, 0, PeerMode.FULL)
             assert peer.layout is not None and peer.layout.layers == range(2, 4)
             assert len(peer.layout.regions) == 4
@@ -287,19 +243,13 @@ def test_a_timeout_says_when_this_side_s_loop_was_stalled() -> None:
     assert stalled_note(0.01) == "" and "stalled" in stalled_note(0.3)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
 def test_refused_connection_is_retried_a_bounded_number_of_times() -> None:
     async def body() -> None:
         fabric = InprocFabric()
         d_info, d_ranks = build_registered_engine("D", SPEC, 16, fabric.create_agent)
         mgr = HandshakeManager(d_info, d_ranks[0], timeout_s=5.0, retries=2, backoff_s=0.01)
         with pytest.raises(PeerUnreachable):
-            await mgr.ensure(HOST, _free_port(), 0, 0, PeerMode.NOTIF_ONLY)
+            await mgr.ensure(HOST, free_port(), 0, 0, PeerMode.NOTIF_ONLY)
         assert mgr.stats.retries == 2 and mgr.stats.failures[FailureReason.UNREACHABLE] == 1
         await mgr.close()
 
@@ -312,7 +262,7 @@ def test_peer_that_comes_up_during_retries_is_reached() -> None:
         d_info, d_ranks = build_registered_engine("D", SPEC, 16, fabric.create_agent)
         p_info, p_ranks = build_registered_engine("P", SPEC, 8, fabric.create_agent)
         mgr = HandshakeManager(d_info, d_ranks[0], timeout_s=10.0, retries=50, backoff_s=0.01)
-        port = _free_port()
+        port = free_port()
         # An event, not a polling sleep: set when the core decides to back off and retry.
         retrying = asyncio.Event()
         handle = mgr.core.handle
@@ -337,7 +287,7 @@ def test_peer_that_comes_up_during_retries_is_reached() -> None:
 
 def test_incompatible_compat_hash_is_refused_without_retry() -> None:
     async def body() -> None:
-        async with pair(p_model="another-model") as t:
+        async with manager_pair(SPEC, p_model="another-model") as t:
             with pytest.raises(IncompatiblePeer, match="compat hash"):
                 await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY)
             assert t.server.stats.connections == 1 and t.mgr.stats.retries == 0
@@ -349,7 +299,7 @@ def test_incompatible_compat_hash_is_refused_without_retry() -> None:
 
 def test_expected_engine_id_is_checked() -> None:
     async def body() -> None:
-        async with pair() as t:
+        async with manager_pair(SPEC) as t:
             # Another engine at the address than the one named: the named one is gone (peer_dead).
             with pytest.raises(PeerReplaced, match="not Q: that engine restarted under a new id"):
                 await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY, engine_id="Q")
@@ -370,8 +320,12 @@ def test_auth(server_secret: bytes | None, client_secret: bytes | None, ok: bool
     answered cannot show it holds the secret: an impostor on the peer's address looks the same)."""
 
     async def body() -> None:
-        async with pair(
-            server_secret=server_secret, client_secret=client_secret, clock_samples=3, clock_rtt_target_s=0.0
+        async with manager_pair(
+            SPEC,
+            server_secret=server_secret,
+            client_secret=client_secret,
+            clock_samples=3,
+            clock_rtt_target_s=0.0,
         ) as t:
             if ok:
                 peer = await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.FULL)
@@ -386,7 +340,7 @@ def test_auth(server_secret: bytes | None, client_secret: bytes | None, ok: bool
 
 def test_restarted_peer_with_new_incarnation_replaces_the_old() -> None:
     async def body() -> None:
-        async with pair(clock_samples=1) as t:
+        async with manager_pair(SPEC, clock_samples=1) as t:
             old = await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY)
             port = t.port
             await t.server.close()
@@ -410,7 +364,7 @@ def test_restarted_peer_with_new_incarnation_replaces_the_old() -> None:
 
 def test_upgrade_that_finds_a_restarted_peer_reloads_it_in_full() -> None:
     async def body() -> None:
-        async with pair(clock_samples=1) as t:
+        async with manager_pair(SPEC, clock_samples=1) as t:
             old = await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY)
             port = t.port
             await t.server.close()
@@ -427,7 +381,7 @@ def test_upgrade_that_finds_a_restarted_peer_reloads_it_in_full() -> None:
 
 def test_forget_and_reap_remove_agents() -> None:
     async def body() -> None:
-        async with pair(p_tp=2, clock_samples=1) as t:
+        async with manager_pair(SPEC, p_tp=2, clock_samples=1) as t:
             a = await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY)
             b = await t.mgr.ensure(HOST, t.port, 0, 1, PeerMode.FULL)
             t.mgr.forget("P")
@@ -452,7 +406,7 @@ def test_forget_and_reap_remove_agents() -> None:
 
 def test_cancelled_caller_does_not_cancel_the_shared_handshake() -> None:
     async def body() -> None:
-        async with pair(clock_samples=1) as t:
+        async with manager_pair(SPEC, clock_samples=1) as t:
             first = asyncio.create_task(t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY))
             second = asyncio.create_task(t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY))
             await asyncio.sleep(0)
@@ -466,7 +420,7 @@ def test_cancelled_caller_does_not_cancel_the_shared_handshake() -> None:
 
 def test_one_info_line_per_handshake(caplog: pytest.LogCaptureFixture) -> None:
     async def body() -> None:
-        async with pair(clock_samples=1) as t:
+        async with manager_pair(SPEC, clock_samples=1) as t:
             await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY)
             await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.FULL)
             await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.FULL)  # cache hit: no line
@@ -485,7 +439,7 @@ def test_one_info_line_per_handshake(caplog: pytest.LogCaptureFixture) -> None:
 
 def test_one_warning_line_per_failed_handshake(caplog: pytest.LogCaptureFixture) -> None:
     async def body() -> None:
-        async with pair(clock_samples=1, p_model="other-model") as t:
+        async with manager_pair(SPEC, clock_samples=1, p_model="other-model") as t:
             with pytest.raises(IncompatiblePeer):
                 await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY)
 
@@ -499,7 +453,7 @@ def test_one_warning_line_per_failed_handshake(caplog: pytest.LogCaptureFixture)
 
 def test_close_unloads_every_peer() -> None:
     async def body() -> None:
-        async with pair(clock_samples=1) as t:
+        async with manager_pair(SPEC, clock_samples=1) as t:
             peer = await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.FULL)
             await t.mgr.close()
             assert t.mgr.peers() == [] and t.d_rank.agent.peer_mode(peer.agent_name) is None
@@ -509,103 +463,10 @@ def test_close_unloads_every_peer() -> None:
 
 def test_clock_samples_stop_once_a_round_trip_is_short_enough() -> None:
     async def body() -> None:
-        async with pair(clock_samples=5, clock_rtt_target_s=60.0) as t:
+        async with manager_pair(SPEC, clock_samples=5, clock_rtt_target_s=60.0) as t:
             peer = await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY)
             assert t.server.stats.replies["notif_only"] == 1
             # Same process, same clock: the offset is within half a round trip of zero.
             assert abs(peer.clock_offset_s) < 1.0
-
-    run(body)
-
-
-# -- each address's entry lives through HANDSHAKE_TABLE --------------------------------------------------
-
-
-def test_entry_states_follow_the_handshake_table() -> None:
-    async def body() -> None:
-        async with pair(clock_samples=1) as t:
-            assert t.mgr.state(HOST, t.port, 0, 0) is HandshakeState.UNKNOWN
-            await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY)
-            assert t.mgr.state(HOST, t.port, 0, 0) is HandshakeState.NOTIF_ONLY
-            await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.FULL)  # UPGRADE, LOADED_FULL
-            assert t.mgr.state(HOST, t.port, 0, 0) is HandshakeState.FULL
-            # A refresh that finds the same life changes nothing.
-            await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY, incarnation="an-older-life")
-            assert t.mgr.state(HOST, t.port, 0, 0) is HandshakeState.FULL
-            assert t.mgr.stats.replaced == 0
-            t.mgr.forget("P")
-            assert t.mgr.state(HOST, t.port, 0, 0) is HandshakeState.REMOVED
-            # Used again: a new life of the entry.
-            await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.FULL)
-            assert t.mgr.state(HOST, t.port, 0, 0) is HandshakeState.FULL
-            await t.mgr.close()
-            assert t.mgr.state(HOST, t.port, 0, 0) is HandshakeState.UNKNOWN
-
-    run(body)
-
-
-def test_a_failed_fetch_is_failed_and_fetched_again_later() -> None:
-    async def body() -> None:
-        fabric = InprocFabric()
-        d_info, d_ranks = build_registered_engine("D", SPEC, 16, fabric.create_agent)
-        p_info, p_ranks = build_registered_engine("P", SPEC, 8, fabric.create_agent)
-        mgr = HandshakeManager(d_info, d_ranks[0], timeout_s=5.0, retries=0, clock_samples=1)
-        port = _free_port()
-        with pytest.raises(PeerUnreachable):
-            await mgr.ensure(HOST, port, 0, 0, PeerMode.NOTIF_ONLY)
-        assert mgr.state(HOST, port, 0, 0) is HandshakeState.FAILED
-        async with SideChannelServer(p_info, p_ranks, port=port):
-            await mgr.ensure(HOST, port, 0, 0, PeerMode.NOTIF_ONLY)  # FAILED -> FETCHING -> NOTIF_ONLY
-            assert mgr.state(HOST, port, 0, 0) is HandshakeState.NOTIF_ONLY
-        await mgr.close()
-
-    run(body)
-
-
-def test_a_fetch_in_flight_is_fetching_until_its_deadline_fails_it() -> None:
-    async def body() -> None:
-        fabric = InprocFabric()
-        d_info, d_ranks = build_registered_engine("D", SPEC, 16, fabric.create_agent)
-        mgr = HandshakeManager(d_info, d_ranks[0], timeout_s=0.3, retries=0)
-        async with SilentListener() as silent:
-            task = asyncio.create_task(mgr.ensure(HOST, silent.port, 0, 0, PeerMode.NOTIF_ONLY))
-            for _ in range(5):
-                await asyncio.sleep(0)
-            assert mgr.state(HOST, silent.port, 0, 0) is HandshakeState.FETCHING
-            with pytest.raises(HandshakeTimeout):
-                await task
-            assert mgr.state(HOST, silent.port, 0, 0) is HandshakeState.FAILED
-        await mgr.close()
-
-    run(body)
-
-
-def test_a_failed_upgrade_keeps_the_notif_only_entry() -> None:
-    async def body() -> None:
-        async with pair(clock_samples=1, retries=0) as t:
-            first = await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY)
-            port = t.port
-            await t.server.close()
-            with pytest.raises(PeerUnreachable):
-                await t.mgr.ensure(HOST, port, 0, 0, PeerMode.FULL)
-            assert t.mgr.state(HOST, port, 0, 0) is HandshakeState.NOTIF_ONLY  # UPGRADE_FAILED
-            assert t.mgr.peers() == [first]
-            assert t.d_rank.agent.peer_mode(first.agent_name) is PeerMode.NOTIF_ONLY
-
-    run(body)
-
-
-def test_a_restarted_peer_gets_a_new_entry_life() -> None:
-    async def body() -> None:
-        async with pair(clock_samples=1) as t:
-            await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.NOTIF_ONLY)
-            old = t.mgr.core.machines[PeerAddress(HOST, t.port, 0, 0)]
-            port = t.port
-            await t.server.close()
-            p2_info, p2_ranks = build_registered_engine("P", SPEC, 32, t.fabric.create_agent)
-            async with SideChannelServer(p2_info, p2_ranks, port=port):
-                await t.mgr.ensure(HOST, port, 0, 0, PeerMode.FULL)  # an upgrade that finds the new life
-            assert old.state is HandshakeState.REMOVED
-            assert t.mgr.state(HOST, port, 0, 0) is HandshakeState.FULL
 
     run(body)

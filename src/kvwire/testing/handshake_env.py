@@ -5,19 +5,26 @@
   rank): what a side-channel server needs. ``kvwire.testing.engines.build_engine`` builds the same
   topology unregistered, for a connector (which registers the caches itself).
 * ``SilentListener``: a TCP listener that accepts connections and never answers (a hung peer).
+* ``manager_pair``: a P side-channel server and a D ``HandshakeManager`` over one inproc fabric.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
+from kvwire.handshake.manager import HandshakeManager
+from kvwire.handshake.server import SideChannelServer
 from kvwire.handshake.types import EngineInfo, LocalRank
 from kvwire.kv.cache import KVCache
 from kvwire.kv.mapping import layer_window
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.messages import TransferMode
 from kvwire.transport.base import make_agent_name, new_incarnation
+from kvwire.transport.inproc import InprocFabric
 from kvwire.transport.registry import AgentFactory
 
 
@@ -98,3 +105,47 @@ class SilentListener:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+@dataclass
+class ManagerPair:
+    """A P side-channel server and a D handshake manager over one inproc fabric (``manager_pair``)."""
+
+    fabric: InprocFabric
+    p_info: EngineInfo
+    p_ranks: list[LocalRank]
+    server: SideChannelServer
+    d_info: EngineInfo
+    d_rank: LocalRank
+    mgr: HandshakeManager
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+
+@asynccontextmanager
+async def manager_pair(
+    spec: KVSpec,
+    *,
+    server_secret: bytes | None = None,
+    client_secret: bytes | None = None,
+    p_model: str = "test-model",
+    p_tp: int = 1,
+    p_pp: int = 1,
+    port: int = 0,
+    **mgr_kwargs: float,
+) -> AsyncIterator[ManagerPair]:
+    fabric = InprocFabric()
+    p_info, p_ranks = build_registered_engine(
+        "P", spec, 32, fabric.create_agent, tp_size=p_tp, pp_size=p_pp, model_id=p_model
+    )
+    d_info, d_ranks = build_registered_engine("D", spec, 16, fabric.create_agent)
+    server = SideChannelServer(p_info, p_ranks, port=port, secret=server_secret)
+    await server.start()
+    mgr = HandshakeManager(d_info, d_ranks[0], secret=client_secret, **mgr_kwargs)  # type: ignore[arg-type]
+    try:
+        yield ManagerPair(fabric, p_info, p_ranks, server, d_info, d_ranks[0], mgr)
+    finally:
+        await mgr.close()
+        await server.close()
