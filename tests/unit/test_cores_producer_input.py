@@ -17,6 +17,7 @@ import pytest
 from kvwire.core.base import DropReason, Refused
 from kvwire.core.events import ProducerOutcome
 from kvwire.core.io import (
+    Abort,
     Finished,
     NotifIn,
     PostWrite,
@@ -210,3 +211,49 @@ def test_tombstones_are_bounded_and_keep_none_of_ds_block_ids() -> None:
     assert len(core._requests) == 8 and core.stats.tombstones_dropped == 12
     assert core.registrations("flood0") == 0  # the oldest went first
     assert all(not reg.msg.block_ids for req in core._requests.values() for reg in req.regs.values())
+
+
+def _forged(t: P, i: int, blocks: list[int]) -> NotifIn:
+    """A push_reg from a D life of its own (a sender without a secret can declare any)."""
+    reg = msgspec.structs.replace(t.push_reg(), incarnation=f"forged{i}", block_ids=blocks)
+    return NotifIn((0, 0), f"D/forged{i}/pp0/tp0", encode_notif(reg))
+
+
+def test_registrations_of_a_held_or_ended_request_are_bounded_and_ended_ones_keep_no_block_ids() -> None:
+    """The early bounds applied only to requests not finished here: 5,000 push_regs from as many declared
+    D lives on one held request were 5,000 registrations (each a handshake), and one that failed or found
+    a tombstone kept its block ids. One request now holds ``max_registrations_per_request``, more are
+    dropped as ``overload``; an ended registration keeps none of D's ids."""
+    t = P(dataclasses.replace(CFG, max_registrations_per_request=4))
+    t.h.at(0.0, Finished(TID, BLOCKS, TOKENS))  # held
+    started = [
+        a for i in range(10) for a in t.h.at(0.01 * i, _forged(t, i, [0, 1])) if isinstance(a, StartHandshake)
+    ]
+    assert len(started) == 4 and t.core.registrations(TID) == 4
+    assert t.core.stats.dropped_notifs["overload"] == 6 and t.core.registrations_total == 4
+    # The forged lives' handshakes fail (D's address answers with its own life): no block id is kept.
+    for hs in started:
+        t.h.done(0.5, hs.token, None, "not that life")
+    regs = t.core._requests[TID].regs.values()
+    assert all(reg.msg.block_ids == [] for reg in regs)
+    tomb = P()
+    tomb.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
+    tomb.h.at(0.0, Abort(TID))
+    one(tomb.h.at(0.1, _forged(tomb, 0, list(range(100)))), StartHandshake)
+    assert [reg.msg.block_ids for reg in tomb.core._requests[TID].regs.values()] == [[]]
+
+
+def test_past_max_registrations_the_oldest_tombstones_make_room() -> None:
+    t = P(dataclasses.replace(CFG, max_registrations=3))
+    for tid in ("a1", "a2", "a3"):  # three registrations, each request then ended (a tombstone)
+        one(t.from_d(0.0, t.push_reg(tid)), StartHandshake)
+        t.h.at(0.0, Abort(tid))
+    assert t.core.registrations_total == 3
+    one(t.from_d(0.1, t.push_reg("a4")), StartHandshake)  # the oldest tombstone went
+    assert t.core.registrations("a1") == 0 and t.core.registrations("a4") == 1
+    assert t.core.registrations_total == 3 and t.core.stats.tombstones_dropped == 1
+    held = P(dataclasses.replace(CFG, max_registrations=1))
+    held.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
+    one(held.from_d(0.0, held.push_reg()), StartHandshake)
+    over = held.from_d(0.0, held.push_reg("req-2"))  # no tombstone to forget: refused, D told
+    assert [type(a) for a in over] == [ReportFailure] and over[0].failed.reason is FailReason.OVERLOADED

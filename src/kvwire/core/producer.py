@@ -12,15 +12,13 @@ from __future__ import annotations
 import collections
 import math
 
-import msgspec
-
-from kvwire.core.base import CoreBase, DropReason
+from kvwire.core.base import CoreBase, DropReason, core_log
 from kvwire.core.events import ProducerEvent, ProducerOutcome
-from kvwire.core.io import Abort, Finished, Input, TouchPeer
-from kvwire.core.producer_records import Phase, Replies, Request, expected_d_ranks
+from kvwire.core.io import Abort, Finished, Input, ReportFailure, TouchPeer
+from kvwire.core.producer_records import Phase, Replies, Request, drop_d_ids, expected_d_ranks
 from kvwire.errors import BlockRangeError, IllegalTransition
 from kvwire.kv.groups import moved_ids
-from kvwire.protocol.messages import Done, Failed, Heartbeat, Notification, PushReg
+from kvwire.protocol.messages import Done, Failed, FailReason, Heartbeat, Notification, PushReg
 from kvwire.protocol.ranks import RankKey
 from kvwire.protocol.states import ProducerTrigger as PT
 
@@ -36,6 +34,7 @@ class ProducerCore(CoreBase):
         self._live_reqs: dict[str, Request] = {}
         self._early = 0  # live requests still PREFILLING (registered by D, not finished here yet)
         self._early_ids = 0  # D's block ids their registrations name
+        self._regs_total = 0  # registrations in the table, tombstones' included (``max_registrations``)
         self._early_by_life: collections.Counter[tuple[str, str]] = collections.Counter()  # their owners
         self._tombs: collections.deque[Request] = collections.deque()
         self._replies = Replies(self.engine)
@@ -63,6 +62,15 @@ class ProducerCore(CoreBase):
     def early_block_ids(self) -> int:
         """D's block ids (+1 per registration) the early registrations name (``max_early_block_ids``)."""
         return self._early_ids
+
+    @property
+    def registrations_total(self) -> int:
+        """Registrations in the table, tombstones' included (``max_registrations``)."""
+        return self._regs_total
+
+    def transfer_ids(self) -> list[str]:
+        """The transfers P remembers: live ones and tombstones."""
+        return list(self._requests)
 
     def registrations(self, transfer_id: str) -> int:
         """How many push_regs P holds for ``transfer_id`` (0 when unknown)."""
@@ -94,10 +102,18 @@ class ProducerCore(CoreBase):
             self._early += 1
         return req
 
-    def _admit_early(self, known: Request | None, life: tuple[str, str], msg: PushReg) -> bool:
-        """Whether a ``push_reg`` may add a registration to a request not finished here: the early ones
-        are bounded in number (in all, and per D life) and in the block ids they name."""
+    def _admit(self, known: Request | None, life: tuple[str, str], msg: PushReg) -> bool:
+        """Whether a ``push_reg`` may add a registration: one request holds at most
+        ``max_registrations_per_request``, the table ``max_registrations`` (the oldest tombstones make
+        room first); the early ones (for requests not finished here) are bounded in number (in all, and
+        per D life) and in the block ids they name."""
         cfg = self.config
+        if known is not None and len(known.regs) >= cfg.max_registrations_per_request:
+            return False
+        if self._regs_total >= cfg.max_registrations:
+            self._forget_oldest()
+            if self._regs_total >= cfg.max_registrations:
+                return False
         if known is None and (
             self._early >= cfg.max_early_registrations
             or self._early_by_life[life] >= cfg.max_early_registrations_per_peer
@@ -105,6 +121,19 @@ class ProducerCore(CoreBase):
             return False
         early = known is None or known.phase is Phase.PREFILLING
         return not early or self._early_ids + len(msg.block_ids) + 1 <= cfg.max_early_block_ids
+
+    def _overloaded(self, key: RankKey, sender: str, msg: PushReg) -> None:
+        """Drop a push_reg the table has no room for (``_admit``; counted ``overload``), and tell D on its
+        side channel: P holds nothing of it, and D would otherwise wait for its liveness timeout and call a
+        busy P dead. The driver's Reporter sends it only with a secret (else the address is
+        unauthenticated), one at a time per address."""
+        self.stats.dropped_notifs[DropReason.OVERLOAD.value] += 1
+        core_log().debug("%s: push_reg %s from %s dropped: %d registrations, %d wait for prefill",
+                         self.role, msg.transfer_id, sender, self._regs_total, self._early)  # fmt: skip
+        self._report(key, msg, self._replies.failed(msg.transfer_id, key, FailReason.OVERLOADED))
+
+    def _report(self, key: RankKey, msg: PushReg, failed: Failed) -> None:
+        self._do(ReportFailure(key, msg.host, msg.port, (0, msg.tp_rank), failed, msg.incarnation))
 
     def _note_early(self, req: Request, msg: PushReg) -> None:
         if req.phase is Phase.PREFILLING:
@@ -167,8 +196,7 @@ class ProducerCore(CoreBase):
         for reg in req.regs.values():
             if reg.machine.accepts(PT.RELEASE):
                 reg.machine.handle(PT.RELEASE)
-            if not reg.machine.writes_in_flight and not reg.posting:
-                reg.msg = msgspec.structs.replace(reg.msg, block_ids=[])  # a tombstone needs none of D's ids
+            drop_d_ids(reg)
         if emit:
             self._emit(ProducerEvent(req.transfer_id, how))
 
@@ -196,20 +224,24 @@ class ProducerCore(CoreBase):
                 req.forget_at = now + self.config.tombstone_s  # a write must end before we forget it
                 tombs.append(req)
             elif self._requests.get(req.transfer_id) is req:
-                del self._requests[req.transfer_id]
+                self._forget(req)
+
+    def _forget(self, req: Request) -> None:
+        del self._requests[req.transfer_id]
+        self._regs_total -= len(req.regs)
 
     def _forget_oldest(self) -> None:
         """Past ``max_tombstones``, forget the oldest ended requests now (a push_reg naming one later waits
         for a Finished that never comes, and is answered at its fence instead of at once)."""
         tombs = self._tombs
         for _ in range(len(tombs)):
-            if len(tombs) <= self.config.max_tombstones:
+            if len(tombs) <= self.config.max_tombstones and self._regs_total < self.config.max_registrations:
                 return
             req = tombs.popleft()
             if any(r.machine.writes_in_flight or r.posting for r in req.regs.values()):
                 tombs.append(req)  # a write must end before we forget it
             elif self._requests.get(req.transfer_id) is req:
-                del self._requests[req.transfer_id]
+                self._forget(req)
                 self.stats.tombstones_dropped += 1
 
     def _on_tick(self, now: float) -> None:

@@ -23,7 +23,7 @@ import math
 
 import msgspec
 
-from kvwire.core.base import DropReason, core_log
+from kvwire.core.base import DropReason
 from kvwire.core.events import ProducerOutcome
 from kvwire.core.io import (
     Digest,
@@ -35,7 +35,6 @@ from kvwire.core.io import (
     PostWrite,
     Reap,
     Release,
-    ReportFailure,
     StartHandshake,
     Tick,
     TouchPeer,
@@ -52,6 +51,7 @@ from kvwire.core.producer_records import (
     check_d_blocks,
     check_reg,
     d_life,
+    drop_d_ids,
     engines_in_use,
     fence_expired,
     holding,
@@ -122,19 +122,20 @@ class PushProducerCore(ProducerCore):
         known = self._requests.get(msg.transfer_id)
         life = (msg.engine_id, msg.incarnation)
         cfg = self.config
-        if not self._admit_early(known, life, msg):
-            self._overloaded(key, sender, msg)
-            return
         if known is not None and (key, sender) in known.regs:
             raise self._refuse(DropReason.DUPLICATE, f"push_reg {msg.transfer_id} from {sender}")
         if known is not None and (key, sender) in known.cancelled:
             raise self._refuse(DropReason.CANCELLED, f"push_reg {msg.transfer_id} after its cancel")
+        if not self._admit(known, life, msg):
+            self._overloaded(key, sender, msg)
+            return
         req = self._request(msg.transfer_id)
         if known is None:
             req.early_owner = life
             self._early_by_life[life] += 1
         fence_s = min(msg.fence_ms, self.config.fence_ms) / 1000.0
         reg = req.regs[(key, sender)] = Reg(key, sender, msg, now + fence_s, received_at=now)
+        self._regs_total += 1
         self._note_early(req, msg)
         self._sweep_at = min(self._sweep_at, reg.fence_at, now + cfg.liveness_timeout_s)
         reg.machine.handle(PT.PUSH_REG)
@@ -145,6 +146,7 @@ class PushProducerCore(ProducerCore):
             reason = TOMB_REASON.get(req.outcome or ProducerOutcome.EXPIRED, FailReason.LEASE_EXPIRED)
             reg.machine.handle(PT.ABORT if reason is FailReason.ABORTED else PT.LEASE_EXPIRED)
             reg.outbox.append(self._replies.failed(req.transfer_id, reg.key, reason))
+            drop_d_ids(reg)
         elif bad is not None:
             self._fail(req, reg, PT.ABORT, bad)
         elif req.phase is Phase.HELD:
@@ -277,19 +279,6 @@ class PushProducerCore(ProducerCore):
             queued = [self._replies.failed(req.transfer_id, reg.key, reason or FailReason.HANDSHAKE_FAILED)]
         if queued and not inp.nobody_listens:
             self._report(reg.key, reg.msg, queued[-1])
-
-    def _overloaded(self, key: RankKey, sender: str, msg: PushReg) -> None:
-        """Drop a push_reg the table of early registrations (or its sender's share of it) has no room for
-        (counted ``overload``), and tell D on its side channel: P holds nothing of it, and D would
-        otherwise wait for its liveness timeout and call a busy P dead. The driver's Reporter sends it only
-        with a secret (else the address is unauthenticated), one at a time per address."""
-        self.stats.dropped_notifs[DropReason.OVERLOAD.value] += 1
-        core_log().debug("%s: push_reg %s from %s dropped: %d registrations wait for prefill",
-                         self.role, msg.transfer_id, sender, self._early)  # fmt: skip
-        self._report(key, msg, self._replies.failed(msg.transfer_id, key, FailReason.OVERLOADED))
-
-    def _report(self, key: RankKey, msg: PushReg, failed: Failed) -> None:
-        self._do(ReportFailure(key, msg.host, msg.port, (0, msg.tp_rank), failed, msg.incarnation))
 
     def _on_d_handshake(self, now: float, req: Request, reg: Reg, inp: HandshakeDone) -> None:
         peer, error = inp.peer, inp.error
@@ -490,6 +479,7 @@ class PushProducerCore(ProducerCore):
                 raise IllegalTransition(self.role, reg.state.name, event.name)
             return False
         reg.machine.handle(event)
+        drop_d_ids(reg)
         reason = reason or FAIL_REASONS[event]
         self.stats.failures[reason] += 1
         failed = self._replies.failed(req.transfer_id, reg.key, reason)

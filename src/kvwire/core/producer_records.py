@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+import msgspec
+
 from kvwire.core.events import ProducerOutcome
 from kvwire.core.types import EngineInfo, PeerRank
 from kvwire.errors import BlockRangeError, LayoutError
@@ -80,6 +82,13 @@ class Request:
     # the early-registration table (None: created by the engine's own call).
     early_owner: tuple[str, str] | None = None
     early_ids: int = 0  # D's block ids its registrations name while PREFILLING (``max_early_block_ids``)
+
+
+def drop_d_ids(reg: Reg) -> None:
+    """Forget the block ids of D a registration named once no write of it can start or is in flight: an
+    ended one (a tombstone's, a failed one's) needs none, and a 4 MiB push_reg names ~800k of them."""
+    if reg.msg.block_ids and not reg.machine.writes_in_flight and not reg.posting:
+        reg.msg = msgspec.structs.replace(reg.msg, block_ids=[])
 
 
 # Why a push_reg that arrives for an ended request is refused.

@@ -34,7 +34,7 @@ from kvwire.core.consumer import PushConsumerCore
 from kvwire.core.consumer_pull import PullConsumerCore
 from kvwire.core.events import ConsumerEvent, ConsumerEventKind, ProducerEvent
 from kvwire.core.io import Abort, Allocated, Finished, LayersReady, RemoteEngine, StepEnded
-from kvwire.core.producer import PullProducerCore
+from kvwire.core.producer import ProducerCore, PullProducerCore
 from kvwire.core.producer_layers import LayerwisePushProducerCore
 from kvwire.core.producer_push import PushProducerCore
 from kvwire.handshake.types import EngineInfo, LocalRank
@@ -516,6 +516,12 @@ class Simulation:
             early = getattr(engine.core, "early_registrations", 0), getattr(engine.core, "early_block_ids", 0)
             if any(early):  # the table a flood fills must empty with the requests, or its slots leak
                 self.world.violation(f"{engine.engine_id}: {early} early registrations (block ids) left")
+            core = engine.core
+            if isinstance(core, ProducerCore):  # the count the table's bound reads must be the table's
+                counted = sum(core.registrations(tid) for tid in core.transfer_ids())
+                if counted != core.registrations_total:
+                    self.world.violation(f"{engine.engine_id}: {core.registrations_total} registrations "
+                                         f"counted, {counted} in the table")  # fmt: skip
             if engine.owner:
                 held = sorted(set(engine.owner.values()))[:5]
                 self.world.violation(f"{engine.engine_id}: {len(engine.owner)} blocks leaked ({held} ...)")
