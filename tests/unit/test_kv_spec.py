@@ -32,3 +32,18 @@ def test_regions_are_contiguous_slices_of_one_slab() -> None:
     assert raw[start : start + cache.block_len].view(np.float16).tolist() == [7.0] * (4 * 2 * 8)
     with pytest.raises(LayoutError):
         cache.k(0)
+
+
+@pytest.mark.parametrize("layout", [Layout.HND, Layout.NHD])
+def test_a_cache_allocates_every_byte_its_regions_advertise(layout: Layout) -> None:
+    """A fused cache (a head's row is K then V) allocated half of what its regions said: a transfer or a
+    digest over it read and wrote past the slab."""
+    kinds = [False, True] if layout is Layout.HND else [False]
+    for fused in kinds:
+        spec = KVSpec(
+            num_layers=2, kv_heads=2, head_dim=4, dtype="float16", block_size=4, kv_fused=fused, layout=layout
+        )
+        cache = KVCache(spec, 3)
+        regions = cache.regions()
+        assert sum(r.block_len * r.num_blocks for r in regions) == cache.slab.nbytes
+        assert cache.region(0, spec.kinds[0])[0].nbytes == cache.block_len

@@ -125,9 +125,11 @@ class KVSpec:
         return tp_rank // (tp_size // self.kv_heads)
 
     def block_shape(self, heads: int) -> tuple[int, int, int]:
+        """One block of one region as an array: a fused head's row holds K and V (``head_bytes``)."""
+        row = self.head_dim * (2 if self.kv_fused else 1)
         if self.layout is Layout.HND:
-            return (heads, self.block_size, self.head_dim)
-        return (self.block_size, heads, self.head_dim)
+            return (heads, self.block_size, row)
+        return (self.block_size, heads, row)
 
     def block_bytes(self, heads: int) -> int:
         return heads * self.block_size * self.head_bytes
