@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from kvwire.errors import InvalidRequest
-from kvwire.protocol.messages import IdText
+from kvwire.protocol.messages import HostText, IdText, Port
 
 FIELD = "kv_transfer_params"  # the request body's key, and the parameter an error names
 
@@ -36,8 +36,8 @@ class KvTransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
     # The life (incarnation) of P that prefilled and holds the KV: a P restarted since holds none, and D
     # must not read (pull) or wait on (push) its new life's blocks. Not given: not checked (older peers).
     remote_incarnation: IdText | None = None
-    remote_host: str | None = None  # where P's side channel listens
-    remote_port: int | None = None
+    remote_host: HostText | None = None  # where P's side channel listens
+    remote_port: Port | None = None
     remote_tp_size: int | None = None  # P's parallelism; not given: 1
     remote_pp_size: int | None = None
     remote_block_ids: tuple[int, ...] | None = None  # pull mode: P's blocks of the prompt, in token order

@@ -13,6 +13,7 @@ import pytest
 
 from kvwire.core.handshake_io import HsAction, HsInput, Sleep
 from kvwire.errors import (
+    HandshakeError,
     HandshakeTimeout,
     IncompatiblePeer,
     NoSuchRank,
@@ -468,5 +469,39 @@ def test_clock_samples_stop_once_a_round_trip_is_short_enough() -> None:
             assert t.server.stats.replies["notif_only"] == 1
             # Same process, same clock: the offset is within half a round trip of zero.
             assert abs(peer.clock_offset_s) < 1.0
+
+    run(body)
+
+
+def test_a_reply_carrying_a_loaded_peers_metadata_under_another_name_leaves_that_peer_loaded() -> None:
+    """A listener relaying a live peer's metadata under another agent name: the load names the live peer,
+    the mismatch is refused, and the live peer was unloaded (every later write or notification to it
+    failed ``PeerNotFound`` while the cache still listed it)."""
+
+    async def body() -> None:
+        async with manager_pair(SPEC, clock_samples=1) as t:
+            real = await t.mgr.ensure(HOST, t.port, 0, 0, PeerMode.FULL)
+            relay_info, relay_ranks = build_registered_engine("R", SPEC, 8, t.fabric.create_agent)
+            relay_agent = relay_ranks[0].agent
+            relay_agent.metadata = t.p_ranks[0].agent.metadata  # type: ignore[method-assign]
+            async with SideChannelServer(relay_info, relay_ranks) as relay:
+                with pytest.raises(HandshakeError, match="metadata loads agent"):
+                    await t.mgr.ensure(HOST, relay.port, 0, 0, PeerMode.FULL)
+            assert t.d_rank.agent.peer_mode(real.agent_name) is PeerMode.FULL
+            assert t.mgr.peers() == [real]
+
+    run(body)
+
+
+@pytest.mark.parametrize("host", ["a\x00b", "x" * 64 + ".example"])
+def test_a_host_no_resolver_takes_is_unreachable_not_an_untyped_error(host: str) -> None:
+    """A NUL or a 64-character label raised ``ValueError``/``UnicodeError`` out of the fetch: not
+    counted as a handshake failure, and logged at ERROR with the whole host."""
+
+    async def body() -> None:
+        with pytest.raises(PeerUnreachable, match="bad host"):
+            await fetch_metadata(
+                PeerAddress(host, 7000, 0, 0), notif_only=True, compat_hash="x", timeout_s=2.0
+            )
 
     run(body)

@@ -396,3 +396,27 @@ def test_ids_and_heartbeat_lists_past_their_bounds_are_malformed() -> None:
     assert len(parts) > 1 and [t for p in parts for t in p] == long_ids
     for part in parts:
         assert decode_notif(encode_notif(hb(part))) == hb(part)
+
+
+def test_a_push_regs_host_past_255_characters_is_malformed() -> None:
+    """A push_reg's host had no bound: 150 push_regs with 1 MiB hosts held 150 MiB in P's handshake table
+    and tombstones and wrote MiB-long log lines."""
+    from kvwire.protocol.messages import PushReg
+
+    def reg(host: str) -> PushReg:
+        return PushReg(transfer_id="t", engine_id="D", incarnation="i", tp_rank=0, tp_size=1, host=host,
+                       port=7000, block_ids=[0], num_tokens=1)  # fmt: skip
+
+    assert decode_notif(encode_notif(reg("h" * 255))) == reg("h" * 255)
+    for bad in ("h" * 256, ""):
+        with pytest.raises(MalformedMessage, match="length"):
+            decode_notif(encode_notif(reg(bad)))
+
+
+def test_kv_transfer_params_remote_host_and_port_are_bounded() -> None:
+    from kvwire.kv_params import KvTransferParams
+
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"remote_host": "h" * 256}, KvTransferParams)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"remote_port": 70000}, KvTransferParams)

@@ -114,7 +114,10 @@ async def _connection(
     ended = math.inf  # when the body stopped (the timeout's cancel reached it), before the close
     try:
         async with asyncio.timeout_at(deadline):
-            reader, writer = await asyncio.open_connection(addr.host, addr.port)
+            try:
+                reader, writer = await asyncio.open_connection(addr.host, addr.port)
+            except ValueError as exc:  # a host no resolver takes (a NUL; a 64-character label: UnicodeError)
+                raise PeerUnreachable(f"{addr}: bad host: {type(exc).__name__}: {exc}") from None
             try:
                 yield reader, writer
             finally:

@@ -386,8 +386,11 @@ class HandshakeManager:
         except TransportError as exc:
             raise HandshakeError(f"{addr}: loading agent {agent_name} failed: {exc}") from exc
         if name != agent_name:
-            with contextlib.suppress(TransportError):
-                self.local.agent.remove_peer(name)
+            # Unload it only if no cached peer is that agent: a reply may carry another peer's metadata
+            # (a relay renaming it), and unloading that live peer cut it off for good.
+            if not any(p.agent_name == name for p in self.core.peers.values()):
+                with contextlib.suppress(TransportError):
+                    self.local.agent.remove_peer(name)
             raise HandshakeError(f"{addr}: metadata loads agent {name!r}, reply names {agent_name!r}")
         return name
 

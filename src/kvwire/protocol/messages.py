@@ -34,6 +34,9 @@ ReasonText = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 # A content digest (CRC-32 today: 4 bytes); longer is refused as malformed before it is kept anywhere.
 DigestBytes = Annotated[bytes, msgspec.Meta(max_length=64)]
 IdText = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
+# A host name or address as dialled: DNS names are at most 253 characters. Kept by bounded tables and
+# logged, so a 4 MiB one (the notification's bound) must not get that far.
+HostText = Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
 
 
 class TransferMode(enum.Enum):
@@ -235,7 +238,7 @@ class _Notif(msgspec.Struct, kw_only=True):
 class PushReg(_Notif, tag="push_reg", tag_field="type", kw_only=True):
     tp_rank: NonNeg
     tp_size: Positive
-    host: str
+    host: HostText
     port: Port
     block_ids: list[NonNeg]
     num_tokens: NonNeg
