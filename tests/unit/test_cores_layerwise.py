@@ -10,6 +10,7 @@ import dataclasses
 
 import msgspec
 import numpy as np
+import pytest
 
 from kvwire.core.events import ProducerOutcome
 from kvwire.core.io import (
@@ -25,6 +26,7 @@ from kvwire.core.io import (
 )
 from kvwire.core.producer_layers import LayerwisePushProducerCore
 from kvwire.core.producer_push import PushProducerCore
+from kvwire.errors import LayoutError
 from kvwire.protocol.codec import decode_notif
 from kvwire.protocol.messages import CancelAck, Done, Failed, FailReason
 from kvwire.testing.core_harness import CoreHarness, events, one, only, protocol, sent
@@ -235,3 +237,25 @@ def test_layerwise_step_ended_with_a_write_in_flight_releases_it_and_fails() -> 
     assert out == [Release(w0.token), t.failed(FailReason.TRANSFER_TIMEOUT)]
     assert not t.core.streaming({TID})
     assert events(t.h.at(0.375, Finished(TID, BLOCKS, TOKENS))) == [freed(ProducerOutcome.FAILED)]
+
+
+def test_layerwise_layers_reported_after_their_step_ended_wait_for_finished() -> None:
+    """A late GPU fence reports every layer of a step after ``StepEnded``: the step-over was dropped (no
+    stream yet), and the layers went, the last with ``done``, before Finished, from blocks the engine no
+    longer protects (D READY on them; an abort then freed them)."""
+    t = LP()
+    t.registered(0.0)
+    assert t.h.at(0.125, StepEnded(TID)) == []
+    assert only(t.layers(0.25, 0, 1), PostWrite) == []
+    w = one(t.h.at(0.375, Finished(TID, BLOCKS, TOKENS)), PostWrite)
+    assert rows(w) == rows(whole_request_write(t))
+
+
+def test_layerwise_refuses_a_hybrid_model() -> None:
+    """Lanes cut a plan into equal layer-major rows; a hybrid model's plan is per KV cache group, so a
+    lane posted rows of layers not computed yet (D READY with stale KV)."""
+    spec = dataclasses.replace(LP().p.info.spec, layer_groups=(0, 1), group_windows=(0, 8))
+    t = LP()
+    info = dataclasses.replace(t.p.info, spec=spec)
+    with pytest.raises(LayoutError, match="hybrid"):
+        LayerwisePushProducerCore(info, t.p.layouts, t.p.num_blocks, t.core.config)

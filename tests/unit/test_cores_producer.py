@@ -15,7 +15,7 @@ import re
 import msgspec
 import pytest
 
-from kvwire.core.base import DropReason, Refused
+from kvwire.core.base import DropReason, Feeder, Refused
 from kvwire.core.events import ProducerOutcome
 from kvwire.core.io import (
     Abort,
@@ -23,6 +23,7 @@ from kvwire.core.io import (
     Emit,
     Finished,
     ForgetPeer,
+    NotifIn,
     PostWrite,
     Reap,
     Release,
@@ -430,3 +431,21 @@ def test_a_registration_refused_before_the_handshake_still_reaches_d_when_the_ha
     reports = [a for a in out if isinstance(a, ReportFailure)]
     assert len(reports) == 1 and reports[0].failed == t.failed(FailReason.BAD_REGISTRATION).msg
     assert reports[0].remote_incarnation == "D-life1"
+
+
+def test_a_freeze_noticed_on_a_refused_input_still_recalls_its_writes_and_frees() -> None:
+    """The recall a freeze starts is decided by the gap, not by the input that reveals it: when that input
+    was refused (a malformed notification), the driver dropped every action of the step. The write was
+    never released, D never told, the request's blocks never freed."""
+    t = P()
+    w = t.writing(0.0)
+    got: list[Action] = []
+    refused: list[Exception] = []
+    feeder = Feeder(t.core, got.append, lambda _item, exc: refused.append(exc))
+    feeder.feed(7.0, NotifIn((0, 0), t.d.agent(), b"garbage"))  # 7 s since the last input: frozen
+    assert [type(e) for e in refused] == [Refused]
+    assert Release(w.token) in got and events(got) == [freed(ProducerOutcome.FAILED)]
+    assert [a.msg.reason for a in got if isinstance(a, Send) and isinstance(a.msg, Failed)] == [
+        FailReason.TRANSFER_TIMEOUT
+    ]
+    assert t.core.salvage() == []  # handed over once

@@ -7,7 +7,9 @@ stored, and ``wake_at`` says when the next one may fire. So the same object runs
 driver (``kvwire.connector``) and under the simulator (``kvwire.testing.sim``) in virtual time.
 
 Input that does not fit (a peer's late or stray message, an engine call twice) raises ``Refused`` before
-touching any state: the driver counts it by reason and goes on.
+touching any state: the driver counts it by reason and goes on. What the gap before it already decided
+(a freeze noticed on that input: writes recalled, D told, blocks freed) is not the input's to lose: the
+driver executes ``salvage()`` first.
 """
 
 from __future__ import annotations
@@ -116,6 +118,8 @@ class Feeder:
                     for action in self.core.handle(now, item):
                         self._execute(action)
                 except Exception as exc:
+                    for action in self.core.salvage():
+                        self._execute(action)
                     self._failed(item, exc)
                 finally:
                     pending.popleft()
@@ -147,6 +151,7 @@ class CoreBase:
         self.port = port
         self.stats = ConnectorStats()
         self._out: list[Action] = []
+        self._salvaged: list[Action] = []
         self._token = 0
         self._next_timers = 0.0
         self._next_heartbeat = 0.0
@@ -163,14 +168,27 @@ class CoreBase:
         self._now = now
         try:
             self._before(now, inp)
-            if isinstance(inp, Tick):
-                self._on_tick(now)
-            elif isinstance(inp, NotifIn):
-                self._on_notif(now, inp.key, inp.sender, self._decode(inp))
-            else:
-                self._on_input(now, inp)
+            kept = len(self._out)
+            try:
+                if isinstance(inp, Tick):
+                    self._on_tick(now)
+                elif isinstance(inp, NotifIn):
+                    self._on_notif(now, inp.key, inp.sender, self._decode(inp))
+                else:
+                    self._on_input(now, inp)
+            except Exception:
+                self._salvaged = self._out[:kept]  # the gap's, not the input's: ``salvage``
+                raise
         finally:
             out, self._out = self._out, []
+        return out
+
+    def salvage(self) -> list[Action]:
+        """After ``handle`` raised: the actions the time before the input decided (a freeze noticed on it
+        recalls writes and frees blocks), which the driver must still execute. The simulator found a
+        malformed notification that revealed a freeze losing them: the recalled write never released, its
+        request's blocks never freed."""
+        out, self._salvaged = self._salvaged, []
         return out
 
     @property

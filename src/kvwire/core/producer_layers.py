@@ -28,9 +28,10 @@ import numpy as np
 from kvwire.core.io import Digest, Input, LayersReady, Outcome, PostWrite, Release, StepEnded, XferEnded
 from kvwire.core.producer_push import PushProducerCore
 from kvwire.core.producer_records import Phase, Reg, Request
-from kvwire.errors import BlockRangeError, IllegalTransition
+from kvwire.errors import BlockRangeError, IllegalTransition, LayoutError
 from kvwire.kv.descriptors import TransferPlan
 from kvwire.kv.digest import DigestScope, common_layers, pair_heads
+from kvwire.kv.groups import grouped
 from kvwire.protocol.codec import encode_notif
 from kvwire.protocol.messages import Cancel, Done, Failed, FailReason, PushReg
 from kvwire.protocol.ranks import RankKey
@@ -38,6 +39,7 @@ from kvwire.protocol.states import ProducerState
 from kvwire.protocol.states import ProducerTrigger as PT
 
 _PS = ProducerState
+_MAX_ENDED_EARLY = 4096  # requests whose step ended before their first LayersReady, remembered
 _OPEN = (_PS.CONNECTING, _PS.WRITING, _PS.CANCEL_PENDING)
 
 
@@ -76,7 +78,14 @@ class _Lane:
 class LayerwisePushProducerCore(PushProducerCore):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
+        if grouped(self.engine.spec):
+            # Lanes cut the plan into equal layer-major rows; a hybrid model's plan is per group (a
+            # sliding window's shorter): a lane would post layers not computed yet. Whole-request push.
+            raise LayoutError("layer-wise push of a hybrid model (several KV cache groups) is not supported")
         self._streams: dict[str, _Stream] = {}
+        # Steps that ended before any layer of theirs was reported (a late GPU fence): a layer reported
+        # after its step ended is not safe to read (the engine may reuse the blocks). Bounded, oldest out.
+        self._ended_early: dict[str, None] = {}
         self._lanes: dict[Reg, _Lane] = {}
         self._lane_posts: dict[
             int, tuple[Request, Reg, list[int], bool]
@@ -110,6 +119,9 @@ class LayerwisePushProducerCore(PushProducerCore):
         if stream is None:
             req = self._request(inp.transfer_id)
             stream = self._streams[inp.transfer_id] = _Stream(ids, inp.num_tokens)
+            if inp.transfer_id in self._ended_early:  # its step is over: written whole at Finished
+                del self._ended_early[inp.transfer_id]
+                stream.step_over = True
             req.block_ids, req.num_tokens = list(ids), inp.num_tokens
         elif (stream.block_ids, stream.num_tokens) != (ids, inp.num_tokens):
             raise IllegalTransition(self.role, "STREAMING", "LAYERS_READY with other blocks")
@@ -120,9 +132,14 @@ class LayerwisePushProducerCore(PushProducerCore):
     def _step_ended(self, now: float, transfer_id: str) -> None:
         stream = self._streams.get(transfer_id)
         req = self._requests.get(transfer_id)
-        if stream is None or req is None:
+        if stream is None:
+            self._ended_early[transfer_id] = None
+            if len(self._ended_early) > _MAX_ENDED_EARLY:
+                del self._ended_early[next(iter(self._ended_early))]
             return
         stream.step_over = True
+        if req is None:
+            return
         for reg in [r for r in req.regs.values() if r in self._lanes and self._lanes[r].tokens]:
             self._recall(req, reg, FailReason.TRANSFER_TIMEOUT)  # the engine's wait for them timed out
         self._settle(now, req)
