@@ -209,8 +209,24 @@ class KvMetrics:
         self.digests: Counter | None = None
         self.refused_connections: Counter | None = None
         self.circuit_open: Counter | None = None
+        self.side_refusals: Counter | None = None
+        self.handshake_failures: Counter | None = None
         if not on:
             return
+        self.side_refusals = Counter(
+            "kvwire_side_channel_refusals",
+            "Requests this side channel refused, by reason (an ErrorCode: unauthorized, bad_request, "
+            "incompatible, no_such_rank): probing for the secret and malformed peers show here",
+            [*base, "reason"],
+            registry=r,
+        )
+        self.handshake_failures = Counter(
+            "kvwire_handshake_failures",
+            "Handshakes this engine started that failed, by reason (timeout, unreachable, incompatible, "
+            "replaced, unauthorized, no_such_rank, bad_reply, transport)",
+            [*base, "reason"],
+            registry=r,
+        )
         self.digests = Counter(
             "kvwire_kv_digests",
             "KV digests computed: P over its source for a D that asked, D over the bytes that landed "
@@ -319,6 +335,14 @@ class KvMetrics:
     def record_refused_connections(self, reason: str, count: int) -> None:
         if self.refused_connections is not None and count > 0:
             self.refused_connections.labels(**self._base, reason=reason).inc(count)
+
+    def record_side_refusals(self, reason: str, count: int) -> None:
+        if self.side_refusals is not None and count > 0:
+            self.side_refusals.labels(**self._base, reason=reason).inc(count)
+
+    def record_handshake_failures(self, reason: str, count: int) -> None:
+        if self.handshake_failures is not None and count > 0:
+            self.handshake_failures.labels(**self._base, reason=reason).inc(count)
 
     def record_circuit_open(self, count: int) -> None:
         if self.circuit_open is not None and count > 0:

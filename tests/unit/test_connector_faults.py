@@ -5,16 +5,18 @@ bad notifications. Fences, timeouts and dead peers are pinned in virtual time in
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 
 import msgspec
 import pytest
 
-from kvwire.connector import ConnectorConfig, ConsumerEventKind, ProducerOutcome
+from kvwire.connector import ConnectorConfig, ConsumerEventKind, Producer, ProducerOutcome
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.codec import encode_notif
 from kvwire.protocol.messages import FailReason, PushReg
 from kvwire.testing.connector_env import Pair, wait_for
-from kvwire.testing.engines import untouched_blocks_zero
+from kvwire.testing.engines import build_engine, untouched_blocks_zero
 
 SPEC = KVSpec(num_layers=2, kv_heads=2, head_dim=8, block_size=4)
 K = ConsumerEventKind
@@ -147,3 +149,43 @@ def test_layer_writes_that_fail_together_end_once_each(caplog: pytest.LogCapture
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     finally:
         pair.close()
+
+
+def test_close_with_a_write_in_flight_releases_it_before_the_memory_goes() -> None:
+    """``close`` told the engine SHUTDOWN (its blocks may go) and deregistered the memory while the
+    write's handle was never released: the transfer went on reading what the engine reused."""
+    pair = Pair(SPEC)
+    try:
+        agent = pair.p_agent()
+        agent.faults.delay_s = 5.0
+        pair.consumer.request_allocated("x", [0, 1], 8, 0, pair.remote())
+        pair.producer.request_finished("x", [2, 3], 8)
+        wait_for(lambda: pair.on_loop(lambda: bool(pair.producer._handles)), "the write posted")
+        assert len(agent._pending) == 1
+        pair.producer.close()
+        assert [e.outcome for e in pair.producer.poll()] == [ProducerOutcome.SHUTDOWN]
+        assert pair.producer._handles == {} and agent._pending == []
+    finally:
+        pair.close()
+
+
+def test_a_start_that_cannot_bind_undoes_itself() -> None:
+    """A side-channel port already taken: ``start`` left its loop thread and the memory it registered (one
+    more of each per retry; ``close`` did nothing, and a later ``start`` registered the memory twice).
+    The ``OSError`` passes: ``kvwire serve`` turns it into one line naming the port and the fix."""
+    setup = build_engine("P", SPEC, num_blocks=8)
+    agent = setup.ranks[0].agent
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        producer = Producer(setup.engine, setup.ranks, ConnectorConfig(), port=port, warm_up=False)
+        for _ in range(2):
+            with pytest.raises(OSError, match="in use"):
+                producer.start()
+            assert agent._regs == {}
+            assert not [t for t in threading.enumerate() if t.name.startswith("kvwire-producer")]
+    assert producer.start() == port and len(agent._regs) == 1
+    producer.close()
+    assert agent._regs == {}
+    setup.close()

@@ -240,6 +240,15 @@ def test_idle_peers_are_reaped_and_live_ones_kept() -> None:
     assert core.state(ADDR) is HandshakeState.REMOVED and core.stats.forgotten == 1
 
 
+def test_reaping_keeps_no_entry_for_an_engine_id_this_rank_never_loaded() -> None:
+    """A decode leg names P's engine id; 400 requests naming made-up ids of about 1 KB at an address that
+    never answers left 400 entries (393 KiB) kept for ``engine_ttl_s`` (an hour)."""
+    core = HandshakeCore()
+    _load(core, 0.0, _peer())
+    core.handle(1.0, Reap(frozenset({"P"} | {f"made-up-{i}" for i in range(400)}), 60.0))
+    assert set(core.last_used) == {"P"} and core.last_used["P"] == 1.0
+
+
 def test_a_gone_agent_is_forgotten_through_the_core() -> None:
     core = HandshakeCore()
     peer = _load(core, 0.0, _peer())

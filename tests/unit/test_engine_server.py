@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ from kvwire.engine.engine import Engine
 from kvwire.engine.loopback import LoopbackHub
 from kvwire.engine.model import Model
 from kvwire.engine.server import EngineServer, Identity
+from kvwire.errors import KvwireError
 
 pytestmark = pytest.mark.anyio
 
@@ -501,3 +503,43 @@ async def test_kv_transfer_params_need_the_router_token_when_one_is_set() -> Non
             assert plain.status_code == 200  # a request without kv_transfer_params needs no token
     finally:
         server.stop()
+
+
+async def test_side_channel_refusals_and_failed_handshakes_are_exported_in_metrics() -> None:
+    """Malformed side-channel requests (or probes for the secret) and this engine's failed handshakes
+    were counted in ``ServerStats.replies`` and the managers' stats, never in ``/metrics``."""
+    import socket
+
+    from kvwire.engine.connector_hooks import ConnectorMetrics, ConnectorSettings, attach_connector
+    from kvwire.testing.procs import free_port
+    from kvwire.transport.base import PeerMode
+
+    eng = Engine(EngineConfig(TINY, role=Role.PREFILL, num_blocks=16), model=MODEL)
+    settings = ConnectorSettings("prefill-refusals", "inc1", "kvwire-tiny", backend="inproc")
+    hooks = attach_connector(eng, dataclasses.replace(settings, config=dataclasses.replace(
+        settings.config, handshake_retries=0)))  # fmt: skip
+    srv = EngineServer(
+        eng, Identity(Role.PREFILL, "prefill-refusals", "inc1", "127.0.0.1", hooks.connector.port)
+    )
+    srv.scrape_hooks.append(ConnectorMetrics(hooks.connector, srv.metrics).sync)
+    srv.start()
+    try:
+        for _ in range(3):  # a frame whose body is a msgpack array, not a map: bad_request
+            with socket.create_connection(("127.0.0.1", hooks.connector.port)) as s:
+                s.sendall(b"\x00\x00\x00\x03\x92\x01\x02")
+                s.recv(4096)
+        mgr = hooks.connector.managers[(0, 0)]
+        bg = hooks.connector.background_loop
+        assert bg is not None
+        with pytest.raises(KvwireError):
+            bg.run(mgr.ensure("127.0.0.1", free_port(), 0, 0, PeerMode.NOTIF_ONLY), 10)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=srv.app), base_url="http://p") as c:
+            families = {f.name: f for f in text_string_to_metric_families((await c.get("/metrics")).text)}
+        refusals = {s.labels["reason"]: s.value for s in families["kvwire_side_channel_refusals"].samples
+                    if s.name.endswith("_total")}  # fmt: skip
+        failures = {s.labels["reason"]: s.value for s in families["kvwire_handshake_failures"].samples
+                    if s.name.endswith("_total")}  # fmt: skip
+        assert refusals == {"bad_request": 3.0}, refusals
+        assert sum(failures.values()) == 1.0 and failures.get("unreachable") == 1.0, failures
+    finally:
+        srv.stop()

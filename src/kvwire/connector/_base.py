@@ -121,12 +121,11 @@ class ConnectorBase(Generic[E]):
         # With a secret every notification is sealed to its receiver, and only sealed ones are taken.
         self._gate = NotifGate(secret)
         self._clock = clock
-        num_blocks = min(r.cache.num_blocks for r in ranks)
         layouts = {
             key: RankLayout.from_cache(r.cache, pp_size=engine.pp_size, pp_rank=key[0])
             for key, r in self.ranks.items()
         }
-        self.core = self._make_core(layouts, num_blocks)
+        self.core = self._make_core(layouts, min(r.cache.num_blocks for r in ranks))
         self._allowed = PeerAllowList.parse(self.config.allowed_peers)  # who may be dialled at all
         self.reporter = self._make_reporter()
         self._warm_up = warm_up
@@ -140,8 +139,7 @@ class ConnectorBase(Generic[E]):
         self._on_event: Callable[[], None] | None = None
         self._started = False
         self._closed = False
-        # core token -> posted transfer: (rank, handle, transfer id)
-        self._handles: dict[int, tuple[RankKey, XferHandle, str]] = {}
+        self._handles: dict[int, tuple[RankKey, XferHandle, str]] = {}  # token -> (rank, handle, tid)
         self.timeline = Timeline()  # when each step of a request happened here (``/v1/kv_stats``)
         self._feeder = Feeder(self.core, self._execute, self._failed)
         self._init_ticker()
@@ -149,8 +147,7 @@ class ConnectorBase(Generic[E]):
     def _init_ticker(self) -> None:
         self._ticker: concurrent.futures.Future[None] | None = None
         self._tasks: set[asyncio.Future[Any]] = set()
-        # The next tick: a TimerHandle while waiting out an interval, a Handle once woken, None while
-        # ticking or stopped.
+        # The next tick: a TimerHandle (waiting out an interval), a Handle (woken), None (ticking, stopped).
         self._next: asyncio.Handle | None = None
         self._woken = False
         self._ticking = False
@@ -177,9 +174,35 @@ class ConnectorBase(Generic[E]):
 
     # -- lifecycle (engine thread) ---------------------------------------------------------------------
     def start(self) -> int:
-        """Register every local cache, start the side channel and the ticker; returns the bound port."""
+        """Register every local cache, start the side channel and the ticker; returns the bound port. A
+        start that fails (the port taken, say) undoes what it did, so that it can be called again."""
         if self._started:
             return self._port
+        try:
+            return self._start()
+        except BaseException:
+            self._undo_start()  # the caller names the cause (``kvwire serve``: a port in use, and the fix)
+            raise
+
+    def _undo_start(self) -> None:
+        """What a failed ``_start`` left: the side channel, an own loop thread, the registrations."""
+        bg, server = self._bg, self._server
+        if bg is not None and server is not None:
+            with contextlib.suppress(Exception):
+                bg.run(server.close(), _START_TIMEOUT_S)
+        self._server = None
+        if self._own_loop and bg is not None:
+            bg.close()
+            self._bg = None
+        self._deregister()
+
+    def _deregister(self) -> None:
+        for rank, reg in self._regs:
+            with contextlib.suppress(TransportError):
+                rank.agent.deregister(reg)
+        self._regs.clear()
+
+    def _start(self) -> int:
         for rank in self.ranks.values():
             for buf in rank.cache.buffers():
                 reg = rank.agent.register_range(
@@ -250,16 +273,19 @@ class ConnectorBase(Generic[E]):
             bg.run(self._shutdown(), _START_TIMEOUT_S)
         if self._own_loop:
             bg.close()
-        for rank, reg in self._regs:
-            with contextlib.suppress(TransportError):
-                rank.agent.deregister(reg)
-        self._regs.clear()
+        self._deregister()
 
     async def _shutdown(self) -> None:
         for action in self.core.shutdown(self._clock()):
             self._execute(action)
         if self._ticker is not None:
             self._ticker.cancel()
+        # The engine was told its blocks may go (SHUTDOWN): no transfer may still read or write them, and
+        # close() deregisters the memory next. A release cancels a transfer in flight (nixl-faults.md).
+        for key, handle, _tid in self._handles.values():
+            with contextlib.suppress(TransportError):
+                self.ranks[key].agent.release(handle)
+        self._handles.clear()
         for task in list(self._tasks):
             task.cancel()
         for mgr in self.managers.values():

@@ -456,8 +456,10 @@ class HandshakeCore:
                 return
 
     def _reap(self, now: float, in_use: frozenset[str], ttl_s: float) -> None:
+        last_used = self.last_used
         for engine_id in in_use:
-            self.last_used[engine_id] = now
+            if engine_id in last_used:  # only loaded ones: a request's engine id is the caller's to choose
+                last_used[engine_id] = now
         idle = [eid for eid, used in self.last_used.items() if now - used > ttl_s]
         for engine_id in idle:
             self._forget(engine_id, None)

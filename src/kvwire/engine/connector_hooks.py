@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvwire.connector import ConnectorConfig, Consumer, Producer
+from kvwire.core.handshake_io import FailureReason
 from kvwire.engine.config import Role
 from kvwire.engine.engine import Engine
 from kvwire.engine.hooks import HookEvents, TransferRequest
@@ -21,7 +22,7 @@ from kvwire.errors import ConfigError, InvalidRequest, TransferIdReused
 from kvwire.handshake.types import EngineInfo
 from kvwire.integrations.api import Endpoint, close_all, open_ranks, remote_engine, start_connector
 from kvwire.metrics import HandshakeStats, KvMetrics, TransferStats
-from kvwire.protocol.messages import TransferMode
+from kvwire.protocol.messages import ErrorCode, TransferMode
 from kvwire.transport.base import Agent, PeerMode
 
 
@@ -135,11 +136,18 @@ def attach_connector(engine: Engine, s: ConnectorSettings) -> ProducerHooks | Co
 
 def _guard_totals(connector: Producer | Consumer) -> dict[str, int]:
     server = connector.side_channel_stats
-    return {
+    totals = {
         "over_limit": server.refused_connections if server is not None else 0,
         "evicted_idle": server.evicted_connections if server is not None else 0,
         "circuit_open": sum(m.breaker.fast_failures for m in connector.managers.values()),
     }
+    for code in ErrorCode:  # the side channel's refusals, by code
+        totals[f"refusal:{code.value}"] = server.replies[code.value] if server is not None else 0
+    for reason in FailureReason:  # this engine's failed handshakes, over its ranks
+        totals[f"handshake:{reason.value}"] = sum(
+            m.stats.failures[reason] for m in connector.managers.values()
+        )
+    return totals
 
 
 class ConnectorMetrics:
@@ -200,5 +208,9 @@ class ConnectorMetrics:
             self._guards[what] = total
             if what == "circuit_open":
                 self.metrics.record_circuit_open(new)
+            elif what.startswith("refusal:"):
+                self.metrics.record_side_refusals(what.removeprefix("refusal:"), new)
+            elif what.startswith("handshake:"):
+                self.metrics.record_handshake_failures(what.removeprefix("handshake:"), new)
             else:
                 self.metrics.record_refused_connections(what, new)
