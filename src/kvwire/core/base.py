@@ -185,9 +185,9 @@ class CoreBase:
 
     def salvage(self) -> list[Action]:
         """After ``handle`` raised: the actions the time before the input decided (a freeze noticed on it
-        recalls writes and frees blocks), which the driver must still execute. The simulator found a
-        malformed notification that revealed a freeze losing them: the recalled write never released, its
-        request's blocks never freed."""
+        recalls writes and frees blocks), which the driver must still execute: a malformed notification
+        that revealed a freeze lost them (the recalled write never released, its request's blocks never
+        freed; found by a review, the simulator ticks first after a thaw)."""
         out, self._salvaged = self._salvaged, []
         return out
 
