@@ -230,30 +230,81 @@ def test_registrations_of_a_held_or_ended_request_are_bounded_and_ended_ones_kee
         a for i in range(10) for a in t.h.at(0.01 * i, _forged(t, i, [0, 1])) if isinstance(a, StartHandshake)
     ]
     assert len(started) == 4 and t.core.registrations(TID) == 4
-    assert t.core.stats.dropped_notifs["overload"] == 6 and t.core.registrations_total == 4
+    assert t.core.stats.dropped_notifs["overload"] == 6 and t.core.records == (4, 0, 8)
     # The forged lives' handshakes fail (D's address answers with its own life): no block id is kept.
     for hs in started:
         t.h.done(0.5, hs.token, None, "not that life")
     regs = t.core._requests[TID].regs.values()
     assert all(reg.msg.block_ids == [] for reg in regs)
+    assert t.core.records == t.core.recount() == (4, 4, 0)  # every D rank's ended: a tombstone now
     tomb = P()
     tomb.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
     tomb.h.at(0.0, Abort(TID))
     one(tomb.h.at(0.1, _forged(tomb, 0, list(range(100)))), StartHandshake)
     assert [reg.msg.block_ids for reg in tomb.core._requests[TID].regs.values()] == [[]]
+    assert tomb.core.records == tomb.core.recount() == (1, 1, 0)
 
 
-def test_past_max_registrations_the_oldest_tombstones_make_room() -> None:
+def test_registrations_of_a_held_request_are_bounded_in_block_ids_too() -> None:
+    """While their handshakes wait (an address that never answers: ~20 s), registrations of a held request
+    kept every id they named, unbounded: 256 push_regs of 200k ids each held 51M ids (+398 MiB)."""
+    t = P(dataclasses.replace(CFG, max_block_ids=250))
+    t.h.at(0.0, Finished(TID, BLOCKS, TOKENS))  # held
+    for i in range(2):  # 100 ids each: 200 of 250
+        one(t.h.at(0.0, _forged(t, i, list(range(100)))), StartHandshake)
+    over = t.h.at(0.0, _forged(t, 2, list(range(100))))
+    assert [type(a) for a in over] == [TouchPeer, ReportFailure] and over[
+        1
+    ].failed.reason is FailReason.OVERLOADED
+    assert t.core.records == t.core.recount() == (2, 0, 200)
+
+
+def test_cancels_for_a_request_p_knows_are_bounded_like_registrations() -> None:
+    """A cancel from a D agent without a registration is remembered (so its push_reg is refused later) and
+    acked: 20,000 cancels from made-up lives kept 20,000 entries (19.6 MiB of names) and sent as many
+    acks. They now count against ``max_registrations_per_request`` and ``max_registrations``."""
+    t = P(dataclasses.replace(CFG, max_registrations_per_request=3))
+    t.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
+    acked = 0
+    for i in range(5):
+        cancel = msgspec.structs.replace(t.cancel(), incarnation=f"forged{i}")
+        try:
+            acked += len(
+                sent(t.h.at(0.0, NotifIn((0, 0), f"D/forged{i}/pp0/tp0", encode_notif(cancel))), CancelAck)
+            )
+        except Refused as exc:
+            assert exc.reason is DropReason.OVERLOAD
+    assert acked == 3 and t.core.records == t.core.recount() == (3, 0, 0)
+
+
+def test_past_max_registrations_the_oldest_tombstones_holding_records_make_room() -> None:
     t = P(dataclasses.replace(CFG, max_registrations=3))
+    t.h.at(0.0, Abort("bare"))  # a tombstone holding nothing: forgetting it frees nothing
     for tid in ("a1", "a2", "a3"):  # three registrations, each request then ended (a tombstone)
         one(t.from_d(0.0, t.push_reg(tid)), StartHandshake)
         t.h.at(0.0, Abort(tid))
-    assert t.core.registrations_total == 3
-    one(t.from_d(0.1, t.push_reg("a4")), StartHandshake)  # the oldest tombstone went
+    assert t.core.records == (3, 3, 0)
+    one(t.from_d(0.1, t.push_reg("a4")), StartHandshake)  # the oldest tombstone holding one went
     assert t.core.registrations("a1") == 0 and t.core.registrations("a4") == 1
-    assert t.core.registrations_total == 3 and t.core.stats.tombstones_dropped == 1
+    assert t.core.records == t.core.recount() == (3, 2, 2) and t.core.stats.tombstones_dropped == 1
+    assert "bare" in t.core._requests
+    # A push_reg naming the oldest such tombstone when the table is full: that tombstone may go first, and
+    # the push_reg is then an early registration, under the early bounds.
+    early = P(dataclasses.replace(CFG, max_registrations=2, max_early_registrations=1))
+    for tid in ("b1", "b2"):
+        one(early.from_d(0.0, early.push_reg(tid)), StartHandshake)
+        early.h.at(0.0, Abort(tid))
+    one(early.from_d(0.1, early.push_reg("b1")), StartHandshake)  # b1 forgotten, then registered anew
+    over = early.from_d(0.1, early.push_reg("b2"))  # the early table is full now
+    assert [type(a) for a in over] == [ReportFailure]
+    assert early.core.early_registrations == 1 and early.core.records == early.core.recount()
+
+
+def test_live_registrations_filling_the_table_forget_no_tombstone() -> None:
     held = P(dataclasses.replace(CFG, max_registrations=1))
+    held.h.at(0.0, Abort("ended"))
     held.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
     one(held.from_d(0.0, held.push_reg()), StartHandshake)
-    over = held.from_d(0.0, held.push_reg("req-2"))  # no tombstone to forget: refused, D told
+    over = held.from_d(0.0, held.push_reg("req-2"))  # nothing forgettable frees room: refused, D told
     assert [type(a) for a in over] == [ReportFailure] and over[0].failed.reason is FailReason.OVERLOADED
+    assert "ended" in held.core._requests and held.core.stats.tombstones_dropped == 0

@@ -276,16 +276,16 @@ class ConnectorBase(Generic[E]):
         self._deregister()
 
     async def _shutdown(self) -> None:
-        for action in self.core.shutdown(self._clock()):
-            self._execute(action)
-        if self._ticker is not None:
-            self._ticker.cancel()
-        # The engine was told its blocks may go (SHUTDOWN): no transfer may still read or write them, and
-        # close() deregisters the memory next. A release cancels a transfer in flight (nixl-faults.md).
+        # Before the engine is told its blocks may go (SHUTDOWN, below) no transfer may still read or write
+        # them (close() deregisters the memory next): a release cancels one in flight (nixl-faults.md).
         for key, handle, _tid in self._handles.values():
             with contextlib.suppress(TransportError):
                 self.ranks[key].agent.release(handle)
         self._handles.clear()
+        for action in self.core.shutdown(self._clock()):
+            self._execute(action)
+        if self._ticker is not None:
+            self._ticker.cancel()
         for task in list(self._tasks):
             task.cancel()
         for mgr in self.managers.values():

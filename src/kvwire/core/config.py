@@ -66,11 +66,16 @@ class ConnectorConfig:
     # 30 MB once decoded, so the count alone bounded nothing in bytes. 4M ids: 64 registrations of a
     # 1M-token prompt at 16 tokens a block at once.
     max_early_block_ids: int = 1 << 22
-    # P: registrations one request holds at most (a D rank's for each P rank it writes: 256 is TP 16 on
-    # both sides), and the table in all, tombstones included (the oldest tombstones make room first):
-    # a push_reg for a request P holds or ended was bounded by nothing, each a handshake and a record.
+    # P: registrations (and remembered cancels) one request holds at most (a D rank's for each P rank it
+    # writes: at most 8 pairs per PP stage, so 256 is 32 stages), and the table in all, tombstones
+    # included (the oldest tombstones holding some make room first): a push_reg or a cancel for a request
+    # P holds or ended was bounded by nothing, each a handshake or an ack and a record.
     max_registrations_per_request: int = 256
     max_registrations: int = 1 << 18
+    # P: D's block ids every registration holds, in all (an early one's count against max_early_block_ids
+    # too): a registration of a held request keeps its ids until its handshake and write end (a handshake
+    # with an address that never answers: ~20 s), 8M ids about 300 MB decoded at worst.
+    max_block_ids: int = 1 << 23
     # D: transfer ids this life has served, remembered (oldest forgotten first) so that a new request
     # reusing one is refused. Past the bound an id can be registered again; its registration gets a new
     # reg_nonce, so a done of the old one still does not match it (docs/protocol.md).
@@ -110,6 +115,7 @@ class ConnectorConfig:
             "max_tombstones",
             "max_registrations_per_request",
             "max_registrations",
+            "max_block_ids",
         )
         for name in bounds:
             if getattr(self, name) <= 0:

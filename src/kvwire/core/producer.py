@@ -15,7 +15,16 @@ import math
 from kvwire.core.base import CoreBase, DropReason, core_log
 from kvwire.core.events import ProducerEvent, ProducerOutcome
 from kvwire.core.io import Abort, Finished, Input, ReportFailure, TouchPeer
-from kvwire.core.producer_records import Phase, Replies, Request, drop_d_ids, expected_d_ranks
+from kvwire.core.producer_records import (
+    Phase,
+    Reg,
+    Replies,
+    Request,
+    busy,
+    drop_d_ids,
+    expected_d_ranks,
+    records_of,
+)
 from kvwire.errors import BlockRangeError, IllegalTransition
 from kvwire.kv.groups import moved_ids
 from kvwire.protocol.messages import Done, Failed, FailReason, Heartbeat, Notification, PushReg
@@ -34,7 +43,14 @@ class ProducerCore(CoreBase):
         self._live_reqs: dict[str, Request] = {}
         self._early = 0  # live requests still PREFILLING (registered by D, not finished here yet)
         self._early_ids = 0  # D's block ids their registrations name
-        self._regs_total = 0  # registrations in the table, tombstones' included (``max_registrations``)
+        # Records a peer's messages add: registrations and remembered cancels, tombstones' included
+        # (``max_registrations``); of those, the tombstones' (what forgetting them frees), and the
+        # tombstones holding any, oldest first (entries of forgotten ones are skipped); D's block ids the
+        # registrations hold (``max_block_ids``).
+        self._records = 0
+        self._tomb_records = 0
+        self._record_tombs: collections.deque[Request] = collections.deque()
+        self._ids = 0
         self._early_by_life: collections.Counter[tuple[str, str]] = collections.Counter()  # their owners
         self._tombs: collections.deque[Request] = collections.deque()
         self._replies = Replies(self.engine)
@@ -64,13 +80,17 @@ class ProducerCore(CoreBase):
         return self._early_ids
 
     @property
-    def registrations_total(self) -> int:
-        """Registrations in the table, tombstones' included (``max_registrations``)."""
-        return self._regs_total
+    def records(self) -> tuple[int, int, int]:
+        """(registrations and remembered cancels, the tombstones' share, D's block ids held): what the
+        table bounds read (``max_registrations``, ``max_block_ids``)."""
+        return self._records, self._tomb_records, self._ids
 
-    def transfer_ids(self) -> list[str]:
-        """The transfers P remembers: live ones and tombstones."""
-        return list(self._requests)
+    def recount(self) -> tuple[int, int, int]:
+        """``records`` counted from the table itself (the simulator checks the two agree)."""
+        reqs = self._requests.values()
+        ended = [r for r in reqs if r.phase is Phase.ENDED]
+        ids = sum(len(reg.msg.block_ids) for r in reqs for reg in r.regs.values())
+        return sum(map(records_of, reqs)), sum(map(records_of, ended)), ids
 
     def registrations(self, transfer_id: str) -> int:
         """How many push_regs P holds for ``transfer_id`` (0 when unknown)."""
@@ -108,12 +128,10 @@ class ProducerCore(CoreBase):
         room first); the early ones (for requests not finished here) are bounded in number (in all, and
         per D life) and in the block ids they name."""
         cfg = self.config
-        if known is not None and len(known.regs) >= cfg.max_registrations_per_request:
+        if known is not None and records_of(known) >= cfg.max_registrations_per_request:
             return False
-        if self._regs_total >= cfg.max_registrations:
-            self._forget_oldest()
-            if self._regs_total >= cfg.max_registrations:
-                return False
+        if self._records_full() or self._ids + len(msg.block_ids) > cfg.max_block_ids:
+            return False
         if known is None and (
             self._early >= cfg.max_early_registrations
             or self._early_by_life[life] >= cfg.max_early_registrations_per_peer
@@ -128,12 +146,46 @@ class ProducerCore(CoreBase):
         busy P dead. The driver's Reporter sends it only with a secret (else the address is
         unauthenticated), one at a time per address."""
         self.stats.dropped_notifs[DropReason.OVERLOAD.value] += 1
-        core_log().debug("%s: push_reg %s from %s dropped: %d registrations, %d wait for prefill",
-                         self.role, msg.transfer_id, sender, self._regs_total, self._early)  # fmt: skip
+        core_log().debug("%s: push_reg %s from %s dropped: %d records, %d wait for prefill",
+                         self.role, msg.transfer_id, sender, self._records, self._early)  # fmt: skip
         self._report(key, msg, self._replies.failed(msg.transfer_id, key, FailReason.OVERLOADED))
 
     def _report(self, key: RankKey, msg: PushReg, failed: Failed) -> None:
         self._do(ReportFailure(key, msg.host, msg.port, (0, msg.tp_rank), failed, msg.incarnation))
+
+    def _add_record(self, req: Request, ids: int) -> None:
+        """A registration (naming ``ids`` of D's blocks) or a remembered cancel joined ``req``."""
+        self._records += 1
+        self._ids += ids
+        if req.phase is Phase.ENDED:
+            self._tomb_records += 1
+            self._record_tombs.append(req)
+
+    def _records_full(self) -> bool:
+        return self._records >= self.config.max_registrations
+
+    def _drop_ids(self, reg: Reg) -> None:
+        self._ids -= drop_d_ids(reg)
+
+    def _make_room(self) -> None:
+        """At ``max_registrations``, forget the oldest tombstones holding records until there is room
+        (called before a message looks its request up: it may forget that one). Nothing is forgotten when
+        the live requests' records alone fill the table, nor tombstones that hold none."""
+        cfg, tombs = self.config, self._record_tombs
+        live = self._records - self._tomb_records
+        if not self._records_full() or live >= cfg.max_registrations:
+            return
+        for _ in range(len(tombs)):
+            if self._records < cfg.max_registrations:
+                return
+            req = tombs.popleft()
+            if self._requests.get(req.transfer_id) is not req:
+                continue  # forgotten already, or a second entry
+            if busy(req):
+                tombs.append(req)  # a write must end before we forget it
+            else:
+                self._forget(req)
+                self.stats.tombstones_dropped += 1
 
     def _note_early(self, req: Request, msg: PushReg) -> None:
         if req.phase is Phase.PREFILLING:
@@ -191,12 +243,15 @@ class ProducerCore(CoreBase):
         req.forget_at = now + self.config.tombstone_s
         if self._live_reqs.pop(req.transfer_id, None) is req:
             self._tombs.append(req)
+            if records_of(req):
+                self._tomb_records += records_of(req)
+                self._record_tombs.append(req)
             if len(self._tombs) > self.config.max_tombstones:
                 self._forget_oldest()
         for reg in req.regs.values():
             if reg.machine.accepts(PT.RELEASE):
                 reg.machine.handle(PT.RELEASE)
-            drop_d_ids(reg)
+            self._drop_ids(reg)
         if emit:
             self._emit(ProducerEvent(req.transfer_id, how))
 
@@ -220,25 +275,31 @@ class ProducerCore(CoreBase):
         tombs = self._tombs
         while tombs and tombs[0].forget_at <= now:
             req = tombs.popleft()
-            if any(r.machine.writes_in_flight or r.posting for r in req.regs.values()):
+            if busy(req):
                 req.forget_at = now + self.config.tombstone_s  # a write must end before we forget it
                 tombs.append(req)
             elif self._requests.get(req.transfer_id) is req:
                 self._forget(req)
+        held = self._record_tombs
+        while held and self._requests.get(held[0].transfer_id) is not held[0]:
+            held.popleft()  # forgotten: the queue keeps only what may still be forgotten early
 
     def _forget(self, req: Request) -> None:
+        """Forget an ended request (a tombstone) and the records it held."""
         del self._requests[req.transfer_id]
-        self._regs_total -= len(req.regs)
+        self._records -= records_of(req)
+        self._tomb_records -= records_of(req)
+        self._ids -= sum(len(reg.msg.block_ids) for reg in req.regs.values())
 
     def _forget_oldest(self) -> None:
         """Past ``max_tombstones``, forget the oldest ended requests now (a push_reg naming one later waits
         for a Finished that never comes, and is answered at its fence instead of at once)."""
         tombs = self._tombs
         for _ in range(len(tombs)):
-            if len(tombs) <= self.config.max_tombstones and self._regs_total < self.config.max_registrations:
+            if len(tombs) <= self.config.max_tombstones:
                 return
             req = tombs.popleft()
-            if any(r.machine.writes_in_flight or r.posting for r in req.regs.values()):
+            if busy(req):
                 tombs.append(req)  # a write must end before we forget it
             elif self._requests.get(req.transfer_id) is req:
                 self._forget(req)

@@ -51,12 +51,12 @@ from kvwire.core.producer_records import (
     check_d_blocks,
     check_reg,
     d_life,
-    drop_d_ids,
     engines_in_use,
     fence_expired,
     holding,
     live_registrations,
     outcome,
+    records_of,
     silent_d_lives,
     sweep_due,
     uncovered,
@@ -119,6 +119,7 @@ class PushProducerCore(ProducerCore):
     def _on_push_reg(
         self, now: float, key: RankKey, sender: str, msg: PushReg, *, stale: bool = False
     ) -> None:
+        self._make_room()
         known = self._requests.get(msg.transfer_id)
         life = (msg.engine_id, msg.incarnation)
         cfg = self.config
@@ -135,7 +136,7 @@ class PushProducerCore(ProducerCore):
             self._early_by_life[life] += 1
         fence_s = min(msg.fence_ms, self.config.fence_ms) / 1000.0
         reg = req.regs[(key, sender)] = Reg(key, sender, msg, now + fence_s, received_at=now)
-        self._regs_total += 1
+        self._add_record(req, len(msg.block_ids))
         self._note_early(req, msg)
         self._sweep_at = min(self._sweep_at, reg.fence_at, now + cfg.liveness_timeout_s)
         reg.machine.handle(PT.PUSH_REG)
@@ -146,7 +147,7 @@ class PushProducerCore(ProducerCore):
             reason = TOMB_REASON.get(req.outcome or ProducerOutcome.EXPIRED, FailReason.LEASE_EXPIRED)
             reg.machine.handle(PT.ABORT if reason is FailReason.ABORTED else PT.LEASE_EXPIRED)
             reg.outbox.append(self._replies.failed(req.transfer_id, reg.key, reason))
-            drop_d_ids(reg)
+            self._drop_ids(reg)
         elif bad is not None:
             self._fail(req, reg, PT.ABORT, bad)
         elif req.phase is Phase.HELD:
@@ -186,6 +187,7 @@ class PushProducerCore(ProducerCore):
             raise self._refuse(DropReason.UNEXPECTED, f"{type(msg).__name__} from {sender} in push mode")
 
     def _on_cancel(self, now: float, key: RankKey, sender: str, msg: Cancel | Failed) -> None:
+        self._make_room()
         req = self._requests.get(msg.transfer_id)
         reg = None if req is None else req.regs.get((key, sender))
         if req is None:
@@ -198,7 +200,10 @@ class PushProducerCore(ProducerCore):
                 # The network's duplicate: answered once (one ending message per registration; the
                 # simulator found the second cancel_ack).
                 raise self._refuse(DropReason.DUPLICATE, f"cancel {msg.transfer_id} from {sender} again")
+            if records_of(req) >= self.config.max_registrations_per_request or self._records_full():
+                raise self._refuse(DropReason.OVERLOAD, f"cancel {msg.transfer_id} from {sender}: no room")
             req.cancelled.add((key, sender))
+            self._add_record(req, 0)
             self._send(key, sender, self._replies.cancel_ack(msg.transfer_id, key, wrote=False))
             return
         if not reg.machine.accepts(PT.CANCEL):
@@ -479,7 +484,7 @@ class PushProducerCore(ProducerCore):
                 raise IllegalTransition(self.role, reg.state.name, event.name)
             return False
         reg.machine.handle(event)
-        drop_d_ids(reg)
+        self._drop_ids(reg)
         reason = reason or FAIL_REASONS[event]
         self.stats.failures[reason] += 1
         failed = self._replies.failed(req.transfer_id, reg.key, reason)

@@ -84,11 +84,25 @@ class Request:
     early_ids: int = 0  # D's block ids its registrations name while PREFILLING (``max_early_block_ids``)
 
 
-def drop_d_ids(reg: Reg) -> None:
+def drop_d_ids(reg: Reg) -> int:
     """Forget the block ids of D a registration named once no write of it can start or is in flight: an
-    ended one (a tombstone's, a failed one's) needs none, and a 4 MiB push_reg names ~800k of them."""
-    if reg.msg.block_ids and not reg.machine.writes_in_flight and not reg.posting:
-        reg.msg = msgspec.structs.replace(reg.msg, block_ids=[])
+    ended one (a tombstone's, a failed one's) needs none, and a 4 MiB push_reg names ~800k of them.
+    Returns how many were forgotten."""
+    n = len(reg.msg.block_ids)
+    if not n or reg.machine.writes_in_flight or reg.posting:
+        return 0
+    reg.msg = msgspec.structs.replace(reg.msg, block_ids=[])
+    return n
+
+
+def records_of(req: Request) -> int:
+    """What a request holds of a peer's making: its registrations and remembered cancels."""
+    return len(req.regs) + len(req.cancelled)
+
+
+def busy(req: Request) -> bool:
+    """A write of the request is in flight or being posted: it must end before the request is forgotten."""
+    return any(r.machine.writes_in_flight or r.posting for r in req.regs.values())
 
 
 # Why a push_reg that arrives for an ended request is refused.

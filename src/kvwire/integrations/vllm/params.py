@@ -77,6 +77,7 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_tombstones: int = _DEFAULTS.max_tombstones
     max_registrations_per_request: int = _DEFAULTS.max_registrations_per_request
     max_registrations: int = _DEFAULTS.max_registrations
+    max_block_ids: int = _DEFAULTS.max_block_ids
     max_served_ids: int = _DEFAULTS.max_served_ids
     # The digest reads host memory: a D with a GPU cache refuses to start with it above 0, and a P with
     # one sends none (a D asking it fails those requests): leave 0 unless both caches are in host memory.
