@@ -290,3 +290,38 @@ def test_vllm_connector_refuses_settings_it_would_get_wrong(monkeypatch: pytest.
     # Accepted and ignored before: under vLLM, vLLM's own kv_transfer_config decides what a failed load does.
     with pytest.raises(ConfigError, match="set it in kv_transfer_config"):
         settings_from_extra({"kv_load_failure_policy": "recompute"})
+
+
+def test_vllm_deployments_kvwire_does_not_move_are_refused_by_name() -> None:
+    """Speculative decoding (the drafter's layers were refused with a layout error naming nothing) and
+    context parallelism (every load failed at run time) stop the engine at start, naming the setting;
+    an idle wait past a second is refused."""
+    from kvwire.integrations.vllm.params import check_deployment, settings_from_extra
+
+    check_deployment(speculative=False, decode_cp=1, prefill_cp=1)
+    with pytest.raises(ConfigError, match="speculative_config"):
+        check_deployment(speculative=True, decode_cp=1, prefill_cp=1)
+    for dcp, pcp in ((2, 1), (1, 2)):
+        with pytest.raises(ConfigError, match="decode_context_parallel_size"):
+            check_deployment(speculative=False, decode_cp=dcp, prefill_cp=pcp)
+    with pytest.raises(ConfigError, match="idle_step_wait_ms"):
+        settings_from_extra({"idle_step_wait_ms": 1e9})
+
+
+def test_each_vllm_data_parallel_engine_takes_its_own_side_channel_ports() -> None:
+    """vLLM starts every DP engine from one kv_transfer_config: each bound the same ports, and the second
+    died at start (address in use)."""
+    from kvwire.integrations.vllm.params import KvRole, for_dp_engine, settings_from_extra
+
+    s = settings_from_extra({"side_channel_port": 6000})
+    assert for_dp_engine(s, 0, 2, 1, KvRole.PRODUCER) is s
+    ports = [
+        for_dp_engine(s, dp, 2, 1, KvRole.PRODUCER).rank_port(0, t, 2) for dp in range(3) for t in range(2)
+    ]
+    assert ports == [6000, 6001, 6002, 6003, 6004, 6005]
+    assert for_dp_engine(s, 1, 2, 2, KvRole.BOTH).side_channel_port == 6008  # producer and consumer: 8 each
+    with pytest.raises(ConfigError, match="no room"):
+        for_dp_engine(settings_from_extra({"side_channel_port": 65530}), 2, 4, 1, KvRole.PRODUCER)
+    with pytest.raises(ConfigError, match="data parallelism"):
+        for_dp_engine(settings_from_extra({"discovery": "etcd://127.0.0.1:2379", "discovery_url": "http://h:1"}),
+                      1, 1, 1, KvRole.PRODUCER)  # fmt: skip

@@ -31,9 +31,23 @@ from kvwire.integrations.vllm.discovery import BackgroundRegistrar, start_regist
 from kvwire.integrations.vllm.hma import kv_groups
 from kvwire.integrations.vllm.identity import vllm_model_id
 from kvwire.integrations.vllm.layerwise import StreamPlanner
-from kvwire.integrations.vllm.params import KvRole, Op, incarnation_of, settings_from_extra
+from kvwire.integrations.vllm.params import (
+    KvRole,
+    Op,
+    check_deployment,
+    for_dp_engine,
+    incarnation_of,
+    settings_from_extra,
+)
 from kvwire.integrations.vllm.scheduler import LocalEngine, SchedulerSide
 from kvwire.integrations.vllm.worker import RankPlace, WorkerSide
+
+try:  # vLLM's label for where cached prompt tokens came from (0.32 and 0.34 have it)
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    _P2P: Any = CacheHitSource.P2P
+except ImportError:  # pragma: no cover - an older vLLM counts them under its default
+    _P2P = None
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -77,6 +91,9 @@ def _cpu_backend() -> bool:
 
 
 class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    if _P2P is not None:
+        _cache_hit_source = _P2P  # KV from a peer engine (vllm:prompt_tokens_cached_by_source)
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         _configure_logging()
@@ -87,10 +104,17 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         except ValueError:
             raise ConfigError(f"kv_role {ktc.kv_role!r}: one of kv_producer, kv_consumer, kv_both") from None
         pc, mc = vllm_config.parallel_config, vllm_config.model_config
+        check_deployment(
+            speculative=getattr(vllm_config, "speculative_config", None) is not None,
+            decode_cp=int(getattr(pc, "decode_context_parallel_size", 1)),
+            prefill_cp=int(getattr(pc, "prefill_context_parallel_size", 1)),
+        )
         engine_id = str(ktc.engine_id)
         incarnation = settings.incarnation or incarnation_of(engine_id, str(vllm_config.instance_id))
         block_size = int(vllm_config.cache_config.block_size)
         tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
+        dp_index = int(getattr(pc, "data_parallel_index", getattr(pc, "data_parallel_rank", 0)) or 0)
+        settings = for_dp_engine(settings, dp_index, tp, pp, kv_role)
         # vLLM's hybrid KV cache manager: one block list per group (full attention, sliding window).
         self._groups = kv_groups(kv_cache_config, int(mc.hf_text_config.num_hidden_layers))
         self._groups.check_supported(pp, settings.layerwise)
@@ -150,7 +174,16 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """save_kv_layer runs between the layers: not inside a captured full CUDA graph."""
-        return bool((extra_config or {}).get("layerwise"))
+        try:
+            return settings_from_extra(extra_config).layerwise  # "false" is false, as kvwire reads it
+        except ConfigError:
+            return True  # the connector refuses the config at start anyway
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No: kvwire keeps its registration of the KV cache for the engine's life, and sleep mode
+        releases the memory under it (peers would write into released pages)."""
+        return False
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         n = _prompt_len(request)
@@ -184,7 +217,7 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         idle = int(getattr(scheduler_output, "total_num_scheduled_tokens", 1)) == 0
         ops = self._s().take_ops()
         if self._streams is not None:
-            ops += self._streams.ops(scheduler_output)
+            ops += self._streams.ops(scheduler_output, self._s().reserve)
         return KvwireMetadata(ops, idle=idle)
 
     def update_connector_output(self, connector_output: Any) -> None:

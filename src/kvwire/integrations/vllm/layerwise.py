@@ -64,8 +64,10 @@ class StreamPlanner:
     def forget(self, req_id: str) -> None:
         self._cands.pop(req_id, None)
 
-    def ops(self, out: Any) -> list[Op]:
-        """``STREAM`` operations for this step's ``SchedulerOutput`` (vLLM 0.32 and 0.34 shapes)."""
+    def ops(self, out: Any, reserve: Callable[[str, str], bool]) -> list[Op]:
+        """``STREAM`` operations for this step's ``SchedulerOutput`` (vLLM 0.32 and 0.34 shapes);
+        ``reserve(req_id, transfer_id)`` holds the id from here (a request whose id another one holds, a
+        client's retry, is not streamed: it would be handed the other's blocks under one id)."""
         if not self._cands:
             return []
         for new in out.scheduled_new_reqs:
@@ -88,7 +90,7 @@ class StreamPlanner:
             if c is None or c.computed + int(n) < c.num_tokens:
                 continue
             need = -(-c.num_tokens // self.block_size)
-            if len(c.blocks) >= need:
+            if len(c.blocks) >= need and reserve(rid, c.transfer_id):
                 ops.append(Op(OpKind.STREAM, rid, c.transfer_id, c.blocks[:need], c.num_tokens))
             del self._cands[rid]  # streamed once; a later SEND finishes it either way
         return ops

@@ -10,7 +10,7 @@ import dataclasses
 import enum
 import hashlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -86,7 +86,7 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # A step with nothing scheduled while transfers are live (vLLM steps back to back while a request
     # waits for KV or P holds blocks): the worker sleeps up to this long, woken at once by any kvwire
     # event, instead of spinning engine and worker processes through empty steps. 0 turns it off.
-    idle_step_wait_ms: float = 5.0
+    idle_step_wait_ms: Annotated[float, msgspec.Meta(ge=0, le=1000)] = 5.0
     # etcd://HOST:PORT[/prefix]: the scheduler registers the engine there (docs/fleet.md), at discovery_url
     # (this vLLM server's http://HOST:PORT), under a lease of discovery_ttl_s.
     discovery: str | None = None
@@ -100,6 +100,40 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def rank_port(self, pp_rank: int, tp_rank: int, tp_size: int) -> int:
         return self.side_channel_port + pp_rank * tp_size + tp_rank
+
+
+def check_deployment(*, speculative: bool, decode_cp: int, prefill_cp: int) -> None:
+    """What kvwire does not move, refused at start by its name (it failed later, or silently, before)."""
+    if speculative:
+        raise ConfigError(
+            "kvwire: speculative decoding (speculative_config) is not supported: the drafter's KV cache "
+            "layers are not moved (the engine refused its layers at start). Run without it"
+        )
+    if decode_cp > 1 or prefill_cp > 1:
+        raise ConfigError(
+            f"kvwire: context parallelism (decode_context_parallel_size {decode_cp}, "
+            f"prefill_context_parallel_size {prefill_cp}) is not supported: a rank holds a shard of each "
+            "block's tokens (every load failed). Run with 1"
+        )
+
+
+def for_dp_engine(s: Settings, dp_index: int, tp: int, pp: int, role: KvRole) -> Settings:
+    """The settings of data-parallel engine ``dp_index``: vLLM starts every DP engine from one
+    ``kv_transfer_config``, so each takes the next ``tp * pp`` side-channel ports (twice that for
+    kv_both), as vLLM's NIXL connector offsets its port by the DP index."""
+    if dp_index == 0:
+        return s
+    if s.discovery:
+        raise ConfigError(
+            "kv_connector_extra_config discovery: not supported with data parallelism yet (every DP engine "
+            "would register a record for the one server URL); list the engines to the router instead"
+        )
+    span = tp * pp * (2 if role is KvRole.BOTH else 1)
+    port = s.side_channel_port + dp_index * span
+    if port + span > 65536:
+        raise ConfigError(f"kv_connector_extra_config: side_channel_port {s.side_channel_port} leaves no "
+                          f"room for data-parallel engine {dp_index} ({span} ports each)")  # fmt: skip
+    return msgspec.structs.replace(s, side_channel_port=port)
 
 
 def settings_from_extra(extra: Mapping[str, Any] | None) -> Settings:

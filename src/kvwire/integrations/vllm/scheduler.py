@@ -148,6 +148,8 @@ class SchedulerSide:
         if params is None or not params.do_remote_decode:
             return False, None
         tid = params.transfer_id or req_id
+        if self._held_tids.get(tid) == req_id:
+            del self._held_tids[tid]  # reserved when it streamed (``reserve``): taken again below
         if aborted or not block_ids:
             # D may already have registered (both legs go at once): tell kvwire, so D hears at once
             # instead of waiting for P's fence.
@@ -164,6 +166,17 @@ class SchedulerSide:
         self._sending[req_id], self._held_tids[tid] = tid, req_id
         self._ops.append(Op(OpKind.SEND, req_id, tid, list(block_ids), num_prompt_tokens))
         return True, self._params_for_d(tid, block_ids)
+
+    def reserve(self, req_id: str, transfer_id: str) -> bool:
+        """Hold ``transfer_id`` for ``req_id`` from the step that streams its layers (False: another
+        request holds it, and must not be streamed into: its Finished would carry other blocks). The
+        request's ``finished`` then takes the id over, or lets it go."""
+        if self._held_tids.setdefault(transfer_id, req_id) != req_id:
+            self.rejected += 1
+            log.warning("kvwire: %s is not streamed: transfer id %s is held by %s", req_id, transfer_id,
+                        self._held_tids[transfer_id])  # fmt: skip
+            return False
+        return True
 
     def sends(self, raw: dict[str, Any] | None) -> bool:
         """Whether ``finished`` would send this request's KV to a D (P's role, ``do_remote_decode``)."""
