@@ -1,4 +1,5 @@
-"""API keys of the HTTP servers (engines and router): ``Authorization: Bearer <key>`` on every ``/v1`` call.
+"""What the HTTP servers (engines and router) share at their door: API keys (``Authorization: Bearer <key>``
+on every ``/v1`` call) and the bounded read of a request body.
 
 As vLLM's ``--api-key``: ``/health`` and ``/metrics`` stay open to probes and scrapers; the key is compared
 in constant time (``hmac.compare_digest``), so the answer's timing tells nothing of it.
@@ -7,14 +8,21 @@ in constant time (``hmac.compare_digest``), so the answer's timing tells nothing
 from __future__ import annotations
 
 import hmac
+import logging
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 PROTECTED_PREFIX = "/v1"
+# A prompt of max_model_len tokens as JSON token ids is well under 1 MiB; text prompts are of the same order.
+MAX_BODY_BYTES = 16 << 20
 # The router's legs carry its token here: with ``--router-token`` set, an engine takes kv_transfer_params
 # (which name a peer to dial, and a transfer to join) only from a request that carries it.
 ROUTER_TOKEN_HEADER = "x-kvwire-router-token"
+log = logging.getLogger("kvwire")
 
 
 def router_token_header(token: str | None) -> dict[str, str]:
@@ -66,3 +74,40 @@ class ApiKeyMiddleware:
                 await unauthorized_response(self._flag)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+async def read_bounded(http: Request, limit: int = MAX_BODY_BYTES) -> bytes | None:
+    """The body, or None once it passes ``limit`` (refused, 400), instead of buffered whole: a router
+    that read any size held 1 GiB for one 200 MiB post."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _openai_error(status: int, message: str, kind: str) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def install_openai_refusals(app: FastAPI) -> None:
+    """FastAPI's own refusals (an unknown path, a wrong method, a bad query parameter) and a bug's
+    exception as OpenAI error objects, not ``{"detail": ...}`` (a client library reads ``error``)."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_refusal(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _openai_error(exc.status_code, str(exc.detail), kind)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_parameter(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _openai_error(400, f"invalid request: {exc.errors()!r:.500}", "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def bug(_: Request, exc: Exception) -> JSONResponse:
+        log.error("request raised", exc_info=exc)
+        return _openai_error(500, f"internal error: {type(exc).__name__}", "internal_error")

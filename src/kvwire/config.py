@@ -17,6 +17,7 @@ dataclasses (or plain arguments), never ``os.environ``.
 from __future__ import annotations
 
 import enum
+import math
 import os
 import urllib.parse
 from collections.abc import Mapping, Sequence
@@ -172,7 +173,8 @@ class RouterConfig:
                     "list the engines' URLs, or give the router another --port"
                 )
         for name in ("request_timeout_s", "connect_timeout_s", "health_interval_s", "health_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive")
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):  # NaN passed ``<= 0``: every request then a 500
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
         if self.local_prefill_max_tokens < 0:
             raise ConfigError("local_prefill_max_tokens must be at least 0")

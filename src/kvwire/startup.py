@@ -25,6 +25,8 @@ def in_use_message(what: str, host: str, port: int, fix: str) -> str:
 
 def bind_tcp(host: str, port: int, what: str, fix: str) -> socket.socket:
     """A listening socket on (host, port); ``ConfigError`` naming ``what`` and ``fix`` when it cannot be."""
+    if not 0 <= port <= 65535:  # 70000 bound 4464 (the kernel takes it modulo 65536); -1 "did not resolve"
+        raise ConfigError(f"{what} port {port} is out of range (0-65535; 0: any free port)")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:

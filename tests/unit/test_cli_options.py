@@ -61,8 +61,9 @@ def test_decode_help_shows_no_prefill_only_flag() -> None:
 def test_every_connector_knob_is_a_flag_of_the_engines() -> None:
     flags = _flags(_sub("prefill")) | _flags(_sub("decode"))
     for f in dataclasses.fields(ConnectorConfig):
-        if f.name != "mode":  # --mode
+        if f.name not in ("mode", "layerwise"):  # --mode; layerwise: a vLLM setting (no layers reported here)
             assert "--" + f.name.replace("_", "-") in flags, f.name
+    assert "--layerwise" not in flags
 
 
 def _values(role: str, argv: list[str], environ: dict[str, str] | None = None) -> dict[str, object]:
@@ -94,7 +95,7 @@ def test_a_config_file_sets_every_connector_knob(tmp_path: Path) -> None:
     """Each knob given a value that is not its default, in JSON: the connector gets them all."""
     wanted: dict[str, object] = {}
     for f in dataclasses.fields(ConnectorConfig):
-        if f.name == "mode":
+        if f.name in ("mode", "layerwise"):  # layerwise: not a setting of kvwire's engines
             continue
         if f.name == "kv_load_failure_policy":
             wanted[f.name] = "recompute"

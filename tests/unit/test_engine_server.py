@@ -12,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvwire.engine.api import MAX_BODY_BYTES
+from kvwire.apikey import MAX_BODY_BYTES
 from kvwire.engine.config import EngineConfig, Role, preset
 from kvwire.engine.engine import Engine
 from kvwire.engine.loopback import LoopbackHub
@@ -543,3 +543,15 @@ async def test_side_channel_refusals_and_failed_handshakes_are_exported_in_metri
         assert sum(failures.values()) == 1.0 and failures.get("unreachable") == 1.0, failures
     finally:
         srv.stop()
+
+
+async def test_a_prompt_token_out_of_the_vocabulary_names_the_prompt() -> None:
+    engine = Engine(EngineConfig(TINY, num_blocks=16), model=MODEL)
+    server = EngineServer(engine, Identity(Role.COLOCATED, "c", "i"))
+    server.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=server.app), base_url="http://e") as c:
+            r = await c.post("/v1/completions", json={"prompt": [1, -5], "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    finally:
+        server.stop()

@@ -323,3 +323,34 @@ def test_throttle_logs_one_line_per_interval_and_counts_the_rest(caplog: pytest.
         "dropped 20 (and 9 more like it not logged)",
     ]
     assert throttle.suppressed == 9
+
+
+async def test_the_router_refuses_a_body_past_16_mib_and_answers_unknown_paths_as_openai_errors() -> None:
+    """The router read bodies of any size (a 200 MiB post: +1 GiB resident), and FastAPI's own refusals
+    came as ``{"detail": ...}``, which an OpenAI client cannot read."""
+    from kvwire.apikey import MAX_BODY_BYTES
+
+    config = RouterConfig(prefill_urls=("http://127.0.0.1:1",), decode_urls=("http://127.0.0.1:2",))
+    transport = httpx.ASGITransport(app=create_app(config))
+    async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+        big = await client.post("/v1/completions", content=b"{" + b" " * MAX_BODY_BYTES + b"}")
+        assert big.status_code == 400 and "byte limit" in big.json()["error"]["message"]
+        missing = await client.get("/v1/nope")
+        assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+        wrong = await client.get("/v1/completions")
+        assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_command_line_values_out_of_range_are_refused_naming_them() -> None:
+    """``--port 70000`` bound port 4464 (the kernel takes it modulo 65536), ``--port -1`` was blamed on
+    ``--host``, and a NaN timeout started a router whose every request was then a 500."""
+    from kvwire.errors import ConfigError
+    from kvwire.startup import bind_tcp
+
+    for port in (70000, -1):
+        with pytest.raises(ConfigError, match=f"port {port} is out of range"):
+            bind_tcp("127.0.0.1", port, "HTTP", "pass another --port")
+    with pytest.raises(ConfigError, match="request_timeout_s must be a positive number"):
+        RouterConfig(
+            prefill_urls=("http://h:1",), decode_urls=("http://h:2",), request_timeout_s=float("nan")
+        )

@@ -138,7 +138,8 @@ def test_unknown_model_is_404() -> None:
 def test_decode_json_object_refuses_non_objects() -> None:
     assert decode_json_object(b'{"a": 1}') == {"a": 1}
     nested = b"[" * 100_000 + b"]" * 100_000
-    for raw in (b"[1]", b"{", b"\xff", nested, b'{"n": ' + b"7" * 5000 + b"}"):
+    lone_surrogate = b'{"prompt": "\\ud800"}'  # json took it; the prompt's encode was then a 500
+    for raw in (b"[1]", b"{", b"\xff", nested, b'{"n": ' + b"7" * 5000 + b"}", lone_surrogate):
         with pytest.raises(ApiError):
             decode_json_object(raw)
 
@@ -223,3 +224,10 @@ def test_health_info_refuses_incomplete_bodies() -> None:
     with pytest.raises(ValueError):
         HealthInfo.parse({"status": "starting", "role": "prefill", "engine_id": "P", "side_channel_host": "h",
                           "side_channel_port": 1})  # fmt: skip
+
+
+def test_a_bad_max_completion_tokens_is_named_as_sent() -> None:
+    with pytest.raises(ApiError) as err:
+        parse({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+              ApiKind.CHAT)  # fmt: skip
+    assert err.value.param == "max_completion_tokens" and "max_completion_tokens" in err.value.message

@@ -19,6 +19,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from kvwire.apikey import MAX_BODY_BYTES
 from kvwire.engine.request import TransferRole
 from kvwire.engine.sampling import GREEDY, SamplingParams, TokenLogprob, token_text
 from kvwire.engine.tokenizer import ByteTokenizer, StreamDecoder
@@ -37,8 +38,6 @@ DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20  # vLLM's default cap; OpenAI's completions allow 5 (the router checks that)
 MAX_STOPS = 16
 
-# A prompt of max_model_len tokens as JSON token ids is well under 1 MiB; text prompts are of the same order.
-MAX_BODY_BYTES = 16 << 20
 
 _Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
 

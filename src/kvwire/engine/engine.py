@@ -114,11 +114,11 @@ class Engine:
         """Raise ``InvalidRequest`` for a request this engine can never serve."""
         m = self.cfg.model
         if not req.prompt:
-            raise InvalidRequest("the prompt is empty")
+            raise InvalidRequest("the prompt is empty", "prompt")
         if any(not 0 <= t < m.vocab_size for t in req.prompt):
-            raise InvalidRequest(f"prompt token ids must be in [0, {m.vocab_size})")
+            raise InvalidRequest(f"prompt token ids must be in [0, {m.vocab_size})", "prompt")
         if req.max_tokens < 1:
-            raise InvalidRequest("max_tokens must be at least 1")
+            raise InvalidRequest("max_tokens must be at least 1", "max_tokens")
         if len(req.prompt) + req.max_tokens > m.max_model_len:
             raise InvalidRequest(
                 f"prompt ({len(req.prompt)}) + max_tokens ({req.max_tokens}) exceeds {m.max_model_len}",
@@ -332,7 +332,7 @@ class Engine:
         """The next token by the request's sampling rule (the same on P, D and colocated engines)."""
         params, index = req.sampling, len(req.output_ids)
         token = sample(logits, params, index)
-        req.output_ids.append(token)
+        req.add_token(token)
         if params.logprobs is not None:
             req.token_logprobs.append(token_logprob(logits, token, params.logprobs))
         return token

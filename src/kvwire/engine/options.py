@@ -44,13 +44,22 @@ CONNECTOR_HELP: dict[str, tuple[str, frozenset[Command]]] = {
     "max_early_registrations_per_peer": ("P: of those, from one D engine life at most", frozenset({P})),
     "max_served_ids": ("D: transfer ids remembered as served, so a request reusing one is refused",
                        frozenset({D})),
+    "max_early_block_ids": ("P: D's block ids the early registrations name, in all", frozenset({P})),
+    "max_tombstones": ("P: ended requests remembered at most", frozenset({P})),
+    "max_registrations_per_request": ("P: registrations and remembered cancels one request holds",
+                                      frozenset({P})),
+    "max_registrations": ("P: registrations and remembered cancels in all, tombstones' included",
+                          frozenset({P})),
+    "max_block_ids": ("P: D's block ids all registrations hold at once", frozenset({P})),
     "kv_digest_sample": ("D: share of requests whose KV bytes are checked against P's digest (0: none, "
                          "1: all; costs CPU on both sides)", frozenset({D})),
     "allowed_peers": ("peers this engine may dial: CIDRs, addresses, host names, comma-separated (empty: "
                       "any; with no secret, set it)", CONNECTED),
 }  # fmt: skip
-# Set by other options: the mode is --mode (P, D and the router agree on it).
-_NOT_KNOBS = frozenset({"mode"})
+# Set by other options: the mode is --mode (P, D and the router agree on it). Not offered: layerwise (a
+# vLLM connector option; kvwire's engine prefills in one call and reports no layer: it was accepted and
+# did nothing).
+_NOT_KNOBS = frozenset({"mode", "layerwise"})
 
 
 def _connector_options() -> list[Option]:

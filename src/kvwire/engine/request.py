@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvwire.engine.sampling import GREEDY, SamplingParams, TokenLogprob, held_back, stop_start
+from kvwire.engine.sampling import GREEDY, SamplingParams, StopMatcher, TokenLogprob
 from kvwire.kv_params import KvTransferParams
 
 
@@ -102,6 +102,8 @@ class Request:
     token_logprobs: list[TokenLogprob] = field(default_factory=list)
     released: int = 0  # output tokens already reported (a stream holds back a possible stop string)
     stop_at: int | None = None  # a stop string matched: the output ends before this index
+    _stops: StopMatcher | None = None  # made at the first token when the sampling has stop strings
+    _stop_hit: int | None = None  # the length of the stop string the output ends with, after the last token
 
     @property
     def next_position(self) -> int:
@@ -116,19 +118,27 @@ class Request:
     def finish_reason(self) -> FinishReason | None:
         return _REASON.get(self.state)
 
+    def add_token(self, token: int) -> None:
+        """A sampled token joins the output (every one: the stop matcher follows the whole output)."""
+        self.output_ids.append(token)
+        if self.sampling.stop:
+            if self._stops is None:
+                self._stops = StopMatcher(self.sampling.stop)
+            self._stop_hit = self._stops.feed(token)
+
     def matched_stop(self) -> bool:
         """Whether the output now ends with a stop string (not looked for before ``min_tokens``)."""
-        if not self.sampling.stop or len(self.output_ids) < self.sampling.min_tokens:
+        if self._stop_hit is None or len(self.output_ids) < self.sampling.min_tokens:
             return False
-        self.stop_at = stop_start(self.output_ids, self.sampling.stop)
-        return self.stop_at is not None
+        self.stop_at = len(self.output_ids) - self._stop_hit
+        return True
 
     def release(self) -> RequestOutput:
         """The output of this step: the tokens no stop string can claim any more (all, once finished)."""
         if self.state.finished:
             end = self.stop_at if self.stop_at is not None else len(self.output_ids)
         else:
-            end = len(self.output_ids) - held_back(self.output_ids, self.sampling.stop)
+            end = len(self.output_ids) - (self._stops.held if self._stops is not None else 0)
         start, self.released = self.released, max(self.released, end)
         out = self.output(tuple(self.output_ids[start:end]))
         if self.sampling.logprobs is None:

@@ -85,25 +85,48 @@ def token_logprob(logits: np.ndarray, token: int, n: int) -> TokenLogprob:
     return TokenLogprob(token, float(logp[token]), tuple((int(t), float(logp[t])) for t in top))
 
 
-def stop_start(output: Sequence[int], stops: Sequence[Sequence[int]]) -> int | None:
-    """Where a stop sequence that ends at the end of ``output`` begins (the text is cut there)."""
-    for stop in stops:
-        n = len(stop)
-        if len(output) >= n and list(output[len(output) - n :]) == list(stop):
-            return len(output) - n
-    return None
+class StopMatcher:
+    """The stop sequences against an output that grows a token at a time: each one's longest prefix the
+    output ends with (Knuth-Morris-Pratt), O(1) a token amortized. Comparing slices at every step cost
+    O(len(stop)^2) a step, on the engine's one thread: 16 stops of 8,000 characters held it 2.4 s a
+    step at 4,000 output tokens, every other request waiting."""
+
+    def __init__(self, stops: Sequence[Sequence[int]]) -> None:
+        self.stops = [tuple(s) for s in stops]
+        self._fail = [_failure(s) for s in self.stops]
+        self._state = [0] * len(self.stops)
+
+    def feed(self, token: int) -> int | None:
+        """Advance by ``token``; the length of the first stop sequence the output now ends with, if any."""
+        hit = None
+        for i, stop in enumerate(self.stops):
+            k, fail = self._state[i], self._fail[i]
+            while k and stop[k] != token:
+                k = fail[k - 1]
+            if stop[k] == token:
+                k += 1
+            if k == len(stop):
+                hit = len(stop) if hit is None else hit
+                k = fail[k - 1]
+            self._state[i] = k
+        return hit
+
+    @property
+    def held(self) -> int:
+        """How many trailing tokens could still begin a stop sequence (a stream holds them back)."""
+        return max(self._state, default=0)
 
 
-def held_back(output: Sequence[int], stops: Sequence[Sequence[int]]) -> int:
-    """How many trailing tokens could still begin a stop sequence: a stream holds them back until the
-    next tokens tell (the client never sees part of a stop string)."""
-    longest = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(output)), longest, -1):
-            if list(output[len(output) - k :]) == list(stop[:k]):
-                longest = k
-                break
-    return longest
+def _failure(stop: Sequence[int]) -> list[int]:
+    """KMP's table: for each prefix of ``stop``, the length of its longest proper border."""
+    fail, k = [0] * len(stop), 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = fail[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        fail[i] = k
+    return fail
 
 
 def token_text(token: int) -> str:

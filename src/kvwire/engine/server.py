@@ -20,14 +20,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvwire.apikey import ROUTER_TOKEN_HEADER, ApiKeyMiddleware, token_matches
+from kvwire.apikey import (
+    MAX_BODY_BYTES,
+    ROUTER_TOKEN_HEADER,
+    ApiKeyMiddleware,
+    install_openai_refusals,
+    read_bounded,
+    token_matches,
+)
 from kvwire.connector.timeline import Stage, Timeline, merged
 from kvwire.engine.api import (
-    MAX_BODY_BYTES,
     CompletionRequest,
     TextBuilder,
     completion_body,
@@ -359,7 +363,10 @@ class EngineServer:
     async def completions(self, http: Request) -> Response:
         started = time.monotonic()
         try:
-            body = decode_json(await _read_bounded(http, MAX_BODY_BYTES))
+            raw = await read_bounded(http, MAX_BODY_BYTES)
+            if raw is None:
+                raise InvalidRequest(f"the body is over the {MAX_BODY_BYTES}-byte limit")
+            body = decode_json(raw)
             creq = parse_completion(body, self.engine.tokenizer)
             self._check_router_token(http, creq)
             if creq.model is not None and creq.model not in self.identity.served_models:
@@ -549,45 +556,16 @@ class EngineServer:
         return app
 
 
-async def _read_bounded(http: Request, limit: int) -> bytes:
-    """The body, refused (400) once it passes ``limit`` instead of buffered whole."""
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in http.stream():
-        size += len(chunk)
-        if size > limit:
-            raise InvalidRequest(f"the body is over the {limit}-byte limit")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _openai_error(status: int, message: str, kind: str) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return JSONResponse(body, status_code=status)
-
-
 def _install_error_handlers(app: FastAPI) -> None:
     """Every answer that is not a success is an OpenAI error object, whatever raised it: FastAPI's own
-    refusals (an unknown path, a bad query parameter) and a bug's exception included."""
+    refusals (``install_openai_refusals``) and a bug's exception included."""
 
     @app.exception_handler(KvwireError)
     async def kvwire_error(_: Request, exc: KvwireError) -> JSONResponse:
         status, body, headers = http_error(exc)
         return JSONResponse(body, status_code=status, headers=headers)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_refusal(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _openai_error(exc.status_code, str(exc.detail), kind)
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_parameter(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _openai_error(400, f"invalid request: {exc.errors()!r:.500}", "invalid_request_error")
-
-    @app.exception_handler(Exception)
-    async def bug(_: Request, exc: Exception) -> JSONResponse:
-        log.error("request raised", exc_info=exc)
-        return _openai_error(500, f"internal error: {type(exc).__name__}", "internal_error")
+    install_openai_refusals(app)
 
 
 def _status(alive: bool, problems: bool, draining: bool) -> str:

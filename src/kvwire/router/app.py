@@ -25,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter, Gauge
 
-from kvwire.apikey import ApiKeyMiddleware
+from kvwire.apikey import MAX_BODY_BYTES, ApiKeyMiddleware, install_openai_refusals, read_bounded
 from kvwire.config import RouterConfig
 from kvwire.logsetup import transfer_extra
 from kvwire.metrics import CONTENT_TYPE, KvMetrics, MetricRole, Outcome
@@ -535,16 +535,25 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     app = FastAPI(title="kvwire router", lifespan=lifespan)
     app.state.router = router
+    install_openai_refusals(app)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, key=config.api_key, flag="--api-key / KVWIRE_ROUTER_API_KEY")
 
+    async def body_or_refusal(request: Request, kind: ApiKind) -> Response:
+        raw = await read_bounded(request)
+        if raw is None:
+            return error_response(
+                ApiError(ErrorType.INVALID_REQUEST, f"the body is over the {MAX_BODY_BYTES}-byte limit")
+            )
+        return await router.serve(raw, kind)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await router.serve(await request.body(), ApiKind.COMPLETION)
+        return await body_or_refusal(request, ApiKind.COMPLETION)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await router.serve(await request.body(), ApiKind.CHAT)
+        return await body_or_refusal(request, ApiKind.CHAT)
 
     @app.get("/v1/models")
     async def models() -> Response:

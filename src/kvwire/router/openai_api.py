@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from kvwire.errors import KvwireError
 from kvwire.router.params import ParamError, chat_logprobs, engine_fields
 
@@ -93,9 +95,11 @@ def _bad(message: str, param: str | None = None) -> ApiError:
 
 
 def decode_json_object(raw: bytes) -> dict[str, Any]:
+    """msgspec rather than ``json``: it refuses a lone surrogate (``json`` took it, and the prompt's
+    encode then raised a 500), and deep nesting is a 400, not a 500."""
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # deep nesting: a 400, not a 500
+        body = msgspec.json.decode(raw)
+    except (msgspec.MsgspecError, ValueError, RecursionError) as exc:
         raise _bad(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object")
@@ -162,13 +166,15 @@ def render_chat(messages: object) -> str:
 
 
 def _max_tokens(body: Mapping[str, Any], kind: ApiKind) -> int:
-    value = body.get("max_tokens")
+    name = "max_tokens"
+    value = body.get(name)
     if value is None and kind is ApiKind.CHAT:
-        value = body.get("max_completion_tokens")
+        name = "max_completion_tokens"  # the chat API's newer name: the error names the one that was sent
+        value = body.get(name)
     if value is None:
         return DEFAULT_MAX_TOKENS
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise _bad("max_tokens must be a positive integer", "max_tokens")
+        raise _bad(f"{name} must be a positive integer", name)
     return value
 
 
