@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import httpx
@@ -555,3 +556,43 @@ async def test_a_prompt_token_out_of_the_vocabulary_names_the_prompt() -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
     finally:
         server.stop()
+
+
+async def test_a_client_that_hangs_up_on_a_long_unary_answer_stops_its_generation() -> None:
+    """The disconnect was checked only while no output came: a client that left a 2,500-token unary
+    answer after 1.5 s still cost its whole 10 s generation."""
+    srv = make_server(Role.COLOCATED, num_blocks=256)
+    srv.start()
+    body = json.dumps({"prompt": "x", "max_tokens": 4000, "ignore_eos": True}).encode()
+    sent: list[dict[str, object]] = []
+    gone = asyncio.Event()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, object]:
+        if messages:
+            return messages.pop(0)
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 80)}  # fmt: skip
+    try:
+        leg = asyncio.create_task(srv.app(scope, receive, send))
+        await asyncio.sleep(0.3)  # generating
+        gone.set()  # the client hangs up
+        started = time.monotonic()
+        await asyncio.wait_for(leg, 5)
+        assert sent and sent[0]["status"] == 499
+        assert time.monotonic() - started < 1.0
+        for _ in range(50):  # the engine let the request go: nothing left running
+            if srv.engine.scheduler.num_active == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert srv.engine.scheduler.num_active == 0
+    finally:
+        srv.stop()

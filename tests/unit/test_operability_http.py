@@ -354,3 +354,40 @@ def test_command_line_values_out_of_range_are_refused_naming_them() -> None:
         RouterConfig(
             prefill_urls=("http://h:1",), decode_urls=("http://h:2",), request_timeout_s=float("nan")
         )
+
+
+async def test_the_router_cancels_a_unary_answer_whose_client_hung_up() -> None:
+    """uvicorn does not cancel a plain handler when its client leaves: the router waited for D's whole
+    answer (10 s of generation for a client gone at 1.5 s). Its legs are cancelled now, and with them
+    the engines' requests."""
+    import asyncio
+
+    from fastapi.responses import JSONResponse
+
+    from kvwire.router.app import _unless_gone
+
+    class Client:
+        gone = False
+
+        async def is_disconnected(self) -> bool:
+            return self.gone
+
+    cancelled = asyncio.Event()
+
+    async def long_answer() -> JSONResponse:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return JSONResponse({})
+
+    client = Client()
+    served = asyncio.create_task(_unless_gone(client, long_answer()))  # type: ignore[arg-type]
+    await asyncio.sleep(0.3)
+    assert not served.done()
+    client.gone = True
+    response = await asyncio.wait_for(served, 2)
+    assert response.status_code == 499 and cancelled.is_set()
+    quick = await _unless_gone(Client(), asyncio.sleep(0, JSONResponse({"ok": 1})))  # type: ignore[arg-type]
+    assert quick.status_code == 200
