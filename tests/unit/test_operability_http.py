@@ -68,6 +68,8 @@ def test_permanent_kv_failures_are_not_503s() -> None:
     assert "--kv-digest-sample 0" in body["error"]["message"]
     assert engine_error_kind(500, "configuration_error") is ErrorType.MISCONFIGURED
     assert engine_error_kind(401) is ErrorType.MISCONFIGURED  # an engine refused the router's key
+    assert engine_error_kind(403, "permission_error") is ErrorType.MISCONFIGURED  # ...or its router token
+    assert engine_error_kind(404, "not_found_error") is ErrorType.MISCONFIGURED  # ...or its model name
     assert engine_error_kind(503) is ErrorType.UNAVAILABLE
 
 

@@ -305,8 +305,11 @@ def models_list(names: list[str], created: int) -> dict[str, Any]:
 
 def engine_error_kind(status: int, type_name: object = None) -> ErrorType:
     """How the router answers an engine's error: by the engine's error type, else by its status."""
-    if type_name == ErrorType.MISCONFIGURED.type_name or status == 401:
-        return ErrorType.MISCONFIGURED  # an engine refusing the router's key is the router's configuration
+    if type_name == ErrorType.MISCONFIGURED.type_name or status in (401, 403, 404):
+        # An engine refusing the router's key (401) or its router token (403), or not serving a model the
+        # router serves or a path it posts to (404): the router's configuration, which no retry cures (a
+        # missing router token was a retryable 502, a model name the engines do not serve blamed the client).
+        return ErrorType.MISCONFIGURED
     if status in (400, 422) or type_name == ErrorType.INVALID_REQUEST.type_name:
         return ErrorType.INVALID_REQUEST
     if status == 503:
