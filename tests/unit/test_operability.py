@@ -299,7 +299,7 @@ def test_vllm_deployments_kvwire_does_not_move_are_refused_by_name() -> None:
     from kvwire.integrations.vllm.params import check_deployment, settings_from_extra
 
     check_deployment(speculative=False, decode_cp=1, prefill_cp=1)
-    with pytest.raises(ConfigError, match="speculative_config"):
+    with pytest.raises(ConfigError, match="speculative decoding with a drafter"):
         check_deployment(speculative=True, decode_cp=1, prefill_cp=1)
     for dcp, pcp in ((2, 1), (1, 2)):
         with pytest.raises(ConfigError, match="decode_context_parallel_size"):

@@ -337,6 +337,14 @@ async def test_the_router_refuses_a_body_past_16_mib_and_answers_unknown_paths_a
     async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
         big = await client.post("/v1/completions", content=b"{" + b" " * MAX_BODY_BYTES + b"}")
         assert big.status_code == 400 and "byte limit" in big.json()["error"]["message"]
+        counted = {
+            s.labels["outcome"]: s.value
+            for f in text_string_to_metric_families((await client.get("/metrics")).text)
+            if f.name == "kvwire_requests"
+            for s in f.samples
+            if s.name.endswith("_total")
+        }
+        assert counted == {"bad_request": 1.0}, counted  # counted like any other refused request
         missing = await client.get("/v1/nope")
         assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
         wrong = await client.get("/v1/completions")

@@ -61,10 +61,8 @@ log = logging.getLogger(__name__)
 _EXTRA_EVENTS = 16
 # How long a cancelled leg may take to close its connection before the router stops waiting for it.
 _CANCEL_WAIT_S = 2.0
-# How often a unary request checks that its client is still there; what it answers one that left (nginx's
-# "client closed request": nobody reads it, but logs and metrics do).
-_DISCONNECT_CHECK_S = 0.25
-_CLIENT_CLOSED = 499
+# How often a unary request checks that its client is still there, and nginx's "client closed request".
+_DISCONNECT_CHECK_S, _CLIENT_CLOSED = 0.25, 499
 # Picks per request when the picked engines refuse connections (each refusal re-checks that engine first).
 _PICK_TRIES = 3
 
@@ -158,12 +156,18 @@ class Router:
 
     # -- requests --------------------------------------------------------------------------------------
 
+    def count_refused(self) -> None:  # a request refused before it was read whole (its body over the limit)
+        self._record(Outcome.BAD_REQUEST, time.monotonic())
+
     async def serve(self, raw: bytes, kind: ApiKind) -> Response:
         start = time.monotonic()
         trace = _Trace()
         try:
             req = api.parse_request(api.decode_json_object(raw), kind, frozenset(self.served_models()))
             response, latency = await self._route(req, start, trace)
+        except asyncio.CancelledError:  # its client hung up (``_unless_gone``), as a stream's can
+            self._record(Outcome.CANCELLED, start)
+            raise
         except Exception as exc:
             if not isinstance(exc, ApiError):
                 log.exception("router error")
@@ -565,6 +569,7 @@ def create_app(config: RouterConfig) -> FastAPI:
     async def body_or_refusal(request: Request, kind: ApiKind) -> Response:
         raw = await read_bounded(request)
         if raw is None:
+            router.count_refused()
             return error_response(
                 ApiError(ErrorType.INVALID_REQUEST, f"the body is over the {MAX_BODY_BYTES}-byte limit")
             )

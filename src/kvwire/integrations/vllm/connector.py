@@ -82,6 +82,15 @@ def _tp_pp_rank() -> tuple[int, int]:
     return int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group)
 
 
+def _drafter_has_kv(spec: Any) -> bool:
+    """Whether speculative decoding adds KV cache layers of its own (vLLM's ``uses_draft_kv_cache``;
+    n-gram and suffix decoding add none)."""
+    if spec is None:
+        return False
+    uses = getattr(spec, "uses_draft_kv_cache", None)
+    return bool(uses()) if callable(uses) else getattr(spec, "draft_model_config", None) is not None
+
+
 def _cpu_backend() -> bool:
     """vLLM's CPU attention backend stores a fused head block as a K tile then a V tile; its GPU backends
     as ``[K|V]`` token rows (kvwire splits blocks by tokens when P's and D's block sizes differ)."""
@@ -105,7 +114,7 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             raise ConfigError(f"kv_role {ktc.kv_role!r}: one of kv_producer, kv_consumer, kv_both") from None
         pc, mc = vllm_config.parallel_config, vllm_config.model_config
         check_deployment(
-            speculative=getattr(vllm_config, "speculative_config", None) is not None,
+            speculative=_drafter_has_kv(getattr(vllm_config, "speculative_config", None)),
             decode_cp=int(getattr(pc, "decode_context_parallel_size", 1)),
             prefill_cp=int(getattr(pc, "prefill_context_parallel_size", 1)),
         )

@@ -103,11 +103,14 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 def check_deployment(*, speculative: bool, decode_cp: int, prefill_cp: int) -> None:
-    """What kvwire does not move, refused at start by its name (it failed later, or silently, before)."""
+    """What kvwire does not move, refused at start by its name (it failed later, or silently, before).
+    ``speculative``: a speculative method with KV cache layers of its own (a drafter: EAGLE, MTP, a
+    draft model); n-gram and suffix decoding add none and pass."""
     if speculative:
         raise ConfigError(
-            "kvwire: speculative decoding (speculative_config) is not supported: the drafter's KV cache "
-            "layers are not moved (the engine refused its layers at start). Run without it"
+            "kvwire: speculative decoding with a drafter (EAGLE, MTP, a draft model) is not supported: the "
+            "drafter's KV cache layers are not moved (the engine refused its layers at start). Run without "
+            "it, or with a method that keeps no KV (ngram, suffix)"
         )
     if decode_cp > 1 or prefill_cp > 1:
         raise ConfigError(
@@ -126,7 +129,8 @@ def for_dp_engine(s: Settings, dp_index: int, tp: int, pp: int, role: KvRole) ->
     if s.discovery:
         raise ConfigError(
             "kv_connector_extra_config discovery: not supported with data parallelism yet (every DP engine "
-            "would register a record for the one server URL); list the engines to the router instead"
+            "would register a record for the one server URL): list the engines to the router instead, one "
+            "URL per DP rank (docs/vllm.md, data parallelism), or use pull mode"
         )
     span = tp * pp * (2 if role is KvRole.BOTH else 1)
     port = s.side_channel_port + dp_index * span
