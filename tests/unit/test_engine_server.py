@@ -8,6 +8,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
@@ -407,16 +408,11 @@ async def test_decode_leg_fails_with_503_when_the_prefiller_is_unreachable() -> 
         srv.stop()
 
 
-async def test_orphaned_decode_leg_releases_its_blocks_when_the_client_goes_away() -> None:
-    """A decode leg whose P never comes (or whose client hung up) must not pin D's blocks until the fence:
-    the server notices the disconnect while waiting and aborts the request."""
-    hub = LoopbackHub()
-    d = make_server(Role.DECODE, num_blocks=64)
-    d.engine.set_hooks(hub.consumer(d.engine.kv))
-    d.start()
-    params = {"do_remote_prefill": True, "transfer_id": "orphan", "remote_engine_id": "prefill-test",
-              "remote_host": "127.0.0.1", "remote_port": 5600}  # fmt: skip
-    body = json.dumps({"prompt": "x" * 200, "max_tokens": 4, "kv_transfer_params": params}).encode()
+def _post_until_hung_up(
+    app: Any, body: bytes
+) -> tuple[asyncio.Task[None], list[dict[str, object]], asyncio.Event]:
+    """POST ``body`` to ``/v1/completions`` of ``app`` as raw ASGI, from a client that stays until ``gone``
+    is set, then hangs up: (the request's task, the messages sent back, ``gone``)."""
     sent: list[dict[str, object]] = []
     gone = asyncio.Event()
     messages = [{"type": "http.request", "body": body, "more_body": False}]
@@ -434,8 +430,21 @@ async def test_orphaned_decode_leg_releases_its_blocks_when_the_client_goes_away
              "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
              "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
              "server": ("127.0.0.1", 80)}  # fmt: skip
+    return asyncio.create_task(app(scope, receive, send)), sent, gone
+
+
+async def test_orphaned_decode_leg_releases_its_blocks_when_the_client_goes_away() -> None:
+    """A decode leg whose P never comes (or whose client hung up) must not pin D's blocks until the fence:
+    the server notices the disconnect while waiting and aborts the request."""
+    hub = LoopbackHub()
+    d = make_server(Role.DECODE, num_blocks=64)
+    d.engine.set_hooks(hub.consumer(d.engine.kv))
+    d.start()
+    params = {"do_remote_prefill": True, "transfer_id": "orphan", "remote_engine_id": "prefill-test",
+              "remote_host": "127.0.0.1", "remote_port": 5600}  # fmt: skip
+    body = json.dumps({"prompt": "x" * 200, "max_tokens": 4, "kv_transfer_params": params}).encode()
     try:
-        leg = asyncio.create_task(d.app(scope, receive, send))
+        leg, sent, gone = _post_until_hung_up(d.app, body)
         for _ in range(100):
             if d.health()["load"]["free_blocks"] < 64:
                 break
@@ -564,25 +573,8 @@ async def test_a_client_that_hangs_up_on_a_long_unary_answer_stops_its_generatio
     srv = make_server(Role.COLOCATED, num_blocks=256)
     srv.start()
     body = json.dumps({"prompt": "x", "max_tokens": 4000, "ignore_eos": True}).encode()
-    sent: list[dict[str, object]] = []
-    gone = asyncio.Event()
-    messages = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def receive() -> dict[str, object]:
-        if messages:
-            return messages.pop(0)
-        await gone.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, object]) -> None:
-        sent.append(message)
-
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
-             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
-             "server": ("127.0.0.1", 80)}  # fmt: skip
     try:
-        leg = asyncio.create_task(srv.app(scope, receive, send))
+        leg, sent, gone = _post_until_hung_up(srv.app, body)
         await asyncio.sleep(0.3)  # generating
         gone.set()  # the client hangs up
         started = time.monotonic()
