@@ -128,9 +128,7 @@ class ProducerCore(CoreBase):
         room first); the early ones (for requests not finished here) are bounded in number (in all, and
         per D life) and in the block ids they name."""
         cfg = self.config
-        if known is not None and records_of(known) >= cfg.max_registrations_per_request:
-            return False
-        if self._records_full() or self._ids + len(msg.block_ids) > cfg.max_block_ids:
+        if self._no_room(known) or self._ids + len(msg.block_ids) > cfg.max_block_ids:
             return False
         if known is None and (
             self._early >= cfg.max_early_registrations
@@ -163,6 +161,11 @@ class ProducerCore(CoreBase):
 
     def _records_full(self) -> bool:
         return self._records >= self.config.max_registrations
+
+    def _no_room(self, req: Request | None) -> bool:
+        """No record (a registration, a remembered cancel) may join ``req`` (None: a new request)."""
+        full = req is not None and records_of(req) >= self.config.max_registrations_per_request
+        return full or self._records_full()
 
     def _drop_ids(self, reg: Reg) -> None:
         self._ids -= drop_d_ids(reg)

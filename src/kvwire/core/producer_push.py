@@ -56,7 +56,6 @@ from kvwire.core.producer_records import (
     holding,
     live_registrations,
     outcome,
-    records_of,
     silent_d_lives,
     sweep_due,
     uncovered,
@@ -200,7 +199,7 @@ class PushProducerCore(ProducerCore):
                 # The network's duplicate: answered once (one ending message per registration; the
                 # simulator found the second cancel_ack).
                 raise self._refuse(DropReason.DUPLICATE, f"cancel {msg.transfer_id} from {sender} again")
-            if records_of(req) >= self.config.max_registrations_per_request or self._records_full():
+            if self._no_room(req):
                 raise self._refuse(DropReason.OVERLOAD, f"cancel {msg.transfer_id} from {sender}: no room")
             req.cancelled.add((key, sender))
             self._add_record(req, 0)
