@@ -79,6 +79,9 @@ def pd() -> Iterator[tuple[str, str, dict[str, object]]]:
 
 def test_disaggregated_processes_match_colocated(pd: tuple[str, str, dict[str, object]]) -> None:
     p_url, d_url, ph = pd
+    # Both report their handshake's compat hash, equal though the TP sizes differ (not in it): what the
+    # router pairs engines by (kvwire.router.engines.compat_problem).
+    assert len(str(ph["compat"])) == 64 and ph["compat"] == httpx.get(d_url + "/health").json()["compat"]
     tiny = preset("tiny")
     ref = Engine(EngineConfig(tiny, num_blocks=256))
     prompts = ["Hello over NIXL", "z" * 700]

@@ -264,12 +264,12 @@ def test_pair_problems_are_judged_per_profile_not_per_pair() -> None:
     found = {(Role.PREFILL, f"http://p{i}:1"): rec(Role.PREFILL, f"http://p{i}:1", 0) for i in range(300)}
     found |= {(Role.DECODE, f"http://d{i}:2"): rec(Role.DECODE, f"http://d{i}:2", 0) for i in range(300)}
     reg.sync(found, {})
-    assert reg.pair_problems(TransferMode.PUSH) == []
+    assert reg.pair_problems(TransferMode.PUSH) == ([], True)
     found[(Role.DECODE, "http://d7:2")] = rec(Role.DECODE, "http://d7:2", 1)  # one D on another seed
     reg.sync(found, {})
     t0 = time.perf_counter()
-    problems = reg.pair_problems(TransferMode.PUSH)
-    assert time.perf_counter() - t0 < 0.5
+    problems, fitting = reg.pair_problems(TransferMode.PUSH)
+    assert time.perf_counter() - t0 < 0.5 and fitting  # the 299 other Ds still pair with every P
     assert len(problems) == 1 and "seed 0" in problems[0] and "seed 1" in problems[0]
     assert problems[0].endswith("(and 299 other pairs alike)")
 

@@ -28,7 +28,6 @@ from kvwire.discovery.record import EngineRecord, FleetRole, RecordLoad, SideCha
 from kvwire.discovery.registrar import Registrar
 from kvwire.discovery.source import open_store
 from kvwire.engine.server import EngineServer
-from kvwire.protocol.compat import compat_hash
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +41,6 @@ def engine_record(server: EngineServer, url: str) -> EngineRecord:
     """The record of this engine now (its load changes; the rest is fixed for its life)."""
     ident, cfg, load = server.identity, server.engine.cfg, server.engine.load()
     mode = ident.mode
-    compat = ""
-    if mode is not None:
-        model_id = f"{ident.model}/seed{ident.seed}"
-        compat = compat_hash(model_id=model_id, spec=server.engine.kv.spec, transfer_mode=mode)
     host, port = ident.side_channel_host, ident.side_channel_port
     ranks = tuple(SideChannel(pp, tp, host, port) for pp in range(cfg.pp_size) for tp in range(cfg.tp_size))
     return EngineRecord(
@@ -56,7 +51,7 @@ def engine_record(server: EngineServer, url: str) -> EngineRecord:
         url=url,
         side_channel_host=host,
         side_channel_port=port,
-        compat=compat,
+        compat=ident.compat,  # the handshake's: equal hashes pair (kvwire.router.engines.compat_problem)
         side_channels=ranks,
         tp_size=cfg.tp_size,
         pp_size=cfg.pp_size,

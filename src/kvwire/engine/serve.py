@@ -29,6 +29,7 @@ from kvwire.engine.options import connector_config
 from kvwire.engine.server import EngineServer, Identity
 from kvwire.errors import ConfigError, KvwireError
 from kvwire.handshake.manager import stalled_reason
+from kvwire.handshake.server import engine_compat_hash
 from kvwire.logsetup import LogFormat, configure
 from kvwire.protocol.messages import TransferMode
 from kvwire.startup import bind_tcp, check_exposure, fail, in_use_message
@@ -106,6 +107,7 @@ def build_server(values: dict[str, Any], role: Role, env: EnvConfig) -> EngineSe
         seed=values["seed"],
         mode=mode,
         authenticated=env.secret is not None,
+        compat=engine_compat_hash(connector.engine) if connector is not None else "",
         aliases=tuple(n.strip() for n in values["served_model_name"].split(",") if n.strip()),
     )
     server = EngineServer(engine, identity, api_key=values["api_key"], router_token=values["router_token"])

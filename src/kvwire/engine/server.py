@@ -138,6 +138,8 @@ class Identity:
     seed: int = 0
     mode: TransferMode | None = None  # None: colocated (no connector)
     authenticated: bool = False  # KVWIRE_SECRET set: side-channel requests are signed
+    # The connector's compat hash (the handshake's; "" colocated): a router pairs only equal ones.
+    compat: str = ""
     # Further names the engine answers to (--served-model-name), e.g. the router's --model, which it
     # forwards as the client sent it.
     aliases: tuple[str, ...] = ("kvwire",)
@@ -214,6 +216,7 @@ class EngineServer:
             "seed": ident.seed,
             "mode": ident.mode.value if ident.mode is not None else None,
             "authenticated": ident.authenticated,
+            "compat": ident.compat,
             "load": load.report(),
             "kv_blocks": self.engine.kv.allocator.num_blocks,
             "block_size": self.engine.kv.spec.block_size,

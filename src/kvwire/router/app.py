@@ -32,7 +32,7 @@ from kvwire.metrics import CONTENT_TYPE, KvMetrics, MetricRole, Outcome
 from kvwire.protocol.messages import TransferMode
 from kvwire.router import openai_api as api
 from kvwire.router.answers import OUTCOME_OF, Latency, event_tokens, unary_latency
-from kvwire.router.engines import EngineRegistry, HealthInfo, pair_problem
+from kvwire.router.engines import EngineRegistry, HealthInfo, compat_problem, pair_problem
 from kvwire.router.fleet import FleetDiscovery
 from kvwire.router.http import EngineClient
 from kvwire.router.legs import (
@@ -138,8 +138,8 @@ class Router:
             role.value: [e.summary() for e in states] for role, states in self.registry.engines.items()
         }
         ok = all(any(e.view().healthy for e in states) for states in self.registry.engines.values())
-        problems = self.registry.pair_problems(self.config.mode)
-        status = "ok" if ok and not problems else "misconfigured" if problems else "unavailable"
+        problems, fitting = self.registry.pair_problems(self.config.mode)  # unready only if no pair fits
+        status = "ok" if ok and fitting else "misconfigured" if ok and problems else "unavailable"
         body: dict[str, Any] = {"status": status, "role": "router", "problems": problems, **engines}
         body["prefix_blocks"] = dict(self.registry.prefix_blocks)
         if self.fleet is not None:
@@ -247,22 +247,17 @@ class Router:
         lat = latency or Latency()
         self.metrics.record_request(outcome, time.monotonic() - start, lat.ttft_s, lat.token_gaps_s)
 
-    def _pick_one(self, role: Role, hashes: list[bytes], tokens: int) -> EngineView:
-        return self.registry.pick(role, self.config.policy, hashes, tokens)
-
     async def _pick(self, hashes: list[bytes], tokens: int) -> tuple[EngineView, EngineView]:
-        picks = []
-        for role in (Role.PREFILL, Role.DECODE):
+        """A P and a D (``pick_pair``); a role without a healthy engine is checked again once."""
+        rechecked: set[Role] = set()
+        while True:
             try:
-                picks.append(self._pick_one(role, hashes, tokens))
-            except NoHealthyEngine:
-                # The cached health may be stale (an engine came back): look again once before refusing.
-                await self.registry.recheck_role(role)
-                try:
-                    picks.append(self._pick_one(role, hashes, tokens))
-                except NoHealthyEngine as exc:
+                return self.registry.pick_pair(self.config.policy, self.config.mode, hashes, tokens)
+            except NoHealthyEngine as exc:
+                if exc.role in rechecked:
                     raise ApiError(ErrorType.UNAVAILABLE, str(exc)) from exc
-        return picks[0], picks[1]
+                rechecked.add(exc.role)
+                await self.registry.recheck_role(exc.role)
 
     async def _pair_info(self, p_url: str, d_url: str) -> HealthInfo:
         """P's identity for D's leg, once P and D are known to be able to work together."""
@@ -277,6 +272,8 @@ class Router:
         problem = pair_problem(info, d_info, self.config.mode) if d_info is not None else None
         if problem is not None:
             raise ApiError(ErrorType.MISCONFIGURED, problem)
+        if d_info is not None and (problem := compat_problem(info, d_info)) is not None:
+            raise ApiError(ErrorType.UNAVAILABLE, problem)  # an upgrade in progress may mend it: 503
         return info
 
     def _leg_failed(self, exc: LegError) -> None:

@@ -32,6 +32,7 @@ from kvwire.router.policy import (
     EngineView,
     Load,
     NoHealthyEngine,
+    Picker,
     Role,
     load_order,
     prefill_cost,
@@ -45,7 +46,8 @@ _NO_LOAD = Load()  # an engine that has not reported yet
 
 
 def pair_problem(p: HealthInfo, d: HealthInfo, mode: TransferMode) -> str | None:
-    """Why this P and this D cannot serve a request together, whatever the retries (None: they can)."""
+    """Why this P and this D cannot serve a request together, whatever the retries (None: they can): a
+    setting that differs, which only a restart with the same settings mends (``compat_problem`` aside)."""
     for info in (p, d):
         if info.mode is not None and info.mode is not mode:
             return (
@@ -64,6 +66,31 @@ def pair_problem(p: HealthInfo, d: HealthInfo, mode: TransferMode) -> str | None
             f"{d.model} seed {d.seed}: start both with the same --preset and --seed"
         )
     return None
+
+
+def compat_problem(p: HealthInfo, d: HealthInfo) -> str | None:
+    """Why this P's KV cannot go to this D: their compat hashes (both known) differ, so D's handshake would
+    refuse P (``IncompatiblePeer``). Two generations of a rolling upgrade: each pairs within its own."""
+    if not p.compat or not d.compat or p.compat == d.compat:
+        return None
+    return (
+        f"prefill engine {p.engine_id} and decode engine {d.engine_id} have different compat hashes "
+        f"({p.compat[:12]} and {d.compat[:12]}: model, KV layout, transfer mode or kvwire version differ), "
+        "so no KV can move between them: during an upgrade keep a prefill and a decode engine of each "
+        "generation serving"
+    )
+
+
+def pair_fits(p: HealthInfo, d: HealthInfo, mode: TransferMode) -> bool:
+    return pair_problem(p, d, mode) is None and compat_problem(p, d) is None
+
+
+Profile = tuple[object, ...]
+
+
+def profile(info: HealthInfo) -> Profile:
+    """The fields ``pair_fits`` reads: engines of one profile pair alike (a fleet has a few)."""
+    return (info.mode, info.authenticated, info.model, info.seed, info.compat)
 
 
 @dataclass
@@ -163,24 +190,43 @@ class EngineRegistry:
     async def _fetch(self, state: EngineState) -> HealthInfo:
         return await self.dialect.fetch(self._client, state.url, state.static, self._timeout_s)
 
-    def pair_problems(self, mode: TransferMode) -> list[str]:
-        """Every distinct reason a healthy P and a healthy D cannot work together (for ``/health``). Judged
-        once per pair of profiles (the fields ``pair_problem`` reads), not per pair of engines: 2,048 x
-        2,048 engines took 1.3 s of the router's loop at each probe; a fleet has a few profiles."""
-        groups: dict[Role, dict[tuple[object, ...], list[HealthInfo]]] = {Role.PREFILL: {}, Role.DECODE: {}}
-        for role, states in self.engines.items():
-            for e in states:
-                if e.healthy and e.info is not None:
-                    i = e.info
-                    groups[role].setdefault((i.mode, i.authenticated, i.model, i.seed), []).append(i)
+    def _profiles(self, role: Role, pickable: bool) -> dict[Profile, list[EngineState]]:
+        """The healthy (with ``pickable``: and not draining) engines of a role, by profile."""
+        out: dict[Profile, list[EngineState]] = {}
+        for e in self.engines[role]:
+            if (e.pickable if pickable else e.healthy) and e.info is not None:
+                out.setdefault(profile(e.info), []).append(e)
+        return out
+
+    def pair_problems(self, mode: TransferMode) -> tuple[list[str], bool]:
+        """Every distinct reason a healthy P and a healthy D cannot work together, and whether some P and D
+        that may be picked can (for ``/health``). Judged once per pair of profiles, not per pair of
+        engines: 2,048 x 2,048 engines took 1.3 s of the router's loop at each probe."""
         out = set()
-        for ps in groups[Role.PREFILL].values():
-            for ds in groups[Role.DECODE].values():
-                problem = pair_problem(ps[0], ds[0], mode)
+        ps_by, ds_by = self._profiles(Role.PREFILL, False), self._profiles(Role.DECODE, False)
+        for ps in ps_by.values():
+            for ds in ds_by.values():
+                p, d = ps[0].info, ds[0].info
+                assert p is not None and d is not None  # _profiles keeps only engines with info
+                problem = pair_problem(p, d, mode) or compat_problem(p, d)
                 alike = len(ps) * len(ds) - 1
                 if problem is not None:
                     out.add(problem if not alike else f"{problem} (and {alike} other pairs alike)")
-        return sorted(out)
+        fitting = self._fitting(mode, self._profiles(Role.PREFILL, True), self._profiles(Role.DECODE, True))
+        return sorted(out), bool(fitting)
+
+    @staticmethod
+    def _fitting(
+        mode: TransferMode, ps: Mapping[Profile, list[EngineState]], ds: Mapping[Profile, list[EngineState]]
+    ) -> set[tuple[Profile, Profile]]:
+        """The (P profile, D profile) pairs that can work together."""
+        out = set()
+        for pk, p_group in ps.items():
+            for dk, d_group in ds.items():
+                p, d = p_group[0].info, d_group[0].info
+                if p is not None and d is not None and pair_fits(p, d, mode):
+                    out.add((pk, dk))
+        return out
 
     def get(self, url: str) -> EngineState:
         return self._by_url[url]
@@ -226,6 +272,32 @@ class EngineRegistry:
         if best is None:
             raise NoHealthyEngine(role)
         return best.view()
+
+    def pick_pair(
+        self, policy: Policy, mode: TransferMode, hashes: Sequence[bytes] = (), prompt_tokens: int = 0
+    ) -> tuple[EngineView, EngineView]:
+        """One P and one D that can work together (``pair_fits``): ``pick``'s picks (O(1)) when they can, as
+        in a fleet of one generation; else the picks again among the engines that can pair (O(engines),
+        while a rolling upgrade mixes two generations). When none can, ``pick``'s picks all the same: D alone
+        may serve the request (conditional disaggregation), and the caller refuses a prefill on P by
+        ``pair_problem`` or ``compat_problem``. ``NoHealthyEngine`` when a role has no engine to pick."""
+        p = self.pick(Role.PREFILL, policy, hashes, prompt_tokens)
+        d = self.pick(Role.DECODE, policy, hashes, prompt_tokens)
+        p_info, d_info = self._by_url[p.url].info, self._by_url[d.url].info
+        if p_info is None or d_info is None or pair_fits(p_info, d_info, mode):
+            return p, d
+        ps, ds = self._profiles(Role.PREFILL, True), self._profiles(Role.DECODE, True)
+        fitting = self._fitting(mode, ps, ds)
+        if not fitting:
+            return p, d
+        picker = Picker(policy)
+        picker.rotate_from(self._turn[Role.PREFILL])
+        cached = self.cached_tokens(list(hashes)) if policy is Policy.PREFIX_AWARE else {}
+        p_ok = [e.view() for pk, group in ps.items() if any(pk == f[0] for f in fitting) for e in group]
+        p = picker.pick(Role.PREFILL, p_ok, cached, prompt_tokens)
+        p_key = profile(self._by_url[p.url].info or p_info)
+        d_ok = [e.view() for dk, group in ds.items() if (p_key, dk) in fitting for e in group]
+        return p, picker.pick(Role.DECODE, d_ok, cached, prompt_tokens)
 
     def _cheapest_prefill(self, hashes: Sequence[bytes], prompt_tokens: int) -> EngineState:
         """The lowest ``prefill_cost``: the P with the shortest queue (the ranking's top), unless a P

@@ -45,6 +45,7 @@ def health_info(rec: EngineRecord) -> HealthInfo:
         seed=rec.seed,
         mode=mode,
         authenticated=rec.authenticated,
+        compat=rec.compat,
         kv_tokens=rec.kv_blocks * rec.block_size,
     )
 

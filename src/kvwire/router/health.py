@@ -41,6 +41,7 @@ class _HealthBody(msgspec.Struct):
     seed: int | None = None
     mode: TransferMode | None = None
     authenticated: bool | None = None
+    compat: Annotated[str, msgspec.Meta(max_length=128)] = ""
     kv_blocks: _Count = 0
     block_size: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
 
@@ -62,6 +63,9 @@ class HealthInfo:
     seed: int | None = None
     mode: TransferMode | None = None
     authenticated: bool | None = None  # KVWIRE_SECRET set
+    # The engine's compat hash (its handshake's: model, KV geometry, mode, wire version); "" unknown. Only
+    # equal ones can exchange KV: a rolling upgrade's two generations are paired within each.
+    compat: str = ""
     kv_tokens: int = 0  # the KV cache's size in tokens, when the engine says (sizes the prefix index)
 
     @classmethod
@@ -80,7 +84,8 @@ class HealthInfo:
             side_channel_host=b.side_channel_host, side_channel_port=b.side_channel_port,
             tp_size=b.tp_size, pp_size=b.pp_size, model=b.model,
             load=Load(running=load.running, waiting=load.waiting, free_blocks=load.free_blocks),
-            seed=b.seed, mode=b.mode, authenticated=b.authenticated, kv_tokens=b.kv_blocks * b.block_size,
+            seed=b.seed, mode=b.mode, authenticated=b.authenticated, compat=b.compat,
+            kv_tokens=b.kv_blocks * b.block_size,
         )  # fmt: skip
 
 
