@@ -4,7 +4,9 @@ client may retry) only when no P and D can pair, and stays ready while some pair
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -13,9 +15,13 @@ from kvwire.config import Disaggregation, Policy, RouterConfig
 from kvwire.discovery.record import EngineRecord, FleetRole
 from kvwire.engine.server import http_error
 from kvwire.errors import KVLoadFailed
+from kvwire.protocol.messages import TransferMode
 from kvwire.router.app import Router
+from kvwire.router.engines import EngineRegistry, EngineState, HealthInfo
 from kvwire.router.fleet import health_info
+from kvwire.router.http import EngineClient
 from kvwire.router.openai_api import ApiKind
+from kvwire.router.policy import Role
 from kvwire.testing.http_fakes import Seen, scripted_app, serving_here
 from kvwire.testing.procs import free_port
 
@@ -135,3 +141,73 @@ async def test_no_fitting_pair_still_lets_d_prefill_a_short_prompt_itself() -> N
         refused = await router.serve(long, ApiKind.COMPLETION)
         await router.close()
     assert short.status_code == 200 and refused.status_code == 503 and fleet.legs == []
+
+
+# -- the registry's picks in a mixed fleet (no HTTP) ---------------------------------------------------------
+
+
+def _registry(ps: str, ds: str) -> EngineRegistry:
+    """Discovered engines ``p0A``, ``p1B``... of the generations the letters name."""
+    reg = EngineRegistry(EngineClient(1.0, 1.0, None), [], [], 1.0)
+    found = {}
+    for role, gens in ((Role.PREFILL, ps), (Role.DECODE, ds)):
+        for i, gen in enumerate(gens):
+            url = f"http://{role.value[0]}{i}{gen}"
+            rec = EngineRecord(
+                role=FleetRole(role.value), engine_id=url, incarnation="i", model="kvwire", url=url,
+                side_channel_host="127.0.0.1", side_channel_port=5600 + i, seed=0, mode="push", compat=gen,
+            )  # fmt: skip
+            found[(role, url)] = health_info(rec)
+    reg.sync(found, {})
+    return reg
+
+
+def _picks(reg: EngineRegistry, policy: Policy, n: int, held: int = 0) -> Counter[str]:
+    """``n`` requests for a prefill on P, each ended once ``held`` later ones are in flight."""
+    sent: Counter[str] = Counter()
+    live: list[tuple[str, str]] = []
+    for _ in range(n):
+        p, d = reg.fitting_pair(*reg.pick_pair(policy), policy, TransferMode.PUSH)
+        assert reg.get(p.url).info.compat == reg.get(d.url).info.compat  # type: ignore[union-attr]
+        sent.update((p.url, d.url))
+        reg.begin(p.url, d.url)
+        live.append((p.url, d.url))
+        if len(live) > held:
+            reg.end(*live.pop(0))
+    return sent
+
+
+def test_round_robin_in_a_mixed_fleet_starves_no_engine() -> None:
+    # Re-picking only the picks that did not fit left the picks' lockstep rhythm in charge: with these
+    # generations p1A got nothing, and of three equal new Ds one got 50 where the others got 200.
+    sent = _picks(_registry("AAAB", "ABBB"), Policy.ROUND_ROBIN, 400)
+    assert [sent[f"http://p{i}{g}"] for i, g in enumerate("AAAB")] == [100] * 4
+    assert sent["http://d0A"] == 300 and [sent[f"http://d{i}B"] for i in (1, 2, 3)] == [34, 33, 33]
+    sent = _picks(_registry("AB", "ABBB"), Policy.ROUND_ROBIN, 600)
+    assert sent["http://p0A"] == sent["http://p1B"] == 300
+    assert sent["http://d1B"] == sent["http://d2B"] == sent["http://d3B"] == 100
+
+
+@pytest.mark.parametrize("policy", [Policy.LEAST_LOADED, Policy.PREFIX_AWARE])
+def test_a_pair_is_judged_as_a_whole_not_by_an_idle_p_in_front_of_a_busy_d(policy: Policy) -> None:
+    reg = _registry("AB", "AB")
+    for _ in range(10):
+        reg.begin("http://d0A")
+    reg.begin("http://p1B")
+    p, d = reg.fitting_pair(*reg.pick_pair(policy), policy, TransferMode.PUSH)
+    assert (p.url, d.url) == ("http://p1B", "http://d1B")  # 1 request in flight, not 10
+
+
+async def test_a_poll_of_an_engine_that_reports_no_compat_keeps_its_records() -> None:
+    # A kvwire engine of the previous release: its record has the hash, its /health not. The poll replaced
+    # the record's info: the hash became unknown, and the pair it cannot serve was sent legs again.
+    reg = _registry("A", "B")
+    state = reg.get("http://p0A")
+
+    async def fetch(s: EngineState) -> HealthInfo:
+        assert s.info is not None
+        return dataclasses.replace(s.info, compat="")
+
+    reg._fetch = fetch  # type: ignore[method-assign]
+    await reg.check(state)
+    assert state.info is not None and state.info.compat == "A"

@@ -214,6 +214,7 @@ class Router:
         if decision.site is PrefillSite.LOCAL:
             log.debug("request %s: prefilled on decode %s (%s)", rid, d.url, decision.reason.value)
             return await self._local(req, rid, d.url, tokens, start)
+        p, d = self.registry.fitting_pair(p, d, cfg.policy, cfg.mode, hashes, tokens)  # P prefills: fit
         p_url, d_url = p.url, d.url
         p_info = await self._pair_info(p_url, d_url)
         self.registry.prefix_sent(p_url, hashes)
@@ -252,7 +253,7 @@ class Router:
         rechecked: set[Role] = set()
         while True:
             try:
-                return self.registry.pick_pair(self.config.policy, self.config.mode, hashes, tokens)
+                return self.registry.pick_pair(self.config.policy, hashes, tokens)
             except NoHealthyEngine as exc:
                 if exc.role in rechecked:
                     raise ApiError(ErrorType.UNAVAILABLE, str(exc)) from exc

@@ -32,8 +32,8 @@ from kvwire.router.policy import (
     EngineView,
     Load,
     NoHealthyEngine,
-    Picker,
     Role,
+    fitting_pair,
     load_order,
     prefill_cost,
     queued_tokens,
@@ -109,6 +109,7 @@ class EngineState:
     draining: bool = False  # its record says it is draining: finish what it has, send it nothing new
     in_fleet: bool = True  # listed in the registry's engines (a departed one lingers while ours end)
     _refreshing: asyncio.Task[None] | None = field(default=None, repr=False)
+    seen_profile: Profile | None = field(default=None, repr=False)  # as of the last ``_touch``
 
     @property
     def load(self) -> Load:
@@ -156,6 +157,15 @@ def _pickable(state: EngineState) -> bool:
     return state.pickable
 
 
+@dataclass(frozen=True)
+class _Pairing:
+    mode: TransferMode
+    ps: dict[Profile, list[EngineState]]
+    ds: dict[Profile, list[EngineState]]
+    fitting: set[tuple[Profile, Profile]]
+    every_pair_fits: bool
+
+
 class EngineRegistry:
     def __init__(
         self,
@@ -178,6 +188,8 @@ class EngineRegistry:
         self._by_queue: dict[Role, Ranking[EngineState]] = {r: Ranking(_queue_key, _pickable) for r in Role}
         self._rotation: dict[Role, list[EngineState] | None] = {r: None for r in Role}  # None: to rebuild
         self._turn = {r: 0 for r in Role}
+        self._refits = 0  # picks made again for a pair that fits (``fitting_pair``'s rotation)
+        self._pairing: _Pairing | None = None  # the pickable engines by profile; None: to judge again
         # What each P probably holds in its prefix cache (kept under every policy, to report hit rates).
         self.prefix = PrefixIndex()
         # Prompt blocks sent to P, and of those the ones P was believed to hold (``/health``).
@@ -238,13 +250,16 @@ class EngineRegistry:
     def _touch(self, state: EngineState) -> None:
         """The state's load, health or membership may have changed: re-rank it."""
         role, ranks = state.role, (self._by_load[state.role], self._by_queue[state.role])
+        key = profile(state.info) if state.info is not None else None
+        if key != state.seen_profile:  # a new life of another kind (an upgrade): pairs to judge again
+            state.seen_profile, self._pairing = key, None
         if state.pickable:
             if state.url not in self._by_load[role]:
-                self._rotation[role] = None
+                self._rotation[role] = self._pairing = None
             for rank in ranks:
                 rank.update(state)
         elif state.url in self._by_load[role]:
-            self._rotation[role] = None
+            self._rotation[role] = self._pairing = None
             for rank in ranks:
                 rank.remove(state.url)
 
@@ -274,30 +289,53 @@ class EngineRegistry:
         return best.view()
 
     def pick_pair(
-        self, policy: Policy, mode: TransferMode, hashes: Sequence[bytes] = (), prompt_tokens: int = 0
+        self, policy: Policy, hashes: Sequence[bytes] = (), prompt_tokens: int = 0
     ) -> tuple[EngineView, EngineView]:
-        """One P and one D that can work together (``pair_fits``): ``pick``'s picks (O(1)) when they can, as
-        in a fleet of one generation; else the picks again among the engines that can pair (O(engines),
-        while a rolling upgrade mixes two generations). When none can, ``pick``'s picks all the same: D alone
-        may serve the request (conditional disaggregation), and the caller refuses a prefill on P by
-        ``pair_problem`` or ``compat_problem``. ``NoHealthyEngine`` when a role has no engine to pick."""
-        p = self.pick(Role.PREFILL, policy, hashes, prompt_tokens)
-        d = self.pick(Role.DECODE, policy, hashes, prompt_tokens)
-        p_info, d_info = self._by_url[p.url].info, self._by_url[d.url].info
-        if p_info is None or d_info is None or pair_fits(p_info, d_info, mode):
+        """``pick``'s P and D (``NoHealthyEngine`` when a role has none): whether they can work together is
+        ``fitting_pair``'s, asked only when P is to prefill (D alone may serve the request)."""
+        return (
+            self.pick(Role.PREFILL, policy, hashes, prompt_tokens),
+            self.pick(Role.DECODE, policy, hashes, prompt_tokens),
+        )
+
+    def fitting_pair(
+        self,
+        p: EngineView,
+        d: EngineView,
+        policy: Policy,
+        mode: TransferMode,
+        hashes: Sequence[bytes] = (),
+        prompt_tokens: int = 0,
+    ) -> tuple[EngineView, EngineView]:
+        """A P and a D that can work together (``pair_fits``). In a fleet whose pickable engines all can
+        (one generation): ``p`` and ``d``, ``pick``'s O(1) picks. In a mixed one (a rolling upgrade): the
+        policy's pair among those that can (``policy.fitting_pair``, O(engines); every request, not only
+        those whose picks do not fit, which would leave the picks' rhythm to starve some engines). When
+        none can: ``p`` and ``d`` all the same, which the caller refuses by ``pair_problem`` or
+        ``compat_problem`` (they name the cause)."""
+        pairing = self._pairing_of(mode)
+        if pairing.every_pair_fits:
             return p, d
-        ps, ds = self._profiles(Role.PREFILL, True), self._profiles(Role.DECODE, True)
-        fitting = self._fitting(mode, ps, ds)
+        views = {
+            role: {k: [e.view() for e in g if e.pickable] for k, g in groups.items()}
+            for role, groups in ((Role.PREFILL, pairing.ps), (Role.DECODE, pairing.ds))
+        }
+        ps, ds = views[Role.PREFILL], views[Role.DECODE]
+        fitting = [(pk, dk) for pk, dk in pairing.fitting if ps[pk] and ds[dk]]
         if not fitting:
             return p, d
-        picker = Picker(policy)
-        picker.rotate_from(self._turn[Role.PREFILL])
+        self._refits += 1
         cached = self.cached_tokens(list(hashes)) if policy is Policy.PREFIX_AWARE else {}
-        p_ok = [e.view() for pk, group in ps.items() if any(pk == f[0] for f in fitting) for e in group]
-        p = picker.pick(Role.PREFILL, p_ok, cached, prompt_tokens)
-        p_key = profile(self._by_url[p.url].info or p_info)
-        d_ok = [e.view() for dk, group in ds.items() if (p_key, dk) in fitting for e in group]
-        return p, picker.pick(Role.DECODE, d_ok, cached, prompt_tokens)
+        return fitting_pair(policy, ps, ds, fitting, self._refits, cached, prompt_tokens)
+
+    def _pairing_of(self, mode: TransferMode) -> _Pairing:
+        """The pickable engines by profile and which profiles pair, judged again only when an engine
+        joins, leaves, goes down or up, or comes back as another kind (``_touch``)."""
+        if self._pairing is None or self._pairing.mode is not mode:
+            ps, ds = self._profiles(Role.PREFILL, True), self._profiles(Role.DECODE, True)
+            fitting = self._fitting(mode, ps, ds)
+            self._pairing = _Pairing(mode, ps, ds, fitting, len(fitting) == len(ps) * len(ds))
+        return self._pairing
 
     def _cheapest_prefill(self, hashes: Sequence[bytes], prompt_tokens: int) -> EngineState:
         """The lowest ``prefill_cost``: the P with the shortest queue (the ranking's top), unless a P
@@ -335,6 +373,9 @@ class EngineRegistry:
         else:
             if state.info is not None and state.info.incarnation != info.incarnation:
                 self.prefix.forget(state.url)  # a new life: its prefix cache starts empty
+            if not info.compat and state.info is not None and state.info.incarnation == info.incarnation:
+                # An engine whose /health says no compat hash (an older kvwire): its record's holds.
+                info = dataclasses.replace(info, compat=state.info.compat)
             if not state.healthy:
                 log.info("%s engine %s healthy (engine_id %s)", state.role.value, state.url, info.engine_id)
             state.healthy, state.info, state.error = True, info, None

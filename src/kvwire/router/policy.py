@@ -21,8 +21,9 @@ otherwise on P, with the KV sent to D.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvwire.config import Disaggregation, Policy
 from kvwire.errors import KvwireError
@@ -140,6 +141,51 @@ def cheapest_prefill(
     n = len(engines)
     order = [engines[(turn + i) % n] for i in range(n)]
     return min(order, key=lambda e: prefill_cost(e, cached_tokens.get(e.url, 0), prompt_tokens))
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+def fitting_pair(
+    policy: Policy,
+    ps: Mapping[K, Sequence[EngineView]],
+    ds: Mapping[K, Sequence[EngineView]],
+    fitting: Collection[tuple[K, K]],
+    turn: int,
+    cached_tokens: Mapping[str, int] | None = None,
+    prompt_tokens: int = 0,
+) -> tuple[EngineView, EngineView]:
+    """A P and a D the policy takes among the pairs of groups that ``fitting`` allows (a mixed fleet: each
+    group, one generation; ``ps``/``ds`` hold pickable engines). Round robin: the ``turn``-th P able to pair,
+    and D rotating once per round of the Ps (so no D is starved by the Ps' rhythm). Otherwise each group's
+    best P (least loaded; prefix aware: ``prefill_cost``) and best D (least loaded), and of those pairs the
+    one costing least as a whole: P's and D's requests (prefix aware: P's cost in prompt tokens plus
+    ``QUEUE_TOKENS`` per request on D), so a pair is not taken for an idle P in front of a busy D."""
+    pairs = sorted(fitting, key=lambda f: (_first_url(ps[f[0]]), _first_url(ds[f[1]])))
+    if policy is Policy.ROUND_ROBIN:
+        p_ok = [e for k in dict.fromkeys(pk for pk, _ in pairs) for e in ps[k]]
+        p = p_ok[turn % len(p_ok)]
+        p_key = next(k for k in ps if any(e.url == p.url for e in ps[k]))
+        d_ok = [e for pk, dk in pairs if pk == p_key for e in ds[dk]]
+        return p, d_ok[(turn // len(p_ok)) % len(d_ok)]
+    cached = cached_tokens or {}
+    prefix = policy is Policy.PREFIX_AWARE
+
+    def best_p(group: Sequence[EngineView]) -> EngineView:
+        return cheapest_prefill(group, cached, prompt_tokens, turn) if prefix else least_loaded(group, turn)
+
+    def cost(p: EngineView, d: EngineView) -> int:
+        if prefix:
+            return prefill_cost(p, cached.get(p.url, 0), prompt_tokens) + QUEUE_TOKENS * busy(d)
+        return busy(p) + busy(d)
+
+    best = [(best_p(ps[pk]), least_loaded(ds[dk], turn)) for pk, dk in pairs]
+    n = len(best)
+    return min((best[(turn + i) % n] for i in range(n)), key=lambda pd: cost(*pd))
+
+
+def _first_url(group: Sequence[EngineView]) -> str:
+    return group[0].url if group else ""
 
 
 class PrefillSite(enum.Enum):
