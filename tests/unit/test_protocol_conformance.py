@@ -6,6 +6,7 @@ tests/integration/test_conformance_kit_engines.py)."""
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -63,6 +64,22 @@ class PlainRefusals(SideChannelServer):
         return reply if isinstance(reply, ErrorReply) else super().sealed(req, reply)
 
 
+class OneRegion(SideChannelServer):
+    """Lists one of its regions (a peer would write layers it was never told where to put)."""
+
+    def _metadata(self, rank: object, *, notif_only: bool) -> Metadata:
+        md = super()._metadata(rank, notif_only=notif_only)  # type: ignore[arg-type]
+        return msgspec.structs.replace(md, regions=md.regions[:1])
+
+
+class NoCompat(SideChannelServer):
+    """An older peer: no ``compat`` map beside its hash (§2: nil by default), otherwise conforming."""
+
+    def _metadata(self, rank: object, *, notif_only: bool) -> Metadata:
+        md = super()._metadata(rank, notif_only=notif_only)  # type: ignore[arg-type]
+        return msgspec.structs.replace(md, compat=None)
+
+
 class RefusesNewReasons(SideChannelServer):
     """Refuses a report whose reason it does not know, as kvwire did before (D then waits for liveness)."""
 
@@ -100,7 +117,11 @@ def _run(
 
 
 def _failed(results: dict[str, Result]) -> set[str]:
-    return {name for name, r in results.items() if r.status is not Status.PASS}
+    return {name for name, r in results.items() if r.status is Status.FAIL}
+
+
+def _ran(results: dict[str, Result]) -> set[str]:
+    return {name for name, r in results.items() if r.status is not Status.SKIP}
 
 
 @pytest.mark.parametrize("role", list(Role))
@@ -111,11 +132,17 @@ def test_kvwire_listener_passes_every_side_channel_check(
     results = _run(loop, _listener(SideChannelServer, secret=secret, role=role), role, secret)
     assert _failed(results) == set(), {n: results[n].detail for n in _failed(results)}
     # What ran is what applies: refusals of reports only on D, authentication only with a secret.
+    ran = _ran(results)
     assert ("report.unknown_reason" in results) == (role is Role.DECODE)
     assert ("report.refused_by_prefill" in results) == (role is Role.PREFILL)
-    assert ("auth.replay" in results) == (secret is not None)
-    assert ("metadata.plain_without_secret" in results) == (secret is None)
-    assert len(results) >= 16
+    assert ("auth.replay" in ran) == (secret is not None)
+    assert ("metadata.plain_without_secret" in ran) == (secret is None)
+    assert len(ran) >= 16
+    # What does not run here is listed, with why: a peer without authentication must not read as one
+    # that passed §4 (before, those checks were absent from the table and the counts).
+    if secret is None:
+        assert "--secret-env" in results["auth.replay"].detail
+    assert "--slow" in results["side.idle_timeout"].detail
 
 
 @pytest.mark.parametrize(
@@ -132,8 +159,18 @@ def test_kvwire_listener_passes_every_side_channel_check(
             "plain",
         ),
         (RefusesNewReasons, {}, SECRET, {"report.unknown_reason"}, "want ack, got error bad_request"),
+        (OneRegion, {}, None, {"metadata.full"}, "1 of 4 regions"),  # passed before
+        (NoCompat, {}, None, set(), "no compat map"),  # failed before, though §2 allows it
     ],
-    ids=["agent-name", "version", "requests-per-connection", "plain-refusals", "unknown-reason"],
+    ids=[
+        "agent-name",
+        "version",
+        "requests-per-connection",
+        "plain-refusals",
+        "unknown-reason",
+        "one-region",
+        "no-compat",
+    ],
 )
 def test_a_broken_listener_fails_the_checks_of_the_rule_it_breaks(
     loop: BackgroundLoop,
@@ -146,7 +183,8 @@ def test_a_broken_listener_fails_the_checks_of_the_rule_it_breaks(
     results = _run(loop, _listener(cls, secret=secret, role=Role.DECODE, **kw), Role.DECODE, secret)
     assert _failed(results) == broken, {n: results[n].detail for n in _failed(results)}
     assert all(results[n].status is Status.FAIL for n in broken)
-    assert any(why in results[n].detail for n in broken), [results[n].detail for n in broken]
+    details = [results[n].detail for n in broken or {"metadata.full"}]
+    assert any(why in d for d in details), details
 
 
 def test_the_command_prints_the_table_writes_json_and_exits_non_zero_on_failure(
@@ -169,10 +207,13 @@ def test_the_command_prints_the_table_writes_json_and_exits_non_zero_on_failure(
         assert (statuses["error.no_such_rank"] == "fail") == (want == 1)
         assert report["failed"] == sum(s == "fail" for s in statuses.values())
         assert set(statuses) >= {"metadata.full", "auth.replay", "report.unknown_reason"}
-        assert "handshake.full_load" not in statuses  # an in-process agent: no NIXL metadata to load
+        assert statuses["handshake.full_load"] == "skip"  # --side-channel-only: listed, not run
     printed = capsys.readouterr().out
     assert "error.no_such_rank" in printed and "fail" in printed
     assert main(["conformance", "--role", "decode", "--target", "nowhere"]) == 2
+    # A --json nowhere to write is a bad argument, said at once (it was a traceback after the whole run).
+    argv = ["conformance", "--role", "decode", "--target", "127.0.0.1:1", "--json", str(tmp_path / "no/x")]
+    assert main(argv) == 2
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -210,3 +251,22 @@ def test_the_kits_push_regs_carry_fresh_nonzero_reg_nonces_and_a_done_is_held_to
     ):
         with pytest.raises(CheckFailed, match="reg_nonce echoed"):
             _check_from_p(kit, bad)
+
+
+def test_a_silent_peer_costs_one_timeout_per_check_not_one_per_request(loop: BackgroundLoop) -> None:
+    # A listener that takes connections and never answers: 64 requests on one connection each waited the
+    # whole timeout (65 x 5 s: five minutes for one check, about eight for the run, nothing printed).
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # the kernel completes the connections; nobody ever reads them
+    try:
+        target = Target("127.0.0.1", silent.getsockname()[1], None, timeout_s=0.5)
+        check = next(c for c in SIDE_CHECKS if c.name == "side.requests_per_connection")
+        seen: list[Result] = []
+        results = loop.run(run_checks(target, Role.DECODE, checks=[check], on_result=seen.append), 30.0)
+    finally:
+        silent.close()
+    (result,) = results
+    assert seen == results  # each result is reported as it comes
+    assert result.status is Status.FAIL and "0 of the first 64" in result.detail
+    assert result.seconds < 2.0

@@ -13,7 +13,7 @@ too) and fails when any check fails. It imports no test framework: ``run_checks`
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvwire.testing.protocol_conformance.model import Check, Context, Result, Role, Skipped, Status
 from kvwire.testing.protocol_conformance.notif_checks import NOTIF_CHECKS
@@ -24,9 +24,19 @@ ALL_CHECKS: tuple[Check, ...] = SIDE_CHECKS + NOTIF_CHECKS
 
 
 def applicable(check: Check, role: Role, *, secret: bool, slow: bool) -> bool:
-    if role not in check.roles or (check.slow and not slow):
-        return False
-    return check.secret is None or check.secret == secret
+    return role in check.roles and not left_out(check, secret=secret, slow=slow)
+
+
+def left_out(check: Check, *, secret: bool, slow: bool) -> str | None:
+    """Why a check of the target's role does not run here (listed as skipped, never silently absent: a
+    peer without a secret must not read as one that passed §4)."""
+    if check.slow and not slow:
+        return "takes the protocol's own timers: run with --slow"
+    if check.secret is True and not secret:
+        return "needs a secret: run with --secret-env against a cluster that has one"
+    if check.secret is False and secret:
+        return "for a cluster without a secret: run without --secret-env"
+    return None
 
 
 async def run_one(check: Check, ctx: Context) -> Result:
@@ -50,14 +60,25 @@ async def run_checks(
     slow: bool = False,
     listen_host: str = "127.0.0.1",
     checks: Sequence[Check] = ALL_CHECKS,
+    skip: Mapping[str, str] | None = None,
+    on_result: Callable[[Result], None] | None = None,
 ) -> list[Result]:
-    """Run every check that applies to ``role`` (and to having a secret or not), in order."""
+    """Run every check of ``role`` in order; those that do not apply here (a secret, ``--slow``) or that
+    ``skip`` names (check name -> why) are results too, skipped with the reason. ``on_result`` hears each
+    result as it comes (a peer that times out everywhere takes minutes)."""
     ctx = Context(target, role, listen_host)
     results: list[Result] = []
     try:
         for check in checks:
-            if applicable(check, role, secret=target.secret is not None, slow=slow):
-                results.append(await run_one(check, ctx))
+            if role not in check.roles:
+                continue
+            why = (skip or {}).get(check.name) or left_out(check, secret=target.secret is not None, slow=slow)
+            result = (
+                Result(check.name, check.rule, Status.SKIP, why, 0.0) if why else await run_one(check, ctx)
+            )
+            results.append(result)
+            if on_result is not None:
+                on_result(result)
     finally:
         for close in reversed(ctx.closers):
             await close()

@@ -12,8 +12,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvwire.errors import ConfigError
-from kvwire.testing.protocol_conformance import ALL_CHECKS, Result, Role, Status, Target, run_checks
-from kvwire.testing.protocol_conformance.side_checks import SIDE_CHECKS
+from kvwire.testing.protocol_conformance import Result, Role, Status, Target, run_checks
+from kvwire.testing.protocol_conformance.notif_checks import NOTIF_CHECKS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,10 +83,17 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         console.print(f"[bold red]{exc}[/]")
         return 2
+    if args.json is not None and not args.json.parent.is_dir():
+        console.print(f"[bold red]--json {args.json}: no directory {args.json.parent} to write it in[/]")
+        return 2
     role = Role(args.role)
-    checks = SIDE_CHECKS if args.side_channel_only else ALL_CHECKS
+    skip = {c.name: "--side-channel-only" for c in NOTIF_CHECKS} if args.side_channel_only else {}
+
+    def progress(r: Result) -> None:
+        console.print(f"{r.status.value:4} {r.name} ({r.seconds:.1f} s)", highlight=False)
+
     results = asyncio.run(
-        run_checks(target, role, slow=args.slow, listen_host=args.listen_host, checks=checks)
+        run_checks(target, role, slow=args.slow, listen_host=args.listen_host, skip=skip, on_result=progress)
     )
     report = summary(results, target, role)
     console.print(table(results, f"kvwire wire contract v1: {role.value} at {target.address}"))

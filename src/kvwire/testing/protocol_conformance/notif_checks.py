@@ -50,6 +50,7 @@ KIT_BLOCKS = 8
 _POLL_S = 0.002
 _HEARTBEAT_S = 0.5  # well inside any liveness timeout: P must not call the kit dead mid-check
 QUIET_S = 1.0  # how long the kit listens for a second ending message, or for a dropped message's answer
+BEAT_WAIT_S = 2.5  # how long the kit waits for a heartbeat P owes every 1 s (§3 Liveness): two and a half
 Ending = Done | Failed | CancelAck
 
 
@@ -220,6 +221,28 @@ async def push_reg_handshake(ctx: Context) -> str:
     )
 
 
+def _beats(kit: KitDecode, tid: str, after: float = 0.0) -> list[Arrival]:
+    """P's heartbeats naming ``tid`` that arrived after the monotonic time ``after``."""
+    return [
+        a for a in kit.inbox if isinstance(a.msg, Heartbeat) and tid in a.msg.transfer_ids and a.at > after
+    ]
+
+
+async def heartbeats_name_what_p_holds(ctx: Context) -> str:
+    kit = await _kit(ctx)
+    tid = str(ctx.shared.get("held", ""))
+    start = time.monotonic()
+    await kit.wait(start + BEAT_WAIT_S, lambda: bool(_beats(kit, tid)))
+    beats = _beats(kit, tid)
+    if not beats:
+        raise CheckFailed(
+            f"no heartbeat naming the held registration {tid} in {BEAT_WAIT_S} s: §3 Liveness wants one at "
+            "least every 1 s naming every transfer held (without them D declares P dead at 5 s)"
+        )
+    _check_from_p(kit, beats[0].msg)
+    return f"a heartbeat naming the held registration {1e3 * (beats[0].at - start):.0f} ms into the wait"
+
+
 async def unauthenticated_dropped(ctx: Context) -> str:
     kit = await _kit(ctx)
     tid = str(ctx.shared.get("held", ""))
@@ -235,14 +258,18 @@ async def unauthenticated_dropped(ctx: Context) -> str:
 async def cancel_acked_once(ctx: Context) -> str:
     kit = await _kit(ctx)
     tid = str(ctx.shared.get("held", ""))
+    if kit.endings(tid):  # P ended it already (an unsealed cancel it should have dropped): no fresh answer
+        raise Skipped(f"the held registration ended before this check's cancel: {kit.endings(tid)[0].msg}")
     start = time.monotonic()
     kit.send(kit.cancel(tid))
     await kit.wait(start + ctx.target.timeout_s, lambda: bool(kit.endings(tid)))
     kit.live.discard(tid)
-    await kit.wait(time.monotonic() + QUIET_S)
+    await kit.wait(time.monotonic() + BEAT_WAIT_S)  # long enough to hear a heartbeat P still sends
     ends = kit.endings(tid)
     if not ends:
         raise CheckFailed(f"no cancel_ack within {ctx.target.timeout_s} s")
+    if _beats(kit, tid, after=ends[0].at):
+        raise CheckFailed(f"P still names {tid} in a heartbeat after its ending message: it holds it still")
     first = ends[0].msg
     _check_from_p(kit, first)
     if not isinstance(first, CancelAck) or first.wrote:
@@ -321,6 +348,7 @@ NOTIF_CHECKS: tuple[Check, ...] = (
     Check(
         "notif.unauthenticated_dropped", "§4 notifications", unauthenticated_dropped, roles=_P, secret=True
     ),
+    Check("notif.heartbeats", "§3 Liveness: heartbeats", heartbeats_name_what_p_holds, roles=_P),
     Check("notif.cancel_acked_once", "§3 rules: one ending message", cancel_acked_once, roles=_P),
     Check("notif.fence_expired", "§3 rules: fence_ms", fence_expired, roles=_P),
     Check("notif.report_when_incompatible", "§2 report_failed", report_when_incompatible, roles=_P),

@@ -120,9 +120,12 @@ async def read_answer(reader: asyncio.StreamReader, timeout_s: float) -> Answer:
         raise CheckFailed(f"the peer's answer does not decode: {exc}") from None
 
 
-async def exchange(target: Target, frames: Sequence[bytes], *, then_eof: bool = False) -> list[Answer]:
+async def exchange(
+    target: Target, frames: Sequence[bytes], *, then_eof: bool = False, stop_at_silence: bool = False
+) -> list[Answer]:
     """Send each frame on one connection and read one answer per frame; ``then_eof``: one more read, to
-    see whether the peer closed the connection after the last answer."""
+    see whether the peer closed the connection after the last answer; ``stop_at_silence``: no frame more
+    after the first that got no answer (a silent peer costs one timeout, not one per frame)."""
     answers: list[Answer] = []
     async with connection(target) as (reader, writer):
         for frame in frames:
@@ -131,8 +134,12 @@ async def exchange(target: Target, frames: Sequence[bytes], *, then_eof: bool = 
                 await writer.drain()
             except ConnectionError:
                 answers.append(Silence.CLOSED)
+                if stop_at_silence:
+                    return answers
                 continue
             answers.append(await read_answer(reader, target.timeout_s))
+            if stop_at_silence and isinstance(answers[-1], Silence):
+                return answers
         if then_eof:
             answers.append(await read_answer(reader, target.timeout_s))
     return answers
