@@ -210,6 +210,17 @@ def test_the_command_prints_the_table_writes_json_and_exits_non_zero_on_failure(
         assert statuses["handshake.full_load"] == "skip"  # --side-channel-only: listed, not run
     printed = capsys.readouterr().out
     assert "error.no_such_rank" in printed and "fail" in printed
+    # Without the secret, against a listener with one: every refusal is unauthorized; one hint says why.
+    server = _listener(SideChannelServer, secret=SECRET, role=Role.DECODE)
+    port = loop.run(server.start(), 5.0)
+    try:
+        argv = ["conformance", "--role", "decode", "--target", f"127.0.0.1:{port}", "--side-channel-only"]
+        assert main([*argv, "--json", str(tmp_path / "plain.json")]) == 1
+    finally:
+        loop.run(server.close(), 5.0)
+    assert "hint:" in capsys.readouterr().out
+    (hint,) = json.loads((tmp_path / "plain.json").read_text())["hints"]
+    assert "it has a secret; run with --secret-env" in hint
     assert main(["conformance", "--role", "decode", "--target", "nowhere"]) == 2
     # A --json nowhere to write is a bad argument, said at once (it was a traceback after the whole run).
     argv = ["conformance", "--role", "decode", "--target", "127.0.0.1:1", "--json", str(tmp_path / "no/x")]

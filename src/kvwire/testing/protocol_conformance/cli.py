@@ -64,8 +64,19 @@ def table(results: list[Result], title: str) -> Table:
     return out
 
 
+def hints(results: list[Result], target: Target) -> list[str]:
+    """The likely common cause of many failures, said once."""
+    failed = [r.detail for r in results if r.status is Status.FAIL]
+    if not any("error unauthorized" in d for d in failed):
+        return []
+    if target.secret is None:
+        return ["the target refused requests as unauthorized: it has a secret; run with --secret-env"]
+    return ["the target refused signed requests as unauthorized: is --secret-env the cluster's secret?"]
+
+
 def summary(results: list[Result], target: Target, role: Role) -> dict[str, object]:
     return {
+        "hints": hints(results, target),
         "target": target.address,
         "role": role.value,
         "secret": target.secret is not None,
@@ -98,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
     report = summary(results, target, role)
     console.print(table(results, f"kvwire wire contract v1: {role.value} at {target.address}"))
     console.print(f"{report['passed']} passed, {report['failed']} failed, {report['skipped']} skipped")
+    for hint in hints(results, target):
+        console.print(f"[bold yellow]hint:[/] {hint}")
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 1 if report["failed"] else 0

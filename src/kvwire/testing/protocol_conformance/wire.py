@@ -154,7 +154,7 @@ def describe(answer: Answer) -> str:
     if isinstance(answer, Silence):
         return answer.value
     if isinstance(answer, ErrorReply):
-        return f"error {answer.code.value} ({answer.message[:80]})"
+        return f"error {answer.code.value} ({answer.message[:160]})"
     return type(answer).__name__
 
 
