@@ -374,7 +374,7 @@ async def test_the_router_cancels_a_unary_answer_whose_client_hung_up() -> None:
 
     from fastapi.responses import JSONResponse
 
-    from kvwire.router.app import _unless_gone
+    from kvwire.apikey import unless_client_gone
 
     class Client:
         gone = False
@@ -393,11 +393,11 @@ async def test_the_router_cancels_a_unary_answer_whose_client_hung_up() -> None:
         return JSONResponse({})
 
     client = Client()
-    served = asyncio.create_task(_unless_gone(client, long_answer()))  # type: ignore[arg-type]
+    served = asyncio.create_task(unless_client_gone(client, long_answer()))  # type: ignore[arg-type]
     await asyncio.sleep(0.3)
     assert not served.done()
     client.gone = True
     response = await asyncio.wait_for(served, 2)
     assert response.status_code == 499 and cancelled.is_set()
-    quick = await _unless_gone(Client(), asyncio.sleep(0, JSONResponse({"ok": 1})))  # type: ignore[arg-type]
+    quick = await unless_client_gone(Client(), asyncio.sleep(0, JSONResponse({"ok": 1})))  # type: ignore[arg-type]
     assert quick.status_code == 200

@@ -23,6 +23,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvwire.apikey import (
+    CLIENT_CLOSED,
+    DISCONNECT_CHECK_S,
     MAX_BODY_BYTES,
     ROUTER_TOKEN_HEADER,
     ApiKeyMiddleware,
@@ -61,8 +63,6 @@ from kvwire.protocol.messages import FailReason, TransferMode
 
 log = logging.getLogger(__name__)
 _SWITCH_INTERVAL_S = 0.0005
-_DISCONNECT_CHECK_S = 0.25  # how often a waiting request checks that its client is still there
-_CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but logs and metrics do
 
 
 class ClientGone(Exception):
@@ -387,7 +387,7 @@ class EngineServer:
             # keep its blocks until the fence expires.
             self.engine.abort(req.request_id)
             if isinstance(exc, ClientGone):
-                return Response(status_code=_CLIENT_CLOSED)
+                return Response(status_code=CLIENT_CLOSED)
             raise
         if first.error is not None:
             return self._error(first.error, started, creq.transfer_id)
@@ -403,7 +403,7 @@ class EngineServer:
         except (asyncio.CancelledError, ClientGone) as exc:
             self.engine.abort(req.request_id)
             if isinstance(exc, ClientGone):
-                return Response(status_code=_CLIENT_CLOSED)
+                return Response(status_code=CLIENT_CLOSED)
             raise
         last = outs[-1]
         if last.error is not None:
@@ -475,17 +475,17 @@ class EngineServer:
     @staticmethod
     async def _next(http: Request, queue: asyncio.Queue[Any]) -> Any:
         """The request's next output; ``ClientGone`` once its client disconnected (uvicorn does not cancel
-        a plain HTTP handler when the client goes away). Checked every ``_DISCONNECT_CHECK_S`` whether
+        a plain HTTP handler when the client goes away). Checked every ``DISCONNECT_CHECK_S`` whether
         outputs flow or not: checked only while none came, a client that hung up on a long answer cost
         the whole generation (2,500 tokens, 10 s, after it left at 1.5 s)."""
         state = http.scope.setdefault("kvwire.disconnect_checked", [time.monotonic()])
         while True:
-            if time.monotonic() - state[0] >= _DISCONNECT_CHECK_S:
+            if time.monotonic() - state[0] >= DISCONNECT_CHECK_S:
                 state[0] = time.monotonic()
                 if await http.is_disconnected():
                     raise ClientGone
             try:
-                return await asyncio.wait_for(queue.get(), _DISCONNECT_CHECK_S)
+                return await asyncio.wait_for(queue.get(), DISCONNECT_CHECK_S)
             except TimeoutError:
                 continue  # time to check again
 

@@ -25,7 +25,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter, Gauge
 
-from kvwire.apikey import MAX_BODY_BYTES, ApiKeyMiddleware, install_openai_refusals, read_bounded
+from kvwire.apikey import (
+    CANCEL_WAIT_S,
+    MAX_BODY_BYTES,
+    ApiKeyMiddleware,
+    install_openai_refusals,
+    read_bounded,
+    unless_client_gone,
+)
 from kvwire.config import RouterConfig
 from kvwire.logsetup import transfer_extra
 from kvwire.metrics import CONTENT_TYPE, KvMetrics, MetricRole, Outcome
@@ -59,10 +66,6 @@ log = logging.getLogger(__name__)
 
 # A stream may carry a few non-token events (a usage chunk, a final chunk) besides one per token.
 _EXTRA_EVENTS = 16
-# How long a cancelled leg may take to close its connection before the router stops waiting for it.
-_CANCEL_WAIT_S = 2.0
-# How often a unary request checks that its client is still there, and nginx's "client closed request".
-_DISCONNECT_CHECK_S, _CLIENT_CLOSED = 0.25, 499
 # Picks per request when the picked engines refuse connections (each refusal re-checks that engine first).
 _PICK_TRIES = 3
 
@@ -165,7 +168,7 @@ class Router:
         try:
             req = api.parse_request(api.decode_json_object(raw), kind, frozenset(self.served_models()))
             response, latency = await self._route(req, start, trace)
-        except asyncio.CancelledError:  # its client hung up (``_unless_gone``), as a stream's can
+        except asyncio.CancelledError:  # its client hung up (``unless_client_gone``), as a stream's can
             self._record(Outcome.CANCELLED, start)
             raise
         except Exception as exc:
@@ -302,7 +305,7 @@ class Router:
             answered = d_task.done() and not d_task.cancelled() and d_task.exception() is None
             if not d_task.done():
                 d_task.cancel()
-                await asyncio.wait([d_task], timeout=_CANCEL_WAIT_S)
+                await asyncio.wait([d_task], timeout=CANCEL_WAIT_S)
             self._settle_prefill(p_task, cancel=not answered)
 
     def _settle_prefill(self, p_task: asyncio.Task[Any], cancel: bool) -> None:
@@ -528,25 +531,6 @@ def _loop_deadline(monotonic_deadline: float) -> float:
     return loop.time() + (monotonic_deadline - time.monotonic())
 
 
-async def _unless_gone(request: Request, answer: Awaitable[Response]) -> Response:
-    """``answer``, cancelled (its legs with it: the engines abort) once the client hangs up. uvicorn does
-    not cancel a plain handler when its client goes: a client that left a 2,500-token unary answer after
-    1.5 s still had D generate for 10 s. A stream's answer returns at once; Starlette ends the stream."""
-    task = asyncio.ensure_future(answer)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_CHECK_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                await asyncio.wait({task}, timeout=_CANCEL_WAIT_S)
-                return Response(status_code=_CLIENT_CLOSED)
-    finally:
-        if not task.done():
-            task.cancel()
-
-
 def create_app(config: RouterConfig) -> FastAPI:
     router = Router(config)
 
@@ -571,7 +555,7 @@ def create_app(config: RouterConfig) -> FastAPI:
             return error_response(
                 ApiError(ErrorType.INVALID_REQUEST, f"the body is over the {MAX_BODY_BYTES}-byte limit")
             )
-        return await _unless_gone(request, router.serve(raw, kind))
+        return await unless_client_gone(request, router.serve(raw, kind))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
