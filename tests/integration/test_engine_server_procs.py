@@ -123,3 +123,47 @@ def test_disaggregated_processes_match_colocated(pd: tuple[str, str, dict[str, o
     stats = httpx.get(p_url + "/v1/kv_stats").json()
     assert stats["transfers"] == 2 * 2 and stats["bytes"] > 0
     assert "kvwire_handshakes_total" in httpx.get(p_url + "/metrics").text
+
+
+def test_a_rolling_upgrade_through_the_router_pairs_each_generation_within_itself() -> None:
+    # Two generations of weights (seed 1 and seed 2), a P and a D of each, behind one round-robin router.
+    # Before, the router paired P and D independently: every other request went to a P and a D of different
+    # weights and failed (500, not retried). Now every answer is 200, and each is its generation's.
+    from kvwire.config import RouterConfig
+    from kvwire.router.app import create_app
+    from kvwire.testing.fake_engines import ServerThread
+
+    ports = {(role, seed): free_port() for role in ("prefill", "decode") for seed in (1, 2)}
+    procs = [start(role, port, "--seed", str(seed)) for (role, seed), port in ports.items()]
+    url = {key: f"http://127.0.0.1:{port}" for key, port in ports.items()}
+    router_port = free_port()
+    config = RouterConfig(
+        prefill_urls=(url["prefill", 1], url["prefill", 2]),
+        decode_urls=(url["decode", 2], url["decode", 1]),  # round robin's first pair does not fit
+        health_interval_s=0.5,
+    )
+    try:
+        for key, proc in zip(ports, procs, strict=True):
+            wait_healthy(url[key], proc)
+        refs = {seed: Engine(EngineConfig(preset("tiny"), num_blocks=64, seed=seed)) for seed in (1, 2)}
+        prompt = "a rolling upgrade"
+        want = {
+            seed: ref.tokenizer.decode(ref.generate([ref.tokenizer.encode(prompt)], 8, ignore_eos=True)[0])
+            for seed, ref in refs.items()
+        }
+        assert want[1] != want[2]  # the generations answer differently: each answer says which served it
+        with ServerThread([(create_app(config), router_port)]):
+            body = {"model": "kvwire", "prompt": prompt, "max_tokens": 8, "ignore_eos": True}
+            got = [
+                httpx.post(f"http://127.0.0.1:{router_port}/v1/completions", json=body, timeout=60)
+                for _ in range(8)
+            ]
+        assert [r.status_code for r in got] == [200] * 8, [r.text for r in got if r.status_code != 200]
+        texts = [r.json()["choices"][0]["text"] for r in got]
+        assert set(texts) == {want[1], want[2]}, texts  # both generations served, each its own weights
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=10)
+            if proc.stderr:
+                proc.stderr.close()
