@@ -13,11 +13,13 @@ from kvwire.router.policy import Role
 
 
 def test_every_kind_is_found_by_its_name() -> None:
-    assert dialects.names() == ("kvwire", "vllm") and dialects.DEFAULT_KIND == "kvwire"
+    # A superset: adding a kind (docs/architecture.md's recipe) must not mean editing this test.
+    assert {"kvwire", "vllm"} <= set(dialects.names()) and dialects.DEFAULT_KIND == "kvwire"
     for name in dialects.names():
         assert dialects.lookup(name).name == name
-    with pytest.raises(ConfigError, match="known: kvwire, vllm"):
+    with pytest.raises(ConfigError, match="known: ") as refused:
         dialects.lookup("sglang-not-yet")
+    assert all(name in str(refused.value) for name in dialects.names())
 
 
 def test_engines_option_lists_each_kind_and_its_help() -> None:

@@ -28,7 +28,7 @@ from kvwire.handshake.types import EngineInfo, LocalRank
 from kvwire.kv.regions import CacheMemory
 from kvwire.kv_params import KvTransferParams
 from kvwire.transport.base import Agent, make_agent_name
-from kvwire.transport.registry import create_agent
+from kvwire.transport.registry import create_agent, lookup
 from kvwire.transport.ucx_env import limit_net_devices
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def open_ranks(
     and the error raised. ``advertise_host``: the address peers dial for the side channel; NIXL's UCX is kept
     to that address's interface (``limit_net_devices``: a multi-homed host otherwise advertises interfaces a
     peer cannot reach, and UCX may carry notifications over one of them)."""
-    if advertise_host is not None and backend == "nixl":
+    if advertise_host is not None and lookup(backend).ucx:
         device = limit_net_devices(advertise_host)
         if device is not None:  # said once: every KV byte of this process now goes over that interface
             log.info(

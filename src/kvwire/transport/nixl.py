@@ -573,4 +573,4 @@ def _fresh_factory() -> FullAgentFactory:
     return NixlAgent
 
 
-TRANSPORT = Transport(name="nixl", create=_create, conformance_factory=_fresh_factory)
+TRANSPORT = Transport(name="nixl", create=_create, conformance_factory=_fresh_factory, ucx=True)

@@ -57,6 +57,9 @@ class Transport:
     name: str
     create: Callable[[str, AgentOptions], Agent]
     conformance_factory: Callable[[], FullAgentFactory]
+    # Carries its bytes over UCX: an engine that advertises one address keeps UCX to that address's
+    # interface (``kvwire.integrations.api.open_ranks``: ``limit_net_devices``).
+    ucx: bool = False
 
 
 _lock = threading.Lock()
