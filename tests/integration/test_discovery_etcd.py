@@ -17,6 +17,7 @@ from kvwire.discovery.etcd import EtcdClient, EtcdUnavailable, parse_target
 from kvwire.discovery.record import EngineRecord, FleetRole, RecordLoad, encode, engine_key
 from kvwire.discovery.registrar import Registrar
 from kvwire.discovery.watcher import FleetWatcher
+from kvwire.testing.clock import until
 from kvwire.testing.etcd import EtcdServer
 
 
@@ -42,17 +43,6 @@ def record(url: str = "http://127.0.0.1:8100", incarnation: str = "life-1", runn
         compat="abc",
         load=RecordLoad(running=running, free_blocks=100),
     )
-
-
-async def until(cond: Callable[[], bool], what: str, timeout_s: float = 5.0) -> float:
-    """Wait (polling every 10 ms) until ``cond()``; returns the seconds it took."""
-    loop = asyncio.get_running_loop()
-    start = loop.time()
-    while not cond():
-        if loop.time() - start > timeout_s:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(0.01)
-    return loop.time() - start
 
 
 class View:

@@ -14,6 +14,7 @@ from aiohttp import web
 from kvwire.discovery.etcd import EtcdClient, parse_target
 from kvwire.discovery.record import EngineRecord
 from kvwire.discovery.watcher import FleetWatcher
+from kvwire.testing.clock import until
 from kvwire.testing.procs import free_port
 
 pytestmark = pytest.mark.anyio
@@ -49,14 +50,6 @@ class SilentEtcd:
         return resp
 
 
-async def until(cond: object, timeout_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not cond():  # type: ignore[operator]
-        assert loop.time() < deadline, "timed out"
-        await asyncio.sleep(0.01)
-
-
 async def test_a_silent_watch_is_lost_and_listed_again() -> None:
     etcd = SilentEtcd()
     app = web.Application()
@@ -71,11 +64,15 @@ async def test_a_silent_watch_is_lost_and_listed_again() -> None:
     watcher = FleetWatcher(client, views.append, retry_s=0.05)
     task = asyncio.create_task(watcher.run())
     try:
-        await until(lambda: etcd.watches >= 2)  # the silent watch was given up and a new one opened
+        await until(
+            lambda: etcd.watches >= 2, "a second watch"
+        )  # the silent watch was given up and a new one opened
         assert etcd.listings >= 2 and watcher.resyncs >= 1
         assert watcher.synced.is_set()  # etcd answered the listing: quiet, not gone
         etcd.dead.set()
-        await until(lambda: not watcher.synced.is_set())  # now the listing gets no answer: not synced
+        await until(
+            lambda: not watcher.synced.is_set(), "the view unsynced"
+        )  # now the listing gets no answer: not synced
     finally:
         watcher.stop()
         task.cancel()
