@@ -225,6 +225,8 @@ def test_the_command_prints_the_table_writes_json_and_exits_non_zero_on_failure(
     # A --json nowhere to write is a bad argument, said at once (it was a traceback after the whole run).
     argv = ["conformance", "--role", "decode", "--target", "127.0.0.1:1", "--json", str(tmp_path / "no/x")]
     assert main(argv) == 2
+    argv[-1] = str(tmp_path)  # a directory: it crashed writing the report after the whole run
+    assert main(argv) == 2
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -262,6 +264,16 @@ def test_the_kits_push_regs_carry_fresh_nonzero_reg_nonces_and_a_done_is_held_to
     ):
         with pytest.raises(CheckFailed, match="reg_nonce echoed"):
             _check_from_p(kit, bad)
+
+
+def test_an_mla_listener_passes_metadata_full(loop: BackgroundLoop) -> None:
+    # An MLA cache has one latent region per layer ("kv", as KVSpec.kinds): the kit wanted k and v.
+    fabric = InprocFabric()
+    mla = KVSpec(num_layers=2, kv_heads=1, head_dim=8, block_size=4, mla=True)
+    info, ranks = build_registered_engine("decode", mla, 16, fabric.create_agent)
+    server = SideChannelServer(info, ranks, secret=None, on_report=lambda _r: None)
+    results = _run(loop, server, Role.DECODE, None)
+    assert results["metadata.full"].status is Status.PASS, results["metadata.full"].detail
 
 
 def test_a_silent_peer_costs_one_timeout_per_check_not_one_per_request(loop: BackgroundLoop) -> None:

@@ -211,3 +211,22 @@ async def test_a_poll_of_an_engine_that_reports_no_compat_keeps_its_records() ->
     reg._fetch = fetch  # type: ignore[method-assign]
     await reg.check(state)
     assert state.info is not None and state.info.compat == "A"
+
+
+async def test_conditional_disaggregation_decides_on_the_pair_that_serves() -> None:
+    # The decision (prefill on D or on P) was made on the first picks, then another P was swapped in: a
+    # long prompt went to a P with 50,000 prompt tokens queued because the P that cannot pair was idle.
+    fleet = Fleet({"p": [OLD, NEW], "d": [NEW]})
+    config = RouterConfig(
+        fleet.urls("prefill"), fleet.urls("decode"), disaggregation=Disaggregation.CONDITIONAL,
+        local_prefill_max_tokens=64,
+    )  # fmt: skip
+    router = Router(config)
+    async with serving_here(fleet.apps()):
+        await router.registry.check_all()
+        router.registry.prefill_begin(fleet.url["p1"], 50_000)  # the new P's queue
+        long = json.dumps({"model": "kvwire", "prompt": "x" * 200, "max_tokens": 2}).encode()
+        answers = [await router.serve(long, ApiKind.COMPLETION) for _ in range(4)]
+        await router.close()
+    assert [a.status_code for a in answers] == [200] * 4
+    assert fleet.legs == []  # every one prefilled on D: the P that would serve it is the busier

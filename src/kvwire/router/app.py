@@ -211,13 +211,13 @@ class Router:
         hashes = block_hashes(req.prompt)
         p, d = await self._pick(hashes, tokens)
         cfg = self.config
+        p, d = self.registry.fitting_pair(p, d, cfg.policy, cfg.mode, hashes, tokens)  # the pair that serves
         decision = decide_prefill(cfg.disaggregation, tokens, p, d, cfg.local_prefill_max_tokens)
         self._prefills.labels("router", cfg.model, decision.site.value, decision.reason.value).inc()
         rid = ("cmpl-" if req.kind is ApiKind.COMPLETION else "chatcmpl-") + uuid.uuid4().hex
         if decision.site is PrefillSite.LOCAL:
             log.debug("request %s: prefilled on decode %s (%s)", rid, d.url, decision.reason.value)
             return await self._local(req, rid, d.url, tokens, start)
-        p, d = self.registry.fitting_pair(p, d, cfg.policy, cfg.mode, hashes, tokens)  # P prefills: fit
         p_url, d_url = p.url, d.url
         p_info = await self._pair_info(p_url, d_url)
         self.registry.prefix_sent(p_url, hashes)

@@ -94,8 +94,10 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         console.print(f"[bold red]{exc}[/]")
         return 2
-    if args.json is not None and not args.json.parent.is_dir():
-        console.print(f"[bold red]--json {args.json}: no directory {args.json.parent} to write it in[/]")
+    if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):
+        console.print(
+            f"[bold red]--json {args.json}: not a file that can be written in an existing directory[/]"
+        )
         return 2
     role = Role(args.role)
     skip = {c.name: "--side-channel-only" for c in NOTIF_CHECKS} if args.side_channel_only else {}

@@ -77,7 +77,7 @@ def _check_kv(md: Metadata) -> None:
 def _check_regions(md: Metadata) -> None:
     kv = md.kv
     require(bool(md.regions), "a full reply with no regions")
-    kinds = {"kv"} if kv.kv_fused else {"k", "v"}
+    kinds = {"kv"} if kv.kv_fused or kv.mla else {"k", "v"}  # as KVSpec.kinds: one latent region
     seen: set[tuple[int, str]] = set()
     for r in md.regions:
         require(r.kind in kinds, f"region kind {r.kind!r} (kv_fused={kv.kv_fused})")
