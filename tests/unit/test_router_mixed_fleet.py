@@ -126,18 +126,27 @@ def test_a_record_carries_its_compat_hash_to_the_router() -> None:
     assert health_info(rec).compat == NEW
 
 
+LONG = json.dumps({"model": "kvwire", "prompt": "x" * 200, "max_tokens": 2}).encode()  # over 64 tokens
+
+
+def _conditional(fleet: Fleet) -> Router:
+    """A router that prefills prompts of at most 64 tokens on D itself."""
+    return Router(
+        RouterConfig(
+            fleet.urls("prefill"), fleet.urls("decode"), disaggregation=Disaggregation.CONDITIONAL,
+            local_prefill_max_tokens=64,
+        )
+    )  # fmt: skip
+
+
 async def test_no_fitting_pair_still_lets_d_prefill_a_short_prompt_itself() -> None:
     # Conditional disaggregation: a prompt D prefills itself needs no P, so no pair has to fit.
     fleet = Fleet({"p": [NEW], "d": [OLD]})
-    config = RouterConfig(
-        fleet.urls("prefill"), fleet.urls("decode"), disaggregation=Disaggregation.CONDITIONAL,
-        local_prefill_max_tokens=64,
-    )  # fmt: skip
-    router = Router(config)
+    router = _conditional(fleet)
     async with serving_here(fleet.apps()):
         await router.registry.check_all()
         short = await router.serve(ASK, ApiKind.COMPLETION)
-        long = json.dumps({"model": "kvwire", "prompt": "x" * 200, "max_tokens": 2}).encode()
+        long = LONG
         refused = await router.serve(long, ApiKind.COMPLETION)
         await router.close()
     assert short.status_code == 200 and refused.status_code == 503 and fleet.legs == []
@@ -217,15 +226,11 @@ async def test_conditional_disaggregation_decides_on_the_pair_that_serves() -> N
     # The decision (prefill on D or on P) was made on the first picks, then another P was swapped in: a
     # long prompt went to a P with 50,000 prompt tokens queued because the P that cannot pair was idle.
     fleet = Fleet({"p": [OLD, NEW], "d": [NEW]})
-    config = RouterConfig(
-        fleet.urls("prefill"), fleet.urls("decode"), disaggregation=Disaggregation.CONDITIONAL,
-        local_prefill_max_tokens=64,
-    )  # fmt: skip
-    router = Router(config)
+    router = _conditional(fleet)
     async with serving_here(fleet.apps()):
         await router.registry.check_all()
         router.registry.prefill_begin(fleet.url["p1"], 50_000)  # the new P's queue
-        long = json.dumps({"model": "kvwire", "prompt": "x" * 200, "max_tokens": 2}).encode()
+        long = LONG
         answers = [await router.serve(long, ApiKind.COMPLETION) for _ in range(4)]
         await router.close()
     assert [a.status_code for a in answers] == [200] * 4
