@@ -291,8 +291,8 @@ class EngineRegistry:
     def pick_pair(
         self, policy: Policy, hashes: Sequence[bytes] = (), prompt_tokens: int = 0
     ) -> tuple[EngineView, EngineView]:
-        """``pick``'s P and D (``NoHealthyEngine`` when a role has none): whether they can work together is
-        ``fitting_pair``'s, asked only when P is to prefill (D alone may serve the request)."""
+        """``pick``'s P and D (``NoHealthyEngine`` when a role has none); whether they can work together is
+        ``fitting_pair``'s, asked next (the router decides where to prefill on the pair it returns)."""
         return (
             self.pick(Role.PREFILL, policy, hashes, prompt_tokens),
             self.pick(Role.DECODE, policy, hashes, prompt_tokens),

@@ -74,11 +74,6 @@ class Picker:
         self.policy = policy
         self._turn: dict[Role, int] = {Role.PREFILL: 0, Role.DECODE: 0}
 
-    def rotate_from(self, turn: int) -> None:
-        """Start both roles' rotation at ``turn``: a picker made per request (a registry's count of picks)
-        still spreads equal engines."""
-        self._turn = {Role.PREFILL: turn, Role.DECODE: turn}
-
     def pick(
         self,
         role: Role,

@@ -23,10 +23,6 @@ from kvwire.testing.protocol_conformance.wire import CheckFailed, Target
 ALL_CHECKS: tuple[Check, ...] = SIDE_CHECKS + NOTIF_CHECKS
 
 
-def applicable(check: Check, role: Role, *, secret: bool, slow: bool) -> bool:
-    return role in check.roles and not left_out(check, secret=secret, slow=slow)
-
-
 def left_out(check: Check, *, secret: bool, slow: bool) -> str | None:
     """Why a check of the target's role does not run here (listed as skipped, never silently absent: a
     peer without a secret must not read as one that passed §4)."""
