@@ -182,8 +182,9 @@ def opened(target: Target, answer: Answer, req: GetMetadata | ReportFailed) -> t
 def expect_error(
     target: Target, answer: Answer, req: GetMetadata | ReportFailed | None, code: ErrorCode
 ) -> str:
-    """``answer`` is an ``error`` with ``code``, sealed exactly when §4 says (with a secret: every code
-    but ``unauthorized``, and refusals of frames the server could not take as a request may go plain)."""
+    """``answer`` is an ``error`` with ``code``, sealed exactly when §4 says: with a secret, a refusal of a
+    request (``req``) goes plain only as ``unauthorized``; of a frame the server could not take as a
+    request (``req`` None), as ``bad_request`` or ``incompatible`` too."""
     if req is None:  # the frame was not a request: no nonce to seal for
         msg, was_sealed = answer, False
         if isinstance(answer, Silence | Sealed):
@@ -192,8 +193,12 @@ def expect_error(
         msg, was_sealed = opened(target, answer, req)
     if not isinstance(msg, ErrorReply) or msg.code is not code:
         raise CheckFailed(f"want error {code.value}, got {describe(msg)}")
-    plain_ok = code in (ErrorCode.UNAUTHORIZED, ErrorCode.BAD_REQUEST, ErrorCode.INCOMPATIBLE)
-    if target.secret is not None and req is not None and not was_sealed and not plain_ok:
+    if (
+        target.secret is not None
+        and req is not None
+        and not was_sealed
+        and code is not ErrorCode.UNAUTHORIZED
+    ):
         raise CheckFailed(f"a plain {code.value} refusal under a secret: §4 says it must come sealed")
     if code is ErrorCode.UNAUTHORIZED and was_sealed:
         raise CheckFailed("a sealed unauthorized refusal: §4 says it goes plain")
