@@ -36,3 +36,14 @@ def test_importing_the_source_table_loads_no_client() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_each_source_is_a_typed_source_of_its_scheme(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As transports and dialects: a module's SOURCE, typed (mypy checks its store against Store), where
+    # bare module attributes were looked up before.
+    for scheme, module in source.SOURCES.items():
+        found = getattr(__import__(module, fromlist=["SOURCE"]), "SOURCE", None)
+        assert isinstance(found, source.Source) and found.scheme == scheme
+    monkeypatch.setitem(source.SOURCES, "nosource", "kvwire.discovery.record")  # a module with no SOURCE
+    with pytest.raises(ConfigError, match=r"kvwire\.discovery\.record\.SOURCE is not the Source"):
+        source.check_target("nosource://h:1")

@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from kvwire.discovery.source import SourceUnavailable, WatchEvent
+from kvwire.discovery.source import Source, SourceUnavailable, WatchEvent
 from kvwire.discovery.source import WatchIdle as SourceWatchIdle
 from kvwire.errors import ConfigError
 
@@ -208,3 +208,6 @@ def _key(b64: str) -> str:
 def open_store(text: str, timeout_s: float = 2.0) -> EtcdClient:
     """``kvwire.discovery.source``'s entry: a client of ``etcd://HOST:PORT[/prefix]``."""
     return EtcdClient(parse_target(text), timeout_s)
+
+
+SOURCE = Source("etcd", parse_target, open_store)

@@ -2,18 +2,19 @@
 ``Registrar`` (engines publish) and ``FleetWatcher`` (the router follows) use.
 
 ``--discovery`` is a URL whose scheme names the source; ``SOURCES`` maps each scheme to its module, which
-defines ``parse_target(text)`` (``ConfigError`` on a bad URL) and ``open_store(text, timeout_s)``. A module
-is imported on first use (etcd's client loads aiohttp). Adding a source (Consul, Kubernetes endpoints) is
-its module plus one line here (``docs/architecture.md``'s recipe). etcd is the one today
-(``discovery/etcd.py``). Engines the router is given by URL (``--prefill``/``--decode``) need no source:
-the router polls them (``kvwire.router.engines``).
+ends with ``SOURCE = Source(scheme, parse_target, open_store)``: ``parse_target(text)`` (``ConfigError`` on
+a bad URL) and ``open_store(text, timeout_s)``, typed, so mypy checks a new source's store against
+``Store``. A module is imported on first use (etcd's client loads aiohttp). Adding a source (Consul,
+Kubernetes endpoints) is its module plus one line here (``docs/architecture.md``'s recipe). etcd is the one
+today (``discovery/etcd.py``). Engines the router is given by URL (``--prefill``/``--decode``) need no
+source: the router polls them (``kvwire.router.engines``).
 """
 
 from __future__ import annotations
 
 import importlib
 import urllib.parse
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -79,21 +80,32 @@ class Store(Protocol):
     async def close(self) -> None: ...
 
 
-def _module(text: str) -> str:
+@dataclass(frozen=True)
+class Source:
+    """One discovery source: its URL scheme, how its URLs are checked, how a store is opened."""
+
+    scheme: str
+    parse_target: Callable[[str], Target]
+    open_store: Callable[[str, float], Store]
+
+
+def _source(text: str) -> Source:
     scheme = urllib.parse.urlsplit(text).scheme
     module = SOURCES.get(scheme)
     if module is None:
         forms = ", ".join(f"{s}://..." for s in SOURCES)
         raise ConfigError(f"--discovery {text!r}: expected one of {forms}")
-    return module
+    source = getattr(importlib.import_module(module), "SOURCE", None)
+    if not isinstance(source, Source) or source.scheme != scheme:
+        raise ConfigError(f"{module}.SOURCE is not the Source of scheme {scheme!r}")
+    return source
 
 
 def check_target(text: str) -> None:
     """``ConfigError`` when ``text`` is no source's URL (start-up checks it before anything listens)."""
-    importlib.import_module(_module(text)).parse_target(text)
+    _source(text).parse_target(text)
 
 
 def open_store(text: str, timeout_s: float = 2.0) -> Store:
     """A client of the source ``text`` names (not connected yet: its first call connects)."""
-    store: Store = importlib.import_module(_module(text)).open_store(text, timeout_s)
-    return store
+    return _source(text).open_store(text, timeout_s)
