@@ -224,8 +224,7 @@ class EngineRegistry:
                 alike = len(ps) * len(ds) - 1
                 if problem is not None:
                     out.add(problem if not alike else f"{problem} (and {alike} other pairs alike)")
-        fitting = self._fitting(mode, self._profiles(Role.PREFILL, True), self._profiles(Role.DECODE, True))
-        return sorted(out), bool(fitting)
+        return sorted(out), bool(self._live_fitting(self._pairing_of(mode)))
 
     @staticmethod
     def _fitting(
@@ -321,12 +320,22 @@ class EngineRegistry:
             for role, groups in ((Role.PREFILL, pairing.ps), (Role.DECODE, pairing.ds))
         }
         ps, ds = views[Role.PREFILL], views[Role.DECODE]
-        fitting = [(pk, dk) for pk, dk in pairing.fitting if ps[pk] and ds[dk]]
+        fitting = self._live_fitting(pairing)
         if not fitting:
             return p, d
         self._refits += 1
         cached = self.cached_tokens(list(hashes)) if policy is Policy.PREFIX_AWARE else {}
         return fitting_pair(policy, ps, ds, fitting, self._refits, cached, prompt_tokens)
+
+    @staticmethod
+    def _live_fitting(pairing: _Pairing) -> list[tuple[Profile, Profile]]:
+        """The pairing's fitting profile pairs that still have a pickable engine on both sides (a state
+        changed without ``_touch``, as tests do, is not picked)."""
+
+        def live(group: list[EngineState]) -> bool:
+            return any(e.pickable for e in group)
+
+        return [(pk, dk) for pk, dk in pairing.fitting if live(pairing.ps[pk]) and live(pairing.ds[dk])]
 
     def _pairing_of(self, mode: TransferMode) -> _Pairing:
         """The pickable engines by profile and which profiles pair, judged again only when an engine

@@ -158,9 +158,8 @@ def fitting_pair(
     ``QUEUE_TOKENS`` per request on D), so a pair is not taken for an idle P in front of a busy D."""
     pairs = sorted(fitting, key=lambda f: (_first_url(ps[f[0]]), _first_url(ds[f[1]])))
     if policy is Policy.ROUND_ROBIN:
-        p_ok = [e for k in dict.fromkeys(pk for pk, _ in pairs) for e in ps[k]]
-        p = p_ok[turn % len(p_ok)]
-        p_key = next(k for k in ps if any(e.url == p.url for e in ps[k]))
+        p_ok = [(k, e) for k in dict.fromkeys(pk for pk, _ in pairs) for e in ps[k]]
+        p_key, p = p_ok[turn % len(p_ok)]
         d_ok = [e for pk, dk in pairs if pk == p_key for e in ds[dk]]
         return p, d_ok[(turn // len(p_ok)) % len(d_ok)]
     cached = cached_tokens or {}
