@@ -26,10 +26,10 @@ from kvwire.protocol.messages import FailReason, TransferMode
 from kvwire.protocol.types import PeerMode
 
 # Seconds. Transfers on one host run from ~0.1 ms (one small block) to seconds (GBs over TCP).
-_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _HANDSHAKE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 # Bytes of one transfer: a few blocks of a tiny model (KiBs) to long prompts of a large one (GiBs).
-_SIZE_BUCKETS = tuple(float(4**k * 1024) for k in range(12))  # 1 KiB .. 4 GiB
+SIZE_BUCKETS = tuple(float(4**k * 1024) for k in range(12))  # 1 KiB .. 4 GiB
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
 _REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # Recent handshakes kept for the JSON snapshot: bounded, a long-lived engine must not grow without end.
@@ -284,14 +284,14 @@ class KvMetrics:
             "kvwire_transfer_seconds",
             "Duration of successful transfers (post to DONE)",
             [*base, "mode"],
-            buckets=_TRANSFER_BUCKETS,
+            buckets=TRANSFER_BUCKETS,
             registry=r,
         )
         self.transfer_size = Histogram(
             "kvwire_transfer_size_bytes",
             "KV bytes of each successful transfer",
             [*base, "mode"],
-            buckets=_SIZE_BUCKETS,
+            buckets=SIZE_BUCKETS,
             registry=r,
         )
 

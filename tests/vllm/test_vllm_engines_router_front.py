@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvwire.testing.engines import wait_for
 from kvwire.testing.procs import Server, ServerGroup, free_port
 from kvwire.testing.tiny_llama import prompt_of
 from kvwire.testing.vllm_router import router_binary, start_pd_router
@@ -28,6 +29,7 @@ from kvwire.testing.vllm_servers import (
     PROMPT_SOURCES,
     STARTUP_TIMEOUT_S,
     VllmEngine,
+    kvwire_counters,
     kvwire_transfer_config,
     make_model,
     prompt_tokens_by_source,
@@ -52,10 +54,17 @@ class Colocated:
 @dataclass
 class Front:
     router: Server
+    prefill: Server
     decode: Server
     colocated: Server
     model: str
     logs: Path
+    mode: str
+
+    @property
+    def poster(self) -> Server:
+        """The engine that posts the KV writes or reads (and counts them)."""
+        return self.prefill if self.mode == "push" else self.decode
 
 
 @pytest.fixture(scope="module")
@@ -81,15 +90,15 @@ def front(
     p_cfg = kvwire_transfer_config("kv_producer", "prefill", p_sc, mode)
     d_cfg = kvwire_transfer_config("kv_consumer", "decode", d_sc, mode)
     engines = [
-        VllmEngine("prefill", core=0, transfer_config=p_cfg, env=secret),
-        VllmEngine("decode", core=1, transfer_config=d_cfg, env=secret, log_stats=True),  # its counters
+        VllmEngine("prefill", core=0, transfer_config=p_cfg, env=secret, log_stats=True),  # its counters
+        VllmEngine("decode", core=1, transfer_config=d_cfg, env=secret, log_stats=True),
     ]
     logs = tmp_path_factory.mktemp(f"vllm-router-front-{mode}")
     with ServerGroup(logs) as group:
         prefill, decode = (start_engine(group, colocated.python, colocated.model, e) for e in engines)
         group.wait_healthy([prefill, decode, colocated.server], STARTUP_TIMEOUT_S)
         router = start_pd_router(group, router_binary(ROOT), prefill, decode)
-        yield Front(router, decode, colocated.server, str(colocated.model), logs)
+        yield Front(router, prefill, decode, colocated.server, str(colocated.model), logs, mode)
 
 
 def complete(url: str, model: str, prompt: str) -> httpx.Response:
@@ -99,6 +108,7 @@ def complete(url: str, model: str, prompt: str) -> httpx.Response:
 
 def test_vllm_router_pd_mode_serves_vllm_engines_with_kvwire(front: Front) -> None:
     before = prompt_tokens_by_source(front.decode.url)
+    counted = kvwire_counters(front.poster.url)
     prompt_tokens = 0
     for i, n in enumerate(LENGTHS):
         prompt = prompt_of(n, seed=60 + i)  # distinct prompts: no prefix-cache hits on D
@@ -115,5 +125,18 @@ def test_vllm_router_pd_mode_serves_vllm_engines_with_kvwire(front: Front) -> No
     # D took every prompt token from P over kvwire (it recomputes the last one only to sample from it,
     # which vLLM does not count as prefill), and prefilled none itself.
     assert moved == {"external_kv_transfer": prompt_tokens, "local_compute": 0, "local_cache_hit": 0}, moved
+    # kvwire's own counters on vLLM's /metrics: one transfer per request on the side that posts them,
+    # no failure on either engine (vLLM exports them after the step that took them: a short wait).
+    want = counted.get("transfers", 0) + len(LENGTHS)
+
+    def counted_all() -> dict[str, float] | None:
+        got = kvwire_counters(front.poster.url)
+        return got if got.get("transfers", 0) >= want else None
+
+    now = wait_for(counted_all, "the transfers on vLLM's /metrics")
+    assert now.get("transfers") == want and now["transfer_bytes"] > counted.get("transfer_bytes", 0), now
+    for engine in (front.prefill, front.decode):
+        failed = {k: v for k, v in kvwire_counters(engine.url).items() if k.startswith("failures")}
+        assert not failed, (engine.name, failed)
     d_log = (front.logs / "decode.log").read_text(errors="replace")
     assert "kvwire: KV for" not in d_log and "prefilled locally" not in d_log

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvwire.connector import ConnectorConfig, Consumer, Producer
-from kvwire.core.handshake_io import FailureReason
+from kvwire.connector.totals import Deltas, guard_totals, posts_transfers
 from kvwire.engine.config import Role
 from kvwire.engine.engine import Engine
 from kvwire.engine.hooks import HookEvents, TransferRequest
@@ -22,7 +22,7 @@ from kvwire.errors import ConfigError, InvalidRequest, TransferIdReused
 from kvwire.handshake.types import EngineInfo
 from kvwire.integrations.api import Endpoint, close_all, open_ranks, remote_engine, start_connector
 from kvwire.metrics import HandshakeStats, KvMetrics, TransferStats
-from kvwire.protocol.messages import ErrorCode, TransferMode
+from kvwire.protocol.messages import TransferMode
 from kvwire.transport.base import Agent, PeerMode
 
 
@@ -134,22 +134,6 @@ def attach_connector(engine: Engine, s: ConnectorSettings) -> ProducerHooks | Co
     return hooks
 
 
-def _guard_totals(connector: Producer | Consumer) -> dict[str, int]:
-    server = connector.side_channel_stats
-    totals = {
-        "over_limit": server.refused_connections if server is not None else 0,
-        "evicted_idle": server.evicted_connections if server is not None else 0,
-        "circuit_open": sum(m.breaker.fast_failures for m in connector.managers.values()),
-    }
-    for code in ErrorCode:  # the side channel's refusals, by code
-        totals[f"refusal:{code.value}"] = server.replies[code.value] if server is not None else 0
-    for reason in FailureReason:  # this engine's failed handshakes, over its ranks
-        totals[f"handshake:{reason.value}"] = sum(
-            m.stats.failures[reason] for m in connector.managers.values()
-        )
-    return totals
-
-
 class ConnectorMetrics:
     """Feeds a ``KvMetrics`` from a connector's cumulative counters (call ``sync`` before each scrape)."""
 
@@ -162,14 +146,12 @@ class ConnectorMetrics:
         self._dropped: dict[str, int] = {}
         self._digests = 0
         self._handshakes: dict[tuple[Any, PeerMode], int] = {}
-        self._guards: dict[str, int] = {}  # side-channel refusals and breaker fast failures seen so far
+        self._guards = Deltas()  # side-channel refusals and breaker fast failures seen so far
 
     def sync(self) -> None:
         st = self.connector.stats
         new = st.transfers_done - self._transfers
-        # A transfer is counted by the side that posts it: P in push mode, D in pull mode.
-        posts = isinstance(self.connector, Producer) == (self.connector.config.mode is TransferMode.PUSH)
-        if new > 0 and posts:
+        if new > 0 and posts_transfers(self.connector):
             durations = st.transfer_durations_s[-new:] or [0.0]
             per = (st.bytes_moved - self._bytes) // new
             for i in range(new):
@@ -203,9 +185,7 @@ class ConnectorMetrics:
                 self._handshakes[(key, mode)] = done
 
     def _sync_guards(self) -> None:
-        for what, total in _guard_totals(self.connector).items():
-            new = total - self._guards.get(what, 0)
-            self._guards[what] = total
+        for what, new in self._guards.take(guard_totals(self.connector)).items():
             if what == "circuit_open":
                 self.metrics.record_circuit_open(new)
             elif what.startswith("refusal:"):
@@ -213,4 +193,4 @@ class ConnectorMetrics:
             elif what.startswith("handshake:"):
                 self.metrics.record_handshake_failures(what.removeprefix("handshake:"), new)
             else:
-                self.metrics.record_refused_connections(what, new)
+                self.metrics.record_refused_connections(what.removeprefix("refused:"), new)

@@ -154,3 +154,20 @@ def prompt_tokens_by_source(url: str) -> dict[str, float]:
                     source = sample.labels["source"]
                     out[source] = out.get(source, 0.0) + sample.value
     return out
+
+
+def kvwire_counters(url: str) -> dict[str, float]:
+    """An engine's ``vllm:kvwire_*`` counters (kvwire's connector on vLLM's ``/metrics``, one model),
+    keyed by the family without prefix and suffix, then ``:label`` for the labelled ones (``failures:
+    peer_dead``). Needs the engine started with ``log_stats``."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        if not family.name.startswith("vllm:kvwire_") or family.type != "counter":
+            continue
+        name = family.name.removeprefix("vllm:kvwire_")
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                extra = [v for k, v in sample.labels.items() if k not in ("engine", "model_name")]
+                key = ":".join([name, *extra])
+                out[key] = out.get(key, 0.0) + sample.value
+    return out

@@ -39,8 +39,10 @@ from kvwire.integrations.vllm.params import (
     incarnation_of,
     settings_from_extra,
 )
+from kvwire.integrations.vllm.prom import KvwirePromMetrics, KvwireStats
 from kvwire.integrations.vllm.scheduler import LocalEngine, SchedulerSide
 from kvwire.integrations.vllm.worker import RankPlace, WorkerSide
+from kvwire.logsetup import Throttle
 
 try:  # vLLM's label for where cached prompt tokens came from (0.32 and 0.34 have it)
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -53,6 +55,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 log = logging.getLogger("kvwire.vllm")
+_STATS_LOG = Throttle(60.0)
 
 
 class KvwireMetadata(KVConnectorMetadata):  # type: ignore[misc]
@@ -312,6 +315,26 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return KVConnectorTransferResults(
             finished_sending=done.sending, finished_recving=done.recving, failed_recving=done.failed_recving
         )
+
+    # -- both sides: vLLM's stats path (docs/vllm.md, "Metrics") ---------------------------------------
+    def get_kv_connector_stats(self) -> KvwireStats | None:
+        """What kvwire did since vLLM last asked (this worker's ranks, or the scheduler's rejections)."""
+        try:
+            data = self._worker.step_stats() if self._worker is not None else self._s().step_stats()
+        except Exception as exc:  # a counter must never stop vLLM's step
+            _STATS_LOG.log(log, logging.WARNING, "kvwire: stats not taken this step: %r", exc)
+            return None
+        return KvwireStats(data=data) if data is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvwireStats:
+        return KvwireStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: VllmConfig, metric_types: Any, labelnames: list[str], per_engine_labelvalues: Any
+    ) -> KvwirePromMetrics:
+        return KvwirePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

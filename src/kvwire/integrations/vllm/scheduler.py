@@ -26,6 +26,7 @@ from typing import Any
 from kvwire.errors import InvalidRequest
 from kvwire.integrations.api import remote_engine
 from kvwire.integrations.vllm.params import KvRole, Op, OpKind, Settings, parse_params
+from kvwire.integrations.vllm.stats import REJECTED, payload
 from kvwire.kv_params import KvTransferParams
 from kvwire.protocol.messages import TransferMode
 
@@ -68,6 +69,7 @@ class SchedulerSide:
         self._loaded: set[str] = set()
         self._ops: list[Op] = []
         self.rejected = 0  # requests whose kv_transfer_params were malformed (served locally instead)
+        self._rejected_told = 0  # ...of which step_stats has reported
 
     # -- D ---------------------------------------------------------------------------------------------
     def matched_tokens(
@@ -209,6 +211,11 @@ class SchedulerSide:
     def take_ops(self) -> list[Op]:
         ops, self._ops = self._ops, []
         return ops
+
+    def step_stats(self) -> dict[str, Any] | None:
+        """Requests rejected since the last call, as ``stats``' payload (None when none were)."""
+        new, self._rejected_told = self.rejected - self._rejected_told, self.rejected
+        return payload({REJECTED: new}) if new > 0 else None
 
     def transfers_ended(self, sending: Iterable[str], recving: Iterable[str]) -> None:
         for req_id in sending:

@@ -35,6 +35,7 @@ from kvwire.integrations.api import (
 from kvwire.integrations.vllm.layerwise import LayerStreamer
 from kvwire.integrations.vllm.memory import kv_from_vllm
 from kvwire.integrations.vllm.params import KvRole, Op, OpKind, Settings, secret
+from kvwire.integrations.vllm.stats import StepStats
 from kvwire.kv.regions import ExternalKV
 from kvwire.transport.base import Agent
 
@@ -86,6 +87,7 @@ class WorkerSide:
         self._failed: set[str] = set()  # D: transfer ids that FAILED and are not RELEASED yet
         self._done = Finished()
         self._news = threading.Event()  # set by kvwire's loop thread on every event
+        self._stats = StepStats()
 
     # -- start-up --------------------------------------------------------------------------------------
     def register(self, kv_caches: Mapping[str, Any]) -> None:
@@ -235,6 +237,10 @@ class WorkerSide:
         if e.kind is ConsumerEventKind.RELEASED and failed:
             log.info("kvwire: KV for %s failed (%s); blocks released", req, e.reason)
             self._done.failed_recving.add(req)
+
+    def step_stats(self) -> dict[str, Any] | None:
+        """What this rank's connectors did since the last call (``stats``' payload), or None."""
+        return self._stats.take(c for c in (self.producer, self.consumer) if c is not None)
 
     def close(self) -> None:
         if self.streamer is not None:
