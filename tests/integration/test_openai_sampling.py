@@ -105,11 +105,17 @@ def test_stop_strings_cut_the_text(stack: Stack) -> None:
     k = next(i for i, t in enumerate(full) if 0 < t < 128)
     stop = chr(full[k])
     for c in (stack.router, stack.colocated):
-        got = _complete(c, max_tokens=16, stop=[stop], **HOT).choices[0]
+        answer = _complete(c, max_tokens=16, stop=[stop], **HOT)
+        got = answer.choices[0]
         assert got.text == TOK.decode(full[:k]) and got.finish_reason == "stop"
-    chunks = list(_complete(stack.router, max_tokens=16, stop=stop, stream=True, **HOT))
-    assert "".join(ch.choices[0].text for ch in chunks) == TOK.decode(full[:k])
-    assert chunks[-1].choices[0].finish_reason == "stop"
+        # Usage counts every generated token, the stop string's too, as vLLM does (and as the stream did:
+        # unary said k).
+        assert answer.usage is not None and answer.usage.completion_tokens == k + 1
+    usage = {"include_usage": True}
+    chunks = list(_complete(stack.router, max_tokens=16, stop=stop, stream=True, stream_options=usage, **HOT))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == TOK.decode(full[:k])
+    assert chunks[-2].choices[0].finish_reason == "stop"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == k + 1
 
 
 def test_logprobs_are_returned(stack: Stack) -> None:

@@ -6,6 +6,7 @@ The fakes deadlock unless the router sends both legs at the same time (see
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -79,6 +80,7 @@ def stack() -> Iterator[Stack]:
 @pytest.fixture
 def cluster(stack: Stack) -> Iterator[FakeCluster]:
     stack.cluster.prefill_fault = stack.cluster.decode_fault = Fault.NONE
+    stack.cluster.token_gap_s = 0.0
     stack.cluster.prefill_bodies.clear()
     stack.cluster.decode_bodies.clear()
     yield stack.cluster
@@ -232,6 +234,31 @@ def test_timeout_is_504(stack: Stack, cluster: FakeCluster) -> None:
     assert err.value.status_code == 504
     tid = cluster.decode_bodies[0]["kv_transfer_params"]["transfer_id"]
     assert _wait_cancelled(cluster, tid)
+
+
+def test_a_stream_longer_than_the_timeout_is_not_cut_a_stalled_one_is(
+    stack: Stack, cluster: FakeCluster
+) -> None:
+    """The request timeout (1 s here) bounds the wait for each event, not the stream: a long answer
+    still arriving is never cut (it was, at --request-timeout, with a message blaming D)."""
+    cluster.token_gap_s = 0.25
+    stream = client(stack.slow_router).completions.create(
+        model="kvwire", prompt="long", max_tokens=8, stream=True
+    )
+    started = time.monotonic()
+    assert "".join(c.choices[0].text for c in stream) == expected("long", 8)
+    assert time.monotonic() - started > 1.5  # 8 tokens 0.25 s apart: longer than the timeout
+    cluster.token_gap_s = 1.5
+    with httpx.stream(
+        "POST",
+        stack.slow_router + "/v1/completions",
+        timeout=30,
+        json={"model": "kvwire", "prompt": "stall", "max_tokens": 3, "stream": True},
+    ) as resp:
+        events = [ln[6:] for ln in resp.iter_lines() if ln.startswith("data: ")]  # fmt: skip
+    # Cut by the idle bound (aiohttp's read timeout or the router's own wait for an event, whichever
+    # fires first), as a typed error event, then [DONE].
+    assert json.loads(events[-2])["error"]["type"] == "timeout" and events[-1] == "[DONE]"
 
 
 def test_no_healthy_prefill_is_503(stack: Stack, cluster: FakeCluster) -> None:

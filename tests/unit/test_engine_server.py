@@ -109,6 +109,36 @@ async def test_stream(client: tuple[httpx.AsyncClient, EngineServer]) -> None:
     assert chunks[-1]["usage"]["completion_tokens"] == 5
 
 
+async def test_an_error_mid_stream_is_an_error_event_then_done(
+    client: tuple[httpx.AsyncClient, EngineServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    c, server = client
+    submit = server._submit
+
+    def fail_after_first(creq: Any) -> Any:
+        """The request's outputs, its second replaced by a failure (a KV or engine fault mid-answer)."""
+        req, queue = submit(creq)
+        got, seen = queue.get, []
+
+        async def get() -> Any:
+            out = await got()
+            seen.append(out)
+            if len(seen) > 1 and out.new_token_ids:
+                return dataclasses.replace(out, error=KvwireError("KV lost mid-answer"), finished=True)
+            return out
+
+        monkeypatch.setattr(queue, "get", get)
+        return req, queue
+
+    monkeypatch.setattr(server, "_submit", fail_after_first)
+    body = {"prompt": "stream me", "max_tokens": 5, "stream": True, "ignore_eos": True}
+    async with c.stream("POST", "/v1/completions", json=body) as r:
+        events = [line[len("data: ") :] async for line in r.aiter_lines() if line.startswith("data: ")]
+    # As vLLM: the error event, then [DONE] for a reader that waits for the end (it had to see EOF).
+    assert json.loads(events[-2])["error"]["message"] == "KV lost mid-answer" and events[-1] == "[DONE]"
+    assert "choices" in json.loads(events[0])
+
+
 @pytest.mark.parametrize(
     "body",
     [

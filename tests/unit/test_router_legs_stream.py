@@ -34,6 +34,7 @@ class Engine:
         self.size = 100  # bytes of a unary answer
         self.events = [b'data: {"choices": [{"text": "a"}]}\n\n']
         self.tokens: list[str | None] = []  # the router token header of each leg
+        self.done = b"data: [DONE]\n\n"  # how the body ends (b"": closed early, as a crashed handler)
 
     async def unary(self, request: web.Request) -> web.Response:
         """A JSON answer of ``self.size`` bytes."""
@@ -50,7 +51,7 @@ class Engine:
         await resp.prepare(request)
         for event in self.events:
             await resp.write(event)
-        await resp.write(b"data: [DONE]\n\n" + self.trailing)
+        await resp.write(self.done + self.trailing)
         await asyncio.sleep(self.hold_s)
         await resp.write_eof()
         return resp
@@ -119,6 +120,20 @@ async def test_an_error_event_is_a_leg_error_naming_the_engine_message(engine: t
         with pytest.raises(LegError, match="kv lost") as exc:
             await _stream_all(client, url)
         assert exc.value.status == 503
+    finally:
+        await client.close()
+
+
+async def test_a_stream_closed_before_done_is_a_leg_error_not_a_whole_answer(
+    engine: tuple[Engine, str],
+) -> None:
+    fake, url = engine
+    fake.done = b""  # one event, then the body ends cleanly: an engine that gave up mid-answer
+    client = EngineClient(2.0, 5.0)
+    try:
+        with pytest.raises(LegError, match=r"ended before \[DONE\]") as exc:
+            await _stream_all(client, url)
+        assert exc.value.kind is ErrorType.ENGINE_ERROR and exc.value.role is Role.DECODE
     finally:
         await client.close()
 

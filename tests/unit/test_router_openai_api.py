@@ -231,3 +231,32 @@ def test_a_bad_max_completion_tokens_is_named_as_sent() -> None:
         parse({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
               ApiKind.CHAT)  # fmt: skip
     assert err.value.param == "max_completion_tokens" and "max_completion_tokens" in err.value.message
+
+
+def test_null_optionals_are_not_given_and_chat_reads_max_completion_tokens_first() -> None:
+    # SDKs that send every unset optional as null: stream too (it was a 400 "stream must be a boolean").
+    nulls = {"stream": None, "stream_options": None, "n": None, "max_tokens": None, "temperature": None}
+    req = parse({"model": "tiny", "prompt": "hi", **nulls})
+    assert (req.stream, req.include_usage, req.max_tokens) == (False, False, 16)
+    msgs = [{"role": "user", "content": "x"}]
+    both = {"model": "tiny", "messages": msgs, "max_tokens": 2, "max_completion_tokens": 5}
+    assert parse(both, ApiKind.CHAT).max_tokens == 5  # as vLLM and OpenAI: max_tokens is deprecated there
+    assert parse({**both, "max_completion_tokens": None}, ApiKind.CHAT).max_tokens == 2
+
+
+@pytest.mark.parametrize(
+    ("options", "stream", "says"),
+    [
+        ({"include_usage": True}, False, "only be given with stream: true"),
+        ({"include_usage": "false"}, True, "Expected `bool | null`"),  # a string was truthy: usage sent
+        ({"include_usage": True, "colour": 1}, True, "unknown field"),
+        ({"continuous_usage_stats": True}, True, "not supported"),
+        ([True], True, "Expected `object`"),
+    ],
+)
+def test_stream_options_are_checked_not_ignored(options: object, stream: bool, says: str) -> None:
+    with pytest.raises(ApiError) as err:
+        parse({"model": "tiny", "prompt": "hi", "stream": stream, "stream_options": options})
+    assert err.value.status == 400 and err.value.param == "stream_options" and says in err.value.message
+    ok = parse({"model": "tiny", "prompt": "hi", "stream": True, "stream_options": {"include_usage": True}})
+    assert ok.include_usage is True

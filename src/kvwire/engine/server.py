@@ -424,6 +424,9 @@ class EngineServer:
                 prompt_tokens=len(creq.prompt),
                 kv_transfer_params=self._kv_params_out(creq, req),
                 timings=self._timings(creq, last),
+                # Every generated token, as the stream's usage and vLLM count them: a matched stop
+                # string's tokens are generated though not shown.
+                completion_tokens=last.num_output_tokens,
             )
         )
 
@@ -444,6 +447,7 @@ class EngineServer:
                 if out.error is not None:
                     self._record(out.error, started, out.ttft_s)
                     yield _sse(error_body(out.error)[1])
+                    yield b"data: [DONE]\n\n"  # as vLLM: an SSE reader waiting for the end gets it
                     return
                 text, logprobs = builder.chunk(out.new_token_ids, out.logprobs, out.finished)
                 chunk = completion_body(

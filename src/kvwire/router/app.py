@@ -392,7 +392,6 @@ class Router:
         start: float,
         prefilled: dict[str, Any] | None,
     ) -> Response:
-        deadline = time.monotonic() + self.config.request_timeout_s
         stream = DecodeStream(self.client, d_url, legs[1])
 
         async def first_event() -> dict[str, Any] | None:
@@ -409,7 +408,7 @@ class Router:
             await stream.aclose()
             self.registry.end(p_url, d_url)
             raise
-        body = self._relay(req, rid, stream, first, deadline, start, (p_url, d_url))
+        body = self._relay(req, rid, stream, first, start, (p_url, d_url))
         return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _local(
@@ -422,7 +421,6 @@ class Router:
         prefilling = True
         try:
             if req.stream:
-                deadline = time.monotonic() + self.config.request_timeout_s
                 stream = DecodeStream(self.client, d_url, body)
                 try:
                     first = await self._bounded(self._first_event(stream))
@@ -431,7 +429,7 @@ class Router:
                     raise
                 self.registry.prefill_end(d_url, tokens)
                 prefilling = False
-                relay = self._relay(req, rid, stream, first, deadline, start, (d_url,))
+                relay = self._relay(req, rid, stream, first, start, (d_url,))
                 headers = {"Cache-Control": "no-cache"}
                 return StreamingResponse(relay, media_type="text/event-stream", headers=headers), None
             # A unary answer comes whole, so its prompt counts as queued on D until then (an overestimate
@@ -474,7 +472,6 @@ class Router:
         rid: str,
         stream: DecodeStream,
         first: dict[str, Any],
-        deadline: float,
         start: float,
         urls: tuple[str, ...],
     ) -> AsyncGenerator[bytes, None]:
@@ -486,7 +483,7 @@ class Router:
             for chunk in api.stream_chunks(first, req, rid, created, first=True):
                 yield api.sse(chunk)
             ended = Outcome.OK
-            async for event in self._rest(stream, req.max_tokens + _EXTRA_EVENTS, deadline):
+            async for event in self._rest(stream, req.max_tokens + _EXTRA_EVENTS):
                 if isinstance(event, ApiError):
                     ended = OUTCOME_OF[event.kind]
                     yield api.sse(event.body())
@@ -497,24 +494,24 @@ class Router:
                     last_token = now
                 for chunk in api.stream_chunks(event, req, rid, created, first=False):
                     yield api.sse(chunk)
-            if ended is Outcome.OK:
-                yield api.SSE_DONE
+            yield api.SSE_DONE  # after an error event too, as vLLM: an SSE reader waits for it
             outcome = ended
         finally:
             await stream.aclose()
             self.registry.end(*urls)
             self._record(outcome, start, Latency(ttft_s, tuple(gaps)))
 
-    async def _rest(
-        self, stream: DecodeStream, max_events: int, deadline: float
-    ) -> AsyncIterator[dict[str, Any] | ApiError]:
-        """D's remaining events (bounded), ending with an ``ApiError`` if the leg fails."""
+    async def _rest(self, stream: DecodeStream, max_events: int) -> AsyncIterator[dict[str, Any] | ApiError]:
+        """D's remaining events (bounded), ending with an ``ApiError`` if the leg fails. The request
+        timeout bounds each wait for the next event, not the stream: a long answer still arriving is
+        never cut (it was, at 300 s, with a message blaming D)."""
+        idle_s = self.config.request_timeout_s
         for _ in range(max_events):
             try:
-                async with asyncio.timeout_at(_loop_deadline(deadline)):
+                async with asyncio.timeout(idle_s):
                     event = await stream.next_event()
             except TimeoutError:
-                yield ApiError(ErrorType.TIMEOUT, "the decode engine stopped answering")
+                yield ApiError(ErrorType.TIMEOUT, f"the decode engine sent nothing for {idle_s:g} s")
                 return
             except LegError as exc:
                 self._leg_failed(exc)
@@ -524,11 +521,6 @@ class Router:
                 return
             yield event
         yield ApiError(ErrorType.ENGINE_ERROR, "the decode engine sent more events than tokens asked for")
-
-
-def _loop_deadline(monotonic_deadline: float) -> float:
-    loop = asyncio.get_running_loop()
-    return loop.time() + (monotonic_deadline - time.monotonic())
 
 
 def create_app(config: RouterConfig) -> FastAPI:

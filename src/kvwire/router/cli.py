@@ -55,7 +55,11 @@ def router_options() -> list[Option]:
             "once, pull sends P's first", R, tuple(m.value for m in TransferMode),
         ),
         Option("model", str, "kvwire", "model name served (the engines' names are served too)", R),
-        Option("request_timeout", float, 300.0, "seconds per request (both legs)", R),
+        Option(
+            "request_timeout", float, 300.0,
+            "seconds to wait for an answer: a unary one whole; a stream's first token, then each next "
+            "event (a long stream still arriving is never cut)", R,
+        ),
         Option("connect_timeout", float, 5.0, "seconds to connect to an engine", R),
         Option("health_interval", float, 2.0, "seconds between engine health checks", R),
         Option("health_timeout", float, 2.0, "seconds one health check may take", R),

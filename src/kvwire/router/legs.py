@@ -196,7 +196,8 @@ class DecodeStream:
             raise _translate(Role.DECODE, self.url, exc) from exc
 
     async def next_event(self) -> dict[str, Any] | None:
-        """The next event, or None at ``[DONE]`` or the end of the stream."""
+        """The next event, or None at ``[DONE]``; a stream that ends without it is the leg's error (an
+        engine that closed its answer early: passing that on as a whole answer would hide it)."""
         if self._resp is None:
             raise RuntimeError("DecodeStream.next_event before open")
         try:
@@ -214,7 +215,7 @@ class DecodeStream:
             # aiohttp and LineTooLong (an HttpProcessingError, no ClientError) in 3.9+: the leg's error either
             # way, so the client gets a typed error (or an SSE error event mid-stream), not a cut stream.
             raise _translate(Role.DECODE, self.url, exc) from exc
-        return None
+        raise LegError(Role.DECODE, self.url, ErrorType.ENGINE_ERROR, "the stream ended before [DONE]")
 
     async def _drain(self) -> None:
         """Read what follows ``[DONE]`` (an engine ends its body right there), up to ``_DRAIN_LIMIT``: a

@@ -166,16 +166,37 @@ def render_chat(messages: object) -> str:
 
 
 def _max_tokens(body: Mapping[str, Any], kind: ApiKind) -> int:
-    name = "max_tokens"
+    # Chat's newer name first, as vLLM and OpenAI read them (max_tokens is deprecated there); the error
+    # names the one that was read.
+    names = ("max_completion_tokens", "max_tokens") if kind is ApiKind.CHAT else ("max_tokens",)
+    name = next((n for n in names if body.get(n) is not None), names[-1])
     value = body.get(name)
-    if value is None and kind is ApiKind.CHAT:
-        name = "max_completion_tokens"  # the chat API's newer name: the error names the one that was sent
-        value = body.get(name)
     if value is None:
         return DEFAULT_MAX_TOKENS
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise _bad(f"{name} must be a positive integer", name)
     return value
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+def _include_usage(raw: object, stream: bool) -> bool:
+    """``stream_options`` as vLLM reads it: an object of booleans, only with ``stream: true``."""
+    if raw is None:
+        return False
+    if not stream:
+        raise _bad("stream_options can only be given with stream: true", "stream_options")
+    try:
+        options = msgspec.convert(raw, StreamOptions)
+    except msgspec.ValidationError as exc:
+        raise _bad(f"invalid stream_options: {exc}", "stream_options") from None
+    if options.continuous_usage_stats:
+        # Usage on every chunk: the router forwards D's chunks as they come and D reports usage once.
+        raise _bad("stream_options.continuous_usage_stats is not supported", "stream_options")
+    return bool(options.include_usage)
 
 
 def parse_request(body: Mapping[str, Any], kind: ApiKind, served_models: frozenset[str]) -> ParsedRequest:
@@ -188,12 +209,12 @@ def parse_request(body: Mapping[str, Any], kind: ApiKind, served_models: frozens
     n = body.get("n", 1)
     if n not in (1, None):
         raise _bad("only n=1 is supported", "n")
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    if stream is None:  # null is "not given", as for every other optional field
+        stream = False
     if not isinstance(stream, bool):
         raise _bad("stream must be a boolean", "stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise _bad("stream_options must be an object", "stream_options")
+    include_usage = _include_usage(body.get("stream_options"), stream)
     try:
         extra = engine_fields(dict(body), chat=kind is ApiKind.CHAT)
     except ParamError as exc:
@@ -205,7 +226,7 @@ def parse_request(body: Mapping[str, Any], kind: ApiKind, served_models: frozens
         prompt=prompt,
         max_tokens=_max_tokens(body, kind),
         stream=stream,
-        include_usage=bool(options.get("include_usage", False)),
+        include_usage=include_usage,
         extra=extra,
     )
 

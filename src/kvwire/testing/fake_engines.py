@@ -58,6 +58,7 @@ class FakeCluster:
     # Pull mode: P answers without waiting for D (its KV stays readable); D needs P's block ids.
     pull: bool = False
     order: list[str] = field(default_factory=list)  # "prefill:<tid>" / "decode:<tid>" as legs arrive
+    token_gap_s: float = 0.0  # decode streams: the pause after each token
 
     def event(self, table: dict[str, asyncio.Event], transfer_id: str) -> asyncio.Event:
         return table.setdefault(transfer_id, asyncio.Event())
@@ -204,10 +205,10 @@ async def _decode(
     tokens = fake_tokens(body["prompt"], int(body.get("max_tokens", 16)))
     if not body.get("stream"):
         return JSONResponse(_completion(tokens, plen, None))
-    return StreamingResponse(_sse(tokens, fault), media_type="text/event-stream")
+    return StreamingResponse(_sse(tokens, fault, cluster.token_gap_s), media_type="text/event-stream")
 
 
-async def _sse(tokens: list[int], fault: Fault) -> AsyncIterator[bytes]:
+async def _sse(tokens: list[int], fault: Fault, gap_s: float) -> AsyncIterator[bytes]:
     for k, t in enumerate(tokens):
         if fault is Fault.STREAM_ERROR and k == 1:
             err = {"error": {"message": "KV load failed mid-stream", "type": "engine_error", "code": 503}}
@@ -217,7 +218,7 @@ async def _sse(tokens: list[int], fault: Fault) -> AsyncIterator[bytes]:
         choice = {"index": 0, "text": chr(t), "token_ids": [t], "finish_reason": "length" if last else None}
         chunk = {"id": "x", "object": "text_completion", "created": 0, "model": "fake", "choices": [choice]}
         yield f"data: {json.dumps(chunk)}\n\n".encode()
-        await asyncio.sleep(0)
+        await asyncio.sleep(gap_s)
     yield b"data: [DONE]\n\n"
 
 
