@@ -45,6 +45,8 @@ def test_kvwire_refuses_a_fragment_and_vllm_needs_one_for_prefill() -> None:
     with pytest.raises(ConfigError, match="side_channel"):
         vllm.static_info("http://a:1#engine_id=p0", Role.PREFILL)
     assert kvwire.bytes_per_token == 1.0 and vllm.bytes_per_token == 4.0
+    # vLLM servers take chat as chat (their model's template); kvwire's engines only completions.
+    assert vllm.openai_server and not kvwire.openai_server
 
 
 def test_the_registry_takes_its_kind_from_the_name() -> None:

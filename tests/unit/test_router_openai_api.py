@@ -4,8 +4,9 @@ from typing import Any
 
 import pytest
 
+from kvwire.router.answers import event_tokens
 from kvwire.router.engines import HealthInfo
-from kvwire.router.legs import decode_body, prefill_body
+from kvwire.router.legs import decode_body, engine_path, prefill_body
 from kvwire.router.openai_api import (
     ApiError,
     ApiKind,
@@ -260,3 +261,100 @@ def test_stream_options_are_checked_not_ignored(options: object, stream: bool, s
     assert err.value.status == 400 and err.value.param == "stream_options" and says in err.value.message
     ok = parse({"model": "tiny", "prompt": "hi", "stream": True, "stream_options": {"include_usage": True}})
     assert ok.include_usage is True
+
+
+# -- engines that are OpenAI servers (``Dialect.openai_server``: vLLM) --------------------------------------
+
+MSGS = [{"role": "user", "content": "x"}]
+
+
+def native(body: dict[str, Any], kind: ApiKind = ApiKind.CHAT) -> Any:
+    return parse_request(body, kind, MODELS, openai_server=True)
+
+
+def test_native_chat_sends_the_messages_to_chat_and_asks_a_stream_for_its_usage() -> None:
+    req = native({"model": "tiny", "messages": MSGS, "max_completion_tokens": 4, "stream": True})
+    assert req.prompt == render_chat(MSGS)  # still rendered: the router sizes and hashes it
+    base = req.engine_body()
+    assert base == {
+        "model": "tiny", "messages": MSGS, "max_tokens": 4, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    assert engine_path(base) == "/v1/chat/completions"
+    p = prefill_body({**base, "max_completion_tokens": 4}, "t1")
+    assert (p["max_tokens"], p["stream"], p["messages"]) == (1, False, MSGS)
+    assert "stream_options" not in p and "max_completion_tokens" not in p
+    unary = native({"model": "tiny", "messages": MSGS}).engine_body()
+    assert "stream_options" not in unary
+    completion = native({"model": "tiny", "prompt": "hi", "stream": True}, ApiKind.COMPLETION).engine_body()
+    assert engine_path(completion) == "/v1/completions" and completion["prompt"] == "hi"
+    assert completion["stream_options"] == {"include_usage": True}
+    kvwire = parse({"model": "tiny", "messages": MSGS, "stream": True}, ApiKind.CHAT).engine_body()
+    assert (
+        kvwire["prompt"] == render_chat(MSGS) and "messages" not in kvwire and "stream_options" not in kvwire
+    )
+    assert engine_path(kvwire) == "/v1/completions"
+
+
+def test_native_chat_logprobs_go_as_given() -> None:
+    body = native({"model": "tiny", "messages": MSGS, "logprobs": True, "top_logprobs": 3}).engine_body()
+    assert (body["logprobs"], body["top_logprobs"]) == (True, 3)
+    assert "top_logprobs" not in native({"model": "tiny", "messages": MSGS, "logprobs": True}).engine_body()
+    with pytest.raises(ApiError) as exc:
+        native({"model": "tiny", "messages": MSGS, "top_logprobs": 2})
+    assert exc.value.param == "top_logprobs"
+
+
+_CHAT_LP = {"content": [{"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []}]}
+
+
+def test_a_chat_shaped_answer_is_taken_as_it_is() -> None:
+    req = native({"model": "tiny", "messages": MSGS, "logprobs": True})
+    message: dict[str, Any] = {"role": "assistant", "content": "ab", "reasoning_content": None}
+    message["tool_calls"] = []
+    engine = {
+        "choices": [{"index": 0, "message": message, "logprobs": _CHAT_LP, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
+        "kv_transfer_params": None,
+    }
+    out = completion_response(engine, req, "chatcmpl-1", 7)
+    assert out["object"] == "chat.completion" and out["id"] == "chatcmpl-1" and out["model"] == "tiny"
+    choice = out["choices"][0]
+    assert choice["message"] == message and choice["finish_reason"] == "stop"
+    assert choice["logprobs"] == _CHAT_LP  # chat's shape already: not reshaped again
+    assert out["usage"]["completion_tokens"] == 2
+
+
+def _chat_chunk(delta: dict[str, Any], finish: str | None = None, lp: object = None) -> dict[str, Any]:
+    choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+    return {"object": "chat.completion.chunk", "choices": [choice]}
+
+
+def test_chat_shaped_chunks_keep_one_role_chunk_and_their_logprobs() -> None:
+    req = native({"model": "tiny", "messages": MSGS, "stream": True, "logprobs": True})
+    role_only = _chat_chunk({"role": "assistant", "content": ""})
+    # vLLM's role-only first chunk: the router's own role chunk, not a second one.
+    assert [c["choices"][0]["delta"] for c in stream_chunks(role_only, req, "c", 1, first=True)] == [
+        {"role": "assistant", "content": ""}
+    ]
+    assert stream_chunks(role_only, req, "c", 1, first=False) == []
+    (piece,) = stream_chunks(_chat_chunk({"content": "a"}, lp=_CHAT_LP), req, "c", 1, first=False)
+    assert piece["object"] == "chat.completion.chunk" and piece["id"] == "c"
+    assert piece["choices"][0]["delta"] == {"content": "a"} and piece["choices"][0]["logprobs"] == _CHAT_LP
+    (last,) = stream_chunks(_chat_chunk({}, finish="stop"), req, "c", 1, first=False)
+    assert last["choices"][0]["delta"] == {"content": ""} and last["choices"][0]["finish_reason"] == "stop"
+    usage_only = {"object": "chat.completion.chunk", "choices": [], "usage": {"total_tokens": 3}}
+    assert stream_chunks(usage_only, req, "c", 1, first=False) == []
+    asked = native(
+        {"model": "tiny", "messages": MSGS, "stream": True, "stream_options": {"include_usage": True}}
+    )
+    (usage,) = stream_chunks(usage_only, asked, "c", 1, first=False)
+    assert usage["choices"] == [] and usage["usage"] == {"total_tokens": 3}
+
+
+def test_a_role_only_delta_is_no_token() -> None:
+    assert event_tokens(_chat_chunk({"role": "assistant", "content": ""})) == 0
+    assert event_tokens(_chat_chunk({"content": "a"})) == 1
+    assert event_tokens(_chat_chunk({}, finish="stop")) == 0
+    assert event_tokens(_engine_obj("ab", [97, 98])) == 2
+    assert event_tokens({"choices": [], "usage": {"total_tokens": 3}}) == 0

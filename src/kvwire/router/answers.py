@@ -46,10 +46,14 @@ def unary_latency(result: Mapping[str, Any], sent_s: float, total_s: float) -> L
 
 
 def event_tokens(event: Mapping[str, Any]) -> int:
-    """Output tokens in one engine SSE event (kvwire sends their ids; otherwise one per text chunk)."""
+    """Output tokens in one engine SSE event (kvwire sends their ids; otherwise one per text chunk, or
+    per chat delta with content: a chat engine's role-only opening delta is no token)."""
     choices = event.get("choices")
     choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
     ids = choice.get("token_ids")
     if isinstance(ids, list):
         return len(ids)
-    return 1 if choice.get("text") or choice.get("delta") else 0
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        return 1 if any(v for k, v in delta.items() if k != "role") else 0
+    return 1 if choice.get("text") else 0

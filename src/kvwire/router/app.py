@@ -166,7 +166,8 @@ class Router:
         start = time.monotonic()
         trace = _Trace()
         try:
-            req = api.parse_request(api.decode_json_object(raw), kind, frozenset(self.served_models()))
+            body, models = api.decode_json_object(raw), frozenset(self.served_models())
+            req = api.parse_request(body, kind, models, self.registry.dialect.openai_server)
             response, latency = await self._route(req, start, trace)
         except asyncio.CancelledError:  # its client hung up (``unless_client_gone``), as a stream's can
             self._record(Outcome.CANCELLED, start)
@@ -478,6 +479,8 @@ class Router:
         created = self.created_now()
         last_token = time.monotonic()
         ttft_s, gaps = last_token - start, list[float]()
+        # A chat engine's role-only first chunk comes with its first token (vLLM): no gap before that one.
+        owed = 0 if event_tokens(first) else 1
         outcome = Outcome.CANCELLED  # unless the loop below finishes: the client went away
         try:
             for chunk in api.stream_chunks(first, req, rid, created, first=True):
@@ -490,8 +493,8 @@ class Router:
                     break
                 if tokens := event_tokens(event):
                     now = time.monotonic()
-                    gaps += [(now - last_token) / tokens] * tokens
-                    last_token = now
+                    gaps += [(now - last_token) / tokens] * (tokens - owed)
+                    last_token, owed = now, 0
                 for chunk in api.stream_chunks(event, req, rid, created, first=False):
                     yield api.sse(chunk)
             yield api.SSE_DONE  # after an error event too, as vLLM: an SSE reader waits for it

@@ -28,6 +28,7 @@ from kvwire.router.openai_api import ApiError, ErrorType, engine_error_kind
 from kvwire.router.policy import Role
 
 COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
 _DRAIN_LIMIT = 64 * 1024  # bytes read after a stream's [DONE] to keep its connection (see _drain)
 
 
@@ -60,10 +61,20 @@ def left_fleet(role: Role, url: str) -> LegError:
     return exc
 
 
+def engine_path(body: Mapping[str, Any]) -> str:
+    """Where a leg's body goes: a chat body (``messages``, for engines that are OpenAI servers) to chat,
+    any other to completions. Its shape says it, so every leg of a request agrees."""
+    return CHAT_COMPLETIONS if "messages" in body else COMPLETIONS
+
+
 def prefill_body(base: Mapping[str, Any], transfer_id: str) -> dict[str, Any]:
     body = dict(base)
     params = KvTransferParams(do_remote_decode=True, transfer_id=transfer_id)
     body.update(max_tokens=1, stream=False, kv_transfer_params=params.to_json())
+    # P's one token: vLLM reads max_completion_tokens before max_tokens, and refuses stream_options
+    # without stream.
+    body.pop("max_completion_tokens", None)
+    body.pop("stream_options", None)
     min_tokens = body.get("min_tokens")
     if isinstance(min_tokens, int) and min_tokens > 1:
         # P answers one token: min_tokens above it is refused (by vLLM too); 1 keeps the first token's rule
@@ -162,9 +173,9 @@ def _translate(role: Role, url: str, exc: BaseException) -> LegError:
 async def post_completion(
     client: EngineClient, role: Role, url: str, body: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """A non-streaming leg: the engine's completion object."""
+    """A non-streaming leg: the engine's completion (or chat completion) object."""
     try:
-        async with client.post(url + COMPLETIONS, body) as resp:
+        async with client.post(url + engine_path(body), body) as resp:
             status, content = resp.status, await read_bounded(resp, COMPLETION_BODY_LIMIT)
     except (aiohttp.ClientError, TimeoutError, BodyTooLarge) as exc:
         raise _translate(role, url, exc) from exc
@@ -188,7 +199,7 @@ class DecodeStream:
 
     async def open(self) -> None:
         try:
-            self._resp = resp = await self._client.post(self.url + COMPLETIONS, self._body)
+            self._resp = resp = await self._client.post(self.url + engine_path(self._body), self._body)
             if resp.status != 200:
                 content = await read_bounded(resp, SMALL_BODY_LIMIT)
                 raise _error_of_response(Role.DECODE, self.url, resp.status, content)

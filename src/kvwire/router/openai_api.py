@@ -1,8 +1,10 @@
 """The OpenAI side of the router, pure: request validation, the chat template, response and error shapes.
 
-Engines speak only ``/v1/completions`` (see the serving API notes); chat requests are rendered into one
-prompt string with a fixed template, and the engines' completion objects and chunks are reshaped into
-``chat.completion`` / ``chat.completion.chunk`` objects on the way back.
+kvwire's reference engines speak only ``/v1/completions`` (see the serving API notes): for them chat
+requests are rendered into one prompt string with a fixed template, and the engines' completion objects and
+chunks are reshaped into ``chat.completion`` / ``chat.completion.chunk`` objects on the way back. Engines
+that are full OpenAI servers (``Dialect.openai_server``: vLLM) get chat as chat, the client's messages, so
+each applies its model's own chat template; their chat-shaped answers are taken as they are.
 """
 
 from __future__ import annotations
@@ -82,11 +84,25 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     extra: Mapping[str, Any]
+    # The engines are full OpenAI servers (``Dialect.openai_server``).
+    openai_server: bool = False
+    # The client's messages as sent, for such engines' /v1/chat/completions (their own chat template);
+    # None: ``prompt`` is sent (for chat, the fixed template's rendering).
+    messages: list[Any] | None = None
 
     def engine_body(self) -> dict[str, Any]:
-        """The completions body both legs start from (the router then sets the leg-specific fields)."""
+        """The body both legs start from, completions or chat (the router then sets the leg-specific
+        fields)."""
         body: dict[str, Any] = dict(self.extra)
-        body.update(model=self.model, prompt=self.prompt, max_tokens=self.max_tokens, stream=self.stream)
+        if self.messages is not None:
+            body["messages"] = self.messages
+        else:
+            body["prompt"] = self.prompt
+        body.update(model=self.model, max_tokens=self.max_tokens, stream=self.stream)
+        if self.stream and self.openai_server:
+            # vLLM sends a stream's usage chunk only when asked: the router always asks, and forwards it
+            # to the clients that asked (``stream_chunks``), as kvwire's engines always send it.
+            body["stream_options"] = {"include_usage": True}
         return body
 
 
@@ -199,7 +215,10 @@ def _include_usage(raw: object, stream: bool) -> bool:
     return bool(options.include_usage)
 
 
-def parse_request(body: Mapping[str, Any], kind: ApiKind, served_models: frozenset[str]) -> ParsedRequest:
+def parse_request(
+    body: Mapping[str, Any], kind: ApiKind, served_models: frozenset[str], openai_server: bool = False
+) -> ParsedRequest:
+    """The client's request, checked; ``openai_server``: the engines' ``Dialect.openai_server``."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("model is required", "model")
@@ -215,10 +234,12 @@ def parse_request(body: Mapping[str, Any], kind: ApiKind, served_models: frozens
     if not isinstance(stream, bool):
         raise _bad("stream must be a boolean", "stream")
     include_usage = _include_usage(body.get("stream_options"), stream)
+    native_chat = openai_server and kind is ApiKind.CHAT
     try:
-        extra = engine_fields(dict(body), chat=kind is ApiKind.CHAT)
+        extra = engine_fields(dict(body), chat=kind is ApiKind.CHAT, native_chat=native_chat)
     except ParamError as exc:
         raise _bad(exc.message, exc.param) from None
+    # Rendered for native chat too: it checks the messages, and sizes and hashes the prompt for routing.
     prompt = render_chat(body.get("messages")) if kind is ApiKind.CHAT else _prompt(body)
     return ParsedRequest(
         kind=kind,
@@ -228,6 +249,8 @@ def parse_request(body: Mapping[str, Any], kind: ApiKind, served_models: frozens
         stream=stream,
         include_usage=include_usage,
         extra=extra,
+        openai_server=openai_server,
+        messages=list(body["messages"]) if native_chat else None,
     )
 
 
@@ -241,10 +264,17 @@ def _first_choice(obj: Mapping[str, Any]) -> Mapping[str, Any]:
     return {}
 
 
+def _is_chat(choice: Mapping[str, Any]) -> bool:
+    """Whether an engine's choice is chat-shaped (an OpenAI server's own chat answer) rather than a
+    completion's."""
+    return "message" in choice or "delta" in choice
+
+
 def completion_response(
     engine: Mapping[str, Any], req: ParsedRequest, rid: str, created: int
 ) -> dict[str, Any]:
-    """D's completion object, as the router's answer (``completion`` or ``chat.completion``)."""
+    """D's completion or chat completion object, as the router's answer (``completion`` or
+    ``chat.completion``)."""
     choice = _first_choice(engine)
     usage = engine.get("usage")
     common = {"id": rid, "created": created, "model": req.model, "usage": usage}
@@ -259,8 +289,16 @@ def completion_response(
     if req.kind is ApiKind.COMPLETION:
         out_choice["text"] = choice.get("text", "")
         return {"object": "text_completion", "choices": [out_choice], **common}
-    out_choice["message"] = {"role": "assistant", "content": choice.get("text", "")}
+    out_choice["message"] = _message(choice)
     return {"object": "chat.completion", "choices": [out_choice], **common}
+
+
+def _message(choice: Mapping[str, Any]) -> dict[str, Any]:
+    """The assistant's message: a completion's text, or a chat engine's message as it sent it."""
+    message = choice.get("message")
+    if isinstance(message, dict):
+        return {"role": "assistant", "content": "", **message}
+    return {"role": "assistant", "content": choice.get("text", "")}
 
 
 def stream_chunks(
@@ -279,33 +317,56 @@ def stream_chunks(
             out.append({**common, "object": _chunk_object(req), "choices": [], "usage": usage})
         return out
     finish = choice.get("finish_reason")
-    text = choice.get("text", "")
     if req.kind is ApiKind.COMPLETION:
-        piece: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish}
+        piece: dict[str, Any] = {"index": 0, "text": choice.get("text", ""), "finish_reason": finish}
         piece["logprobs"] = _logprobs(choice, req)
         piece["token_ids"] = choice.get("token_ids")
         out.append({**common, "object": "text_completion", "choices": [piece]})
     else:
-        if first:
-            role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-            out.append({**common, "object": "chat.completion.chunk", "choices": [role]})
-        delta = {"index": 0, "delta": {"content": text}, "finish_reason": finish}
-        delta["logprobs"] = _logprobs(choice, req)
-        delta["token_ids"] = choice.get("token_ids")
-        out.append({**common, "object": "chat.completion.chunk", "choices": [delta]})
+        out += [
+            {**common, "object": "chat.completion.chunk", "choices": [c]}
+            for c in _chat_pieces(choice, req, first)
+        ]
     if usage is not None and req.include_usage:
         out.append({**common, "object": _chunk_object(req), "choices": [], "usage": usage})
-    if "timings" in engine_chunk:
+    if "timings" in engine_chunk and out:
         out[-1]["timings"] = engine_chunk["timings"]
     return out
 
 
+def _chat_pieces(choice: Mapping[str, Any], req: ParsedRequest, first: bool) -> list[dict[str, Any]]:
+    """A chat stream's choices for one engine choice: the router's own role-only delta first (a chat
+    stream opens with one), then the content delta, if any."""
+    pieces: list[dict[str, Any]] = []
+    if first:
+        pieces.append({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+    delta = _content_delta(choice)
+    if delta is not None:
+        piece = {"index": 0, "delta": delta, "finish_reason": choice.get("finish_reason")}
+        piece["logprobs"] = _logprobs(choice, req)
+        piece["token_ids"] = choice.get("token_ids")
+        pieces.append(piece)
+    return pieces
+
+
+def _content_delta(choice: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The delta of one engine choice without its role; None for a chat engine's role-only opening delta
+    (vLLM's first chunk), which would repeat the router's own."""
+    delta = choice.get("delta")
+    if not isinstance(delta, dict):
+        return {"content": choice.get("text", "")}
+    rest = {k: v for k, v in delta.items() if k != "role"}
+    if any(rest.values()) or choice.get("finish_reason") is not None or choice.get("logprobs"):
+        return {"content": "", **rest}
+    return None
+
+
 def _logprobs(choice: Mapping[str, Any], req: ParsedRequest) -> dict[str, Any] | None:
-    """The engine's (completions-shaped) logprobs, reshaped for chat."""
+    """The engine's logprobs; a completion's reshaped for chat (a chat engine's are chat's already)."""
     lp = choice.get("logprobs")
-    if lp is None or req.kind is ApiKind.COMPLETION:
-        return lp if isinstance(lp, dict) else None
-    return chat_logprobs(lp)
+    if not isinstance(lp, dict):
+        return None
+    return lp if req.kind is ApiKind.COMPLETION or _is_chat(choice) else chat_logprobs(lp)
 
 
 def _chunk_object(req: ParsedRequest) -> str:

@@ -87,9 +87,10 @@ def _refusal(msgspec_message: str) -> ParamError:
     return ParamError(f"invalid '{name}': {detail}" if name else detail, name)
 
 
-def engine_fields(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+def engine_fields(body: dict[str, Any], chat: bool, native_chat: bool = False) -> dict[str, Any]:
     """The sampling and output fields of a client's body for the engines (values as the client sent
-    them); ``ParamError`` for an unknown field or a value out of range."""
+    them); ``ParamError`` for an unknown field or a value out of range. ``native_chat``: a chat request
+    goes to the engines' own /v1/chat/completions, which reads chat's logprobs fields as they are."""
     try:
         params = msgspec.convert(body, ChatParams if chat else CompletionParams)
     except msgspec.ValidationError as exc:
@@ -99,8 +100,10 @@ def engine_fields(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     if isinstance(params, ChatParams):
         if params.top_logprobs is not None and not params.logprobs:
             raise ParamError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        if params.logprobs:
-            # Engines speak /v1/completions: its logprobs=k is chat's top_logprobs=k.
+        if native_chat:
+            out.update({k: body[k] for k in ("logprobs", "top_logprobs") if getattr(params, k) is not None})
+        elif params.logprobs:
+            # The engines get chat as /v1/completions: its logprobs=k is chat's top_logprobs=k.
             out["logprobs"] = params.top_logprobs or 0
     return out
 

@@ -5,6 +5,11 @@ transfer when its leg arrives and waits for P's "done"; P waits for D's registra
 So a router that does not send both legs at the same time deadlocks into a 503, as a real push-mode
 deployment would stall. Tokens are a deterministic function of the prompt (``fake_tokens``), so answers
 can be checked exactly. ``ServerThread`` runs any ASGI apps under uvicorn on a background event loop.
+
+A fake made with ``vllm=True`` answers as a vLLM server would: ``/health`` is a bare 200, ``/v1/models``
+names its model, and ``/v1/chat/completions`` applies a "chat template" (``fake_chat_prompt``) and answers
+chat-shaped objects and chunks (a role-only first chunk; a usage chunk only when ``stream_options`` asks).
+Without it the fake is kvwire's reference engine: completions only, and ``stream_options`` refused.
 """
 
 from __future__ import annotations
@@ -59,9 +64,25 @@ class FakeCluster:
     pull: bool = False
     order: list[str] = field(default_factory=list)  # "prefill:<tid>" / "decode:<tid>" as legs arrive
     token_gap_s: float = 0.0  # decode streams: the pause after each token
+    paths: list[str] = field(default_factory=list)  # "<role> <path>" as legs arrive
 
     def event(self, table: dict[str, asyncio.Event], transfer_id: str) -> asyncio.Event:
         return table.setdefault(transfer_id, asyncio.Event())
+
+
+def fake_chat_prompt(messages: list[dict[str, Any]]) -> str:
+    """The vLLM fake's chat template: the messages' contents, one a line (tokens come from it)."""
+    return "\n".join(str(m.get("content") or "") for m in messages)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """How a leg is answered: chat-shaped (vLLM's /v1/chat/completions), and whether a stream ends with a
+    usage-only chunk (vLLM's, when ``stream_options.include_usage`` asks)."""
+
+    chat: bool = False
+    usage_chunk: bool = False
+    top_logprobs: int | None = None  # chat logprobs asked for (vLLM's chat shape)
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -80,40 +101,60 @@ async def _wait_or_disconnect(event: asyncio.Event, request: Request, timeout_s:
     return event.is_set()
 
 
-def _completion(tokens: list[int], prompt_len: int, kv: dict[str, Any] | None) -> dict[str, Any]:
+def _usage(prompt_len: int, n: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}
+
+
+def _chat_logprobs(tokens: list[int], top: int) -> dict[str, Any]:
+    """vLLM's chat logprobs shape: one entry per token, with ``top`` alternatives."""
+    entry = [{"token": chr(t), "logprob": -0.5, "bytes": [t]} for t in tokens]
+    return {"content": [{**e, "top_logprobs": [e] * top} for e in entry]}
+
+
+def _completion(
+    tokens: list[int], prompt_len: int, kv: dict[str, Any] | None, shape: _Shape = _Shape()
+) -> dict[str, Any]:
+    text = "".join(chr(t) for t in tokens)
+    if shape.chat:  # vLLM's chat completion: no token ids, no timings
+        lp = _chat_logprobs(tokens, shape.top_logprobs) if shape.top_logprobs is not None else None
+        message: dict[str, Any] = {"role": "assistant", "content": text, "reasoning_content": None}
+        message["tool_calls"] = []
+        choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": "length"}
+        return {
+            "id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()),
+            "model": "fake", "choices": [choice], "usage": _usage(prompt_len, len(tokens)),
+            "kv_transfer_params": kv,
+        }  # fmt: skip
     return {
         "id": "cmpl-" + uuid.uuid4().hex,
         "object": "text_completion",
         "created": int(time.time()),
         "model": "fake",
         "choices": [
-            {
-                "index": 0,
-                "text": "".join(chr(t) for t in tokens),
-                "token_ids": tokens,
-                "finish_reason": "length",
-                "logprobs": None,
-            }
+            {"index": 0, "text": text, "token_ids": tokens, "finish_reason": "length", "logprobs": None}
         ],
-        "usage": {
-            "prompt_tokens": prompt_len,
-            "completion_tokens": len(tokens),
-            "total_tokens": prompt_len + len(tokens),
-        },
+        "usage": _usage(prompt_len, len(tokens)),
         "kv_transfer_params": kv,
         "timings": {"ttft_ms": 1.0, "kv_transfer_ms": 0.5 if kv is None else None, "kv_bytes": 1024},
     }
 
 
 def fake_engine_app(
-    role: str, cluster: FakeCluster, side_channel_port: int, load: dict[str, int] | None = None
+    role: str,
+    cluster: FakeCluster,
+    side_channel_port: int,
+    load: dict[str, int] | None = None,
+    vllm: bool = False,
 ) -> FastAPI:
-    """A fake ``prefill`` or ``decode`` engine server (``role``)."""
+    """A fake ``prefill`` or ``decode`` engine server (``role``); ``vllm``: one that answers as a vLLM
+    server (see the module's docstring)."""
     app = FastAPI()
     engine_id = f"fake-{role}-{uuid.uuid4().hex[:8]}"
 
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
+    @app.get("/health", response_model=None)
+    async def health() -> dict[str, Any] | Response:
+        if vllm:
+            return Response(status_code=200)  # vLLM's /health: a bare 200
         return {
             "status": "ok", "role": role, "engine_id": engine_id, "incarnation": "1",
             "side_channel_host": "127.0.0.1", "side_channel_port": side_channel_port,
@@ -121,24 +162,49 @@ def fake_engine_app(
             "load": load or {"running": 0, "waiting": 0, "free_blocks": 100},
         }  # fmt: skip
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": "fake", "object": "model", "owned_by": "fake"}]}
+
+    async def leg(request: Request, chat: bool) -> Response:
         try:
             body = await request.json()
         except ClientDisconnect:
             return Response(status_code=499)
+        cluster.paths.append(f"{role} {request.url.path}")
+        if "stream_options" in body and not vllm:
+            return _error(400, "stream_options is not supported")  # as kvwire's reference engine
         kv = body.get("kv_transfer_params") or {}
         tid = str(kv.get("transfer_id", ""))
-        prompt = body["prompt"]
-        plen = len(prompt.encode()) if isinstance(prompt, str) else len(prompt)
+        prompt = fake_chat_prompt(body["messages"]) if chat else body["prompt"]
         cluster.order.append(f"{role}:{tid}")
         if role == "prefill":
             cluster.prefill_bodies.append(body)
-            return await _prefill(cluster, request, body, tid, plen, engine_id, side_channel_port)
+            return await _prefill(cluster, request, body, tid, prompt, (engine_id, side_channel_port), chat)
         cluster.decode_bodies.append(body)
-        return await _decode(cluster, request, body, tid, plen)
+        return await _decode(cluster, request, body, tid, prompt, _shape(body, chat))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await leg(request, chat=False)
+
+    if vllm:
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request) -> Response:
+            return await leg(request, chat=True)
 
     return app
+
+
+def _shape(body: dict[str, Any], chat: bool) -> _Shape:
+    options = body.get("stream_options") or {}
+    top = (body.get("top_logprobs") or 0) if chat and body.get("logprobs") else None
+    return _Shape(chat=chat, usage_chunk=bool(options.get("include_usage")), top_logprobs=top)
+
+
+def _prompt_len(prompt: str | list[int]) -> int:
+    return len(prompt.encode()) if isinstance(prompt, str) else len(prompt)
 
 
 async def _fault(fault: Fault, request: Request, tid: str, cluster: FakeCluster) -> Response | None:
@@ -158,12 +224,15 @@ async def _prefill(
     request: Request,
     body: dict[str, Any],
     tid: str,
-    plen: int,
-    engine_id: str,
-    port: int,
+    prompt: str | list[int],
+    identity: tuple[str, int],
+    chat: bool,
 ) -> Response:
     kv = body.get("kv_transfer_params") or {}
     if not kv.get("do_remote_decode") or body.get("max_tokens") != 1 or body.get("stream"):
+        return _error(400, f"bad prefill leg: {body}")
+    if "max_completion_tokens" in body or "stream_options" in body:
+        # vLLM would read max_completion_tokens before max_tokens, and refuses stream_options unstreamed.
         return _error(400, f"bad prefill leg: {body}")
     # Faults strike after D registered, as a crash in the middle of a prefill would.
     if not cluster.pull:
@@ -174,15 +243,22 @@ async def _prefill(
     if failed is not None:
         return failed
     cluster.event(cluster.written, tid).set()
+    engine_id, port = identity
+    plen = _prompt_len(prompt)
     params = {
         "transfer_id": tid, "remote_engine_id": engine_id, "remote_host": "127.0.0.1", "remote_port": port,
         "remote_tp_size": 1, "remote_pp_size": 1, "num_tokens": plen, "remote_block_ids": [3, 4],
     }  # fmt: skip
-    return JSONResponse(_completion(fake_tokens(body["prompt"], 1), plen, params))
+    return JSONResponse(_completion(fake_tokens(prompt, 1), plen, params, _Shape(chat=chat)))
 
 
 async def _decode(
-    cluster: FakeCluster, request: Request, body: dict[str, Any], tid: str, plen: int
+    cluster: FakeCluster,
+    request: Request,
+    body: dict[str, Any],
+    tid: str,
+    prompt: str | list[int],
+    shape: _Shape,
 ) -> Response:
     kv = body.get("kv_transfer_params") or {}
     needed = ("remote_engine_id", "remote_host", "remote_port", "remote_tp_size", "remote_pp_size")
@@ -202,23 +278,43 @@ async def _decode(
         return _error(499, "client went away")
     if not got:
         return _error(503, f"KV load failed for {tid}: fence expired")
-    tokens = fake_tokens(body["prompt"], int(body.get("max_tokens", 16)))
+    tokens = fake_tokens(prompt, int(body.get("max_tokens", 16)))
+    plen = _prompt_len(prompt)
     if not body.get("stream"):
-        return JSONResponse(_completion(tokens, plen, None))
-    return StreamingResponse(_sse(tokens, fault, cluster.token_gap_s), media_type="text/event-stream")
+        return JSONResponse(_completion(tokens, plen, None, shape))
+    events = _sse(tokens, fault, cluster.token_gap_s, shape, _usage(plen, len(tokens)))
+    return StreamingResponse(events, media_type="text/event-stream")
 
 
-async def _sse(tokens: list[int], fault: Fault, gap_s: float) -> AsyncIterator[bytes]:
+def _data(obj: object) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+def _chunk(shape: _Shape, t: int, finish: str | None) -> dict[str, Any]:
+    if shape.chat:
+        lp = _chat_logprobs([t], shape.top_logprobs) if shape.top_logprobs is not None else None
+        choice: dict[str, Any] = {"index": 0, "delta": {"content": chr(t)}, "logprobs": lp}
+        return {"object": "chat.completion.chunk", "choices": [{**choice, "finish_reason": finish}]}
+    choice = {"index": 0, "text": chr(t), "token_ids": [t], "finish_reason": finish}
+    return {"id": "x", "object": "text_completion", "created": 0, "model": "fake", "choices": [choice]}
+
+
+async def _sse(
+    tokens: list[int], fault: Fault, gap_s: float, shape: _Shape, usage: dict[str, int]
+) -> AsyncIterator[bytes]:
+    if shape.chat:  # vLLM opens a chat stream with a role-only delta
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+        yield _data({"object": "chat.completion.chunk", "choices": [{**role, "finish_reason": None}]})
     for k, t in enumerate(tokens):
         if fault is Fault.STREAM_ERROR and k == 1:
             err = {"error": {"message": "KV load failed mid-stream", "type": "engine_error", "code": 503}}
-            yield f"data: {json.dumps(err)}\n\n".encode()
+            yield _data(err)
             return
-        last = k == len(tokens) - 1
-        choice = {"index": 0, "text": chr(t), "token_ids": [t], "finish_reason": "length" if last else None}
-        chunk = {"id": "x", "object": "text_completion", "created": 0, "model": "fake", "choices": [choice]}
-        yield f"data: {json.dumps(chunk)}\n\n".encode()
+        yield _data(_chunk(shape, t, "length" if k == len(tokens) - 1 else None))
         await asyncio.sleep(gap_s)
+    if shape.usage_chunk:
+        kind = "chat.completion.chunk" if shape.chat else "text_completion"
+        yield _data({"object": kind, "choices": [], "usage": usage})
     yield b"data: [DONE]\n\n"
 
 

@@ -19,6 +19,11 @@ class Dialect(abc.ABC):
     # Whether a discovery record says the engine's identity better than anything its /health says: then
     # every poll keeps the record's identity (vLLM's /health says nothing of kvwire).
     identity_from_records: bool = False
+    # Whether the engines are full OpenAI servers: then a chat request goes to their /v1/chat/completions
+    # with the client's messages (each applies its model's own chat template; the router's fixed template
+    # fits only kvwire's reference engines), and a streamed leg asks for its usage chunk with
+    # ``stream_options`` (vLLM sends it only when asked; kvwire's engines always do and refuse the field).
+    openai_server: bool = False
 
     @abc.abstractmethod
     def static_info(self, url: str, role: Role) -> HealthInfo | None:

@@ -21,6 +21,7 @@ class VllmDialect(Dialect):
     )
     bytes_per_token = 4.0  # vLLM's tokenizers, which the router does not load: a rough average for English
     identity_from_records = True
+    openai_server = True
 
     def static_info(self, url: str, role: Role) -> HealthInfo | None:
         return _static_info(url, role)
