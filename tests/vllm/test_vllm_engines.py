@@ -119,3 +119,27 @@ def test_repeated_prompt_hits_d_prefix_cache_and_still_matches(cluster: Cluster)
         assert complete(cluster.router.url, cluster.model, prompt) == complete(
             cluster.colocated.url, cluster.model, prompt
         )
+
+
+def test_chat_goes_to_the_engines_chat_template_and_matches_colocated(cluster: Cluster) -> None:
+    """Chat through the router reaches P's and D's /v1/chat/completions (vLLM applies the model's chat
+    template and takes kv_transfer_params there too): the answer and its usage equal the colocated
+    engine's, unary and streamed."""
+    messages = [{"role": "user", "content": prompt_of(120, seed=11)}]
+    body = {"model": cluster.model, "messages": messages, "max_tokens": 8, "temperature": 0}
+    with httpx.Client(timeout=120) as client:
+        want = client.post(f"{cluster.colocated.url}/v1/chat/completions", json=body)
+        got = client.post(f"{cluster.router.url}/v1/chat/completions", json=body)
+        assert want.status_code == 200 and got.status_code == 200, (want.text[:300], got.text[:300])
+        expected = want.json()["choices"][0]["message"]["content"]
+        assert got.json()["choices"][0]["message"]["content"] == expected and expected
+        assert got.json()["usage"]["prompt_tokens"] == want.json()["usage"]["prompt_tokens"]
+        streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        with client.stream("POST", f"{cluster.router.url}/v1/chat/completions", json=streamed) as resp:
+            assert resp.status_code == 200
+            events = [ln[6:] for ln in resp.iter_lines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == expected
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8

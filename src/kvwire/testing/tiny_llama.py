@@ -44,6 +44,9 @@ def write_tokenizer(out: Path) -> None:
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": 4096,
+        # A chat template of the words alone, so chat through vLLM's /v1/chat/completions can be compared
+        # with the same engine's; a router that rendered chat itself (<|role|> lines) gives other tokens.
+        "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}",
         **special,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
