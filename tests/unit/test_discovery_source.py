@@ -47,3 +47,29 @@ def test_each_source_is_a_typed_source_of_its_scheme(monkeypatch: pytest.MonkeyP
     monkeypatch.setitem(source.SOURCES, "nosource", "kvwire.discovery.record")  # a module with no SOURCE
     with pytest.raises(ConfigError, match=r"kvwire\.discovery\.record\.SOURCE is not the Source"):
         source.check_target("nosource://h:1")
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("etcd://root:pw@127.0.0.1:2379", "credentials in the URL are not supported"),
+        ("etcd://root@127.0.0.1:2379/p", "credentials in the URL are not supported"),
+        ("etcd://127.0.0.1:99999", "the port is out of range"),
+        ("etcd://127.0.0.1:0", "the port is out of range"),  # before: taken for "no port", 2379 dialled
+        ("etcd://127.0.0.1:x", "the port is not a number"),
+        ("etcd://h1:2379,h2:2379", "one etcd endpoint only"),
+    ],
+)
+def test_etcd_targets_kvwire_cannot_honour_are_refused_by_cause(url: str, why: str) -> None:
+    with pytest.raises(ConfigError, match=why) as exc:
+        source.check_target(url)
+    assert "pw" not in str(exc.value) and "root" not in str(exc.value)
+
+
+def test_redact_hides_userinfo_only() -> None:
+    assert source.redact("etcd://u:pw@h:1/p") == "etcd://***@h:1/p"
+    assert source.redact("etcd://h:1/a@b") == "etcd://h:1/a@b"
+    assert source.redact("consul://u:pw@h") == "consul://***@h"
+    with pytest.raises(ConfigError) as exc:
+        source.check_target("consul://u:pw@h:1")
+    assert "pw" not in str(exc.value)

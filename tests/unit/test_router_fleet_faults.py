@@ -213,10 +213,14 @@ class _HangingStore:
 
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s, self.expires, self.calls, self.expired = ttl_s, 0.0, 0, 0
+        self.stored: dict[str, tuple[bytes, int]] = {}
 
-    async def grant(self, ttl: int) -> int:
+    async def grant(self, ttl: int) -> tuple[int, int]:
         self.expires = time.monotonic() + self.ttl_s
-        return 1
+        return 1, int(self.ttl_s)
+
+    async def get(self, key: str) -> tuple[bytes, int] | None:
+        return self.stored.get(key)
 
     async def keepalive(self, lease: int) -> int:
         self.calls += 1
@@ -230,7 +234,7 @@ class _HangingStore:
         return int(self.ttl_s)
 
     async def put(self, key: str, value: bytes, lease: int = 0) -> None:
-        return None
+        self.stored[key] = (value, lease)
 
     async def revoke(self, lease: int) -> None:
         return None
@@ -309,13 +313,16 @@ class _LeaseLostStore(_HangingStore):
         super().__init__(ttl_s=3.0)
         self.grants, self.keepalives, self.written = 0, 0, 0
 
-    async def grant(self, ttl: int) -> int:
+    async def grant(self, ttl: int) -> tuple[int, int]:
         self.grants += 1
-        return self.grants
+        return self.grants, int(self.ttl_s)
 
     async def keepalive(self, lease: int) -> int:
         self.keepalives += 1
-        return 0 if self.keepalives == 1 else int(self.ttl_s)
+        if self.keepalives == 1:  # lost: as in etcd, the keys under it go with it
+            self.stored = {k: v for k, v in self.stored.items() if v[1] != lease}
+            return 0
+        return int(self.ttl_s)
 
     async def put(self, key: str, value: bytes, lease: int = 0) -> None:
         if self.grants == 2 and lease == 2 and not getattr(self, "_hung", False):
@@ -323,6 +330,7 @@ class _LeaseLostStore(_HangingStore):
             await asyncio.sleep(30)
         self.written_under = lease
         self.written += 1
+        self.stored[key] = (value, lease)
 
 
 async def test_a_put_cut_by_the_renewal_deadline_is_written_at_the_next_renewal() -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from kvwire.discovery.source import Source, SourceUnavailable, WatchEvent
+from kvwire.discovery.source import Source, SourceUnavailable, WatchEvent, redact
 from kvwire.discovery.source import WatchIdle as SourceWatchIdle
 from kvwire.errors import ConfigError
 
@@ -54,14 +54,35 @@ class EtcdTarget:
 
 
 def parse_target(text: str) -> EtcdTarget:
-    """``etcd://HOST:PORT[/prefix]`` (``ConfigError`` otherwise)."""
+    """``etcd://HOST:PORT[/prefix]`` (``ConfigError`` otherwise). Errors never echo credentials."""
+    shown = redact(text)
     parts = urllib.parse.urlsplit(text)
-    if parts.scheme != "etcd" or not parts.hostname:
-        raise ConfigError(f"--discovery {text!r}: expected etcd://HOST:PORT[/prefix]")
+    if parts.scheme != "etcd" or not parts.netloc:
+        raise ConfigError(f"--discovery {shown!r}: expected etcd://HOST:PORT[/prefix]")
+    if "@" in parts.netloc:
+        # This client speaks plain HTTP to etcd's gateway without authentication: taking the user and
+        # password and dropping them (as before) left every call refused by an etcd with auth on, and put
+        # the password in the start-up log.
+        raise ConfigError(
+            f"--discovery {shown!r}: credentials in the URL are not supported (kvwire's etcd client has no "
+            "authentication or TLS): put etcd's auth/TLS behind a local proxy kvwire reaches over "
+            "plain HTTP, or run etcd without auth on a network only the fleet reaches (docs/fleet.md)"
+        )
+    if "," in parts.netloc:
+        raise ConfigError(
+            f"--discovery {shown!r}: one etcd endpoint only: for a multi-member etcd, give the address "
+            "of a load balancer or a DNS name in front of the members (docs/fleet.md)"
+        )
+    if not parts.hostname:
+        raise ConfigError(f"--discovery {shown!r}: expected etcd://HOST:PORT[/prefix]")
     try:
-        port = parts.port or 2379
+        port = 2379 if parts.port is None else parts.port
     except ValueError:
-        raise ConfigError(f"--discovery {text!r}: the port is not a number") from None
+        raw = parts.netloc.rpartition(":")[2]
+        why = "out of range (1-65535)" if raw.isdigit() else "not a number"
+        raise ConfigError(f"--discovery {shown!r}: the port is {why}") from None
+    if port == 0:  # taken for "no port" before, and 2379 dialled instead
+        raise ConfigError(f"--discovery {shown!r}: the port is out of range (1-65535)")
     prefix = parts.path.rstrip("/") or DEFAULT_PREFIX
     return EtcdTarget(parts.hostname, port, prefix)
 
@@ -115,11 +136,12 @@ class EtcdClient:
             raise EtcdUnavailable(f"etcd {path}: not a JSON object")
         return out.get("result", out) if path == "/v3/lease/keepalive" else out
 
-    async def grant(self, ttl_s: int) -> int:
+    async def grant(self, ttl_s: int) -> tuple[int, int]:
+        """A new lease: its id and the TTL etcd granted (at least its minimum TTL, whatever was asked)."""
         out = await self.call("/v3/lease/grant", {"TTL": ttl_s})
         if out.get("error") or "ID" not in out:
             raise EtcdUnavailable(f"etcd refused a lease: {out.get('error')}")
-        return int(out["ID"])
+        return int(out["ID"]), int(out.get("TTL", ttl_s))
 
     async def keepalive(self, lease: int) -> int:
         """The lease's renewed TTL; 0 when etcd no longer knows it (it expired: grant a new one)."""
@@ -137,6 +159,13 @@ class EtcdClient:
 
     async def delete(self, key: str) -> None:
         await self.call("/v3/kv/deleterange", {"key": _b64(key)})
+
+    async def get(self, key: str) -> tuple[bytes, int] | None:
+        """``key``'s value and its lease (0: none), None when absent (a range read: no revision)."""
+        kvs = (await self.call("/v3/kv/range", {"key": _b64(key)})).get("kvs", [])
+        if not kvs:
+            return None
+        return _unb64(kvs[0].get("value", "")), int(kvs[0].get("lease", 0))
 
     async def get_prefix(self, prefix: str) -> tuple[int, dict[str, bytes]]:
         """Every key under ``prefix`` and the store's revision at that moment."""

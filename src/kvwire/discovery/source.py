@@ -55,8 +55,9 @@ class Store(Protocol):
     @property
     def target(self) -> Target: ...
 
-    async def grant(self, ttl_s: int) -> int:
-        """A new lease of ``ttl_s`` seconds; its id."""
+    async def grant(self, ttl_s: int) -> tuple[int, int]:
+        """A new lease of ``ttl_s`` seconds: its id and the TTL the source granted (etcd raises a TTL
+        below its minimum, 2 s by default, without a word: the lease then lives longer than asked)."""
         ...
 
     async def keepalive(self, lease: int) -> int:
@@ -67,6 +68,11 @@ class Store(Protocol):
 
     async def put(self, key: str, value: bytes, lease: int = 0) -> None:
         """Write ``key`` (gone when ``lease`` expires, when given)."""
+        ...
+
+    async def get(self, key: str) -> tuple[bytes, int] | None:
+        """``key``'s value and the lease it lives under (0: none); None when the key is absent. A read:
+        no new revision, no event for anyone watching."""
         ...
 
     async def get_prefix(self, prefix: str) -> tuple[int, dict[str, bytes]]:
@@ -89,12 +95,23 @@ class Source:
     open_store: Callable[[str, float], Store]
 
 
+def redact(text: str) -> str:
+    """``text`` with any ``user:password@`` replaced by ``***@``: what logs and errors may show."""
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        return text
+    netloc, slash, path = rest.partition("/")
+    if "@" in netloc:
+        netloc = "***@" + netloc.rpartition("@")[2]
+    return f"{scheme}{sep}{netloc}{slash}{path}"
+
+
 def _source(text: str) -> Source:
     scheme = urllib.parse.urlsplit(text).scheme
     module = SOURCES.get(scheme)
     if module is None:
         forms = ", ".join(f"{s}://..." for s in SOURCES)
-        raise ConfigError(f"--discovery {text!r}: expected one of {forms}")
+        raise ConfigError(f"--discovery {redact(text)!r}: expected one of {forms}")
     source = getattr(importlib.import_module(module), "SOURCE", None)
     if not isinstance(source, Source) or source.scheme != scheme:
         raise ConfigError(f"{module}.SOURCE is not the Source of scheme {scheme!r}")

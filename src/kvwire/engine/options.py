@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
+import urllib.parse
 from typing import Any
 
 from kvwire.config import DEFAULT_BACKEND
 from kvwire.core.config import ConnectorConfig
 from kvwire.engine.config import PRESETS
+from kvwire.errors import ConfigError
 from kvwire.options import CONNECTED, ENGINES, Command, Option, discovery_option, logging_options
 from kvwire.protocol.messages import TransferMode
 from kvwire.transport.registry import names as transport_names
@@ -134,6 +137,37 @@ def engine_options() -> list[Option]:
         *_connector_options(),
         *logging_options(ENGINES),
     ]  # fmt: skip
+
+
+def check_fleet_options(values: dict[str, Any]) -> None:
+    """``ConfigError`` naming a bad ``--discovery-ttl``, ``--drain-timeout`` or ``--advertise-url``, so that
+    start-up ends before anything listens: before, a TTL of 0 raised out of the registrar after NIXL was
+    built and the port served, a negative drain timeout was taken, and a URL without its scheme was
+    registered for every router to fail its requests on (502)."""
+    ttl = values.get("discovery_ttl", 5)
+    if ttl < 1:
+        raise ConfigError(f"--discovery-ttl {ttl}: the etcd lease's TTL is at least 1 s")
+    drain = values.get("drain_timeout", 0.0)
+    if not math.isfinite(drain) or drain < 0:
+        raise ConfigError(f"--drain-timeout {drain}: expected seconds, 0 or more")
+    url = values.get("advertise_url")
+    if url is not None:
+        check_advertise_url(url)
+
+
+def check_advertise_url(url: str) -> None:
+    """Routers call ``URL/v1/...`` and ``URL/health``: it must be ``http(s)://HOST[:PORT]``."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"--advertise-url {url!r}: expected http://HOST:PORT (what routers dial)")
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0  # not a number, or out of range
+    if port == 0 or parts.username is not None or parts.path.strip("/") or parts.query or parts.fragment:
+        raise ConfigError(
+            f"--advertise-url {url!r}: expected http://HOST:PORT with a port of 1-65535 and nothing after it"
+        )
 
 
 def connector_config(values: dict[str, Any], mode: TransferMode) -> ConnectorConfig:

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 from kvwire.config import EnvConfig, env_config
 from kvwire.connector import LoadFailurePolicy
-from kvwire.discovery.source import check_target
+from kvwire.discovery.source import check_target, redact
 from kvwire.engine.config import EngineConfig, Role, preset
 from kvwire.engine.connector_hooks import ConnectorMetrics, ConnectorSettings, attach_connector
 from kvwire.engine.engine import Engine
-from kvwire.engine.options import connector_config
+from kvwire.engine.options import check_fleet_options, connector_config
 from kvwire.engine.server import EngineServer, Identity
 from kvwire.errors import ConfigError, KvwireError
 from kvwire.handshake.manager import stalled_reason
@@ -122,6 +122,7 @@ def start(values: dict[str, Any], role: Role, env: EnvConfig) -> Started:
     check_exposure(values["host"], env.secret, values["insecure"])
     if values.get("discovery"):
         check_target(values["discovery"])  # a bad --discovery ends start-up before anything listens
+    check_fleet_options(values)
     if role is not Role.COLOCATED:
         connector_config(values, TransferMode(values["mode"]))  # refuse bad knobs before building anything
     port = values["port"]
@@ -168,7 +169,8 @@ def _fleet(values: dict[str, Any], started: Started, env: EnvConfig) -> Fleet | 
     fleet = Fleet(started.server, values["discovery"], url.rstrip("/"), values["discovery_ttl"],
                   values["drain_timeout"])  # fmt: skip
     fleet.install(started.server.app)
-    log.info("registering in %s as %s (lease ttl %d s)", values["discovery"], url, values["discovery_ttl"])
+    log.info("registering in %s as %s (lease ttl %d s asked)", redact(values["discovery"]), url,
+             values["discovery_ttl"])  # fmt: skip
     return fleet
 
 

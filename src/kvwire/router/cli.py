@@ -8,6 +8,7 @@ process that holds its port for one of its engines.
 from __future__ import annotations
 
 import logging
+import signal
 from typing import Any
 
 from kvwire.config import (
@@ -18,7 +19,7 @@ from kvwire.config import (
     RouterConfig,
     split_urls,
 )
-from kvwire.discovery.source import check_target
+from kvwire.discovery.source import check_target, redact
 from kvwire.errors import ConfigError, KvwireError
 from kvwire.logsetup import LogFormat, configure
 from kvwire.options import Command, Option, discovery_option, logging_options
@@ -120,7 +121,7 @@ def summary(config: RouterConfig, port: int) -> str:
             f"router serving http://{config.host}:{port}",
             f"prefill {', '.join(config.prefill_urls) or '-'}",
             f"decode {', '.join(config.decode_urls) or '-'}",
-            f"discovery {config.discovery or 'none'}",
+            f"discovery {redact(config.discovery) if config.discovery else 'none'}",
             f"mode {config.mode.value}",
             f"policy {config.policy.value}",
             _disaggregation(config),
@@ -155,5 +156,13 @@ def run_router(values: dict[str, Any]) -> int:
     server_config = uvicorn.Config(
         app, host=config.host, port=port, log_config=None, access_log=values["log_http"], lifespan="on"
     )
+    stopped_by: list[int] = []
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler installed
+    # before it: the default one killed the process (status 143 after a clean SIGTERM, where supervisors
+    # and `kvwire serve` engines see 0). This one records it, so a requested stop exits with status 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: stopped_by.append(signum))
     uvicorn.Server(server_config).run(sockets=[sock])
+    if stopped_by:
+        log.info("router stopped by signal %d", stopped_by[0])
     return 0
