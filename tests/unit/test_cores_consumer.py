@@ -28,6 +28,7 @@ from kvwire.core.io import (
     Release,
     RemoteEngine,
     Send,
+    SendClaim,
     StartHandshake,
     TouchPeer,
 )
@@ -364,12 +365,12 @@ def test_d_fails_a_request_whose_p_restarted_since_it_prefilled(mode: TransferMo
     newer = TestEngine.build("P", mode=mode, incarnation="P-life2", port=5000)
     peer_mode = PeerMode.NOTIF_ONLY if mode is PUSH else PeerMode.FULL
     out = t.h.done(0.5, hs.token, newer.peer_rank(mode=peer_mode))
-    assert not any(isinstance(a, Send | PostRead) for a in out)
+    assert not any(isinstance(a, Send | PostRead | SendClaim) for a in out)
     assert events(out) == [ev(FAILED, FailReason.PEER_DEAD), ev(RELEASED, FailReason.PEER_DEAD)]
-    same = D(mode=mode)  # the life that prefilled answers: served as before
+    same = D(mode=mode)  # the life that prefilled answers: served as before (pull claims the blocks first)
     hs = one(same.h.at(0.0, allocated), StartHandshake)
     out = same.h.done(0.5, hs.token, same.p.peer_rank(mode=peer_mode))
-    assert any(isinstance(a, Send | PostRead) for a in out) and not events(out)
+    assert any(isinstance(a, Send | SendClaim) for a in out) and not events(out)
 
 
 def test_d_refuses_stray_messages_and_changes_nothing() -> None:

@@ -31,20 +31,20 @@ from kvwire.connector.cadence import Cadence
 from kvwire.connector.lag import LoopLag
 from kvwire.connector.reports import Reporter, as_notification
 from kvwire.connector.setup import checked_setup
+from kvwire.connector.sidecalls import answer_claim, start_claim, start_handshake
 from kvwire.connector.timeline import Stage, Timeline
 from kvwire.core.base import CoreBase, DropReason, Feeder, Refused
 from kvwire.core.config import ConnectorConfig
 from kvwire.core.events import ConnectorStats
-from kvwire.core.handshake import refusal
 from kvwire.core.io import (
     Action,
     Allocated,
+    AnswerClaim,
     Digest,
     Digested,
     Emit,
     Finished,
     ForgetPeer,
-    HandshakeDone,
     Input,
     NotifIn,
     Outcome,
@@ -54,6 +54,7 @@ from kvwire.core.io import (
     Release,
     ReportFailure,
     Send,
+    SendClaim,
     StartHandshake,
     Tick,
     TouchPeer,
@@ -63,21 +64,20 @@ from kvwire.errors import (
     AuthError,
     ConfigError,
     KvwireError,
-    NobodyListens,
     PeerDisconnected,
     ProtocolError,
     TransportError,
 )
 from kvwire.handshake.loop import BackgroundLoop
 from kvwire.handshake.manager import HandshakeManager, warm_up
-from kvwire.handshake.server import ServerStats, SideChannelServer
-from kvwire.handshake.types import EngineInfo, LocalRank, PeerRank
+from kvwire.handshake.server import ClaimVerdict, ServerStats, SideChannelServer
+from kvwire.handshake.types import EngineInfo, LocalRank
 from kvwire.kv.digest import kv_digest
 from kvwire.kv.mapping import RankLayout
 from kvwire.logsetup import Throttle
 from kvwire.protocol.allow import PeerAllowList
 from kvwire.protocol.codec import decode_notif, encode_notif
-from kvwire.protocol.messages import Done, PushReg, ReportFailed
+from kvwire.protocol.messages import Claim, Done, PushReg, ReportFailed
 from kvwire.protocol.ranks import RankKey
 from kvwire.protocol.seal import NotifGate
 from kvwire.transport.base import Registration, XferHandle, XferOp, XferStatus
@@ -95,6 +95,7 @@ class ConnectorBase(Generic[E]):
 
     role = "connector"
     takes_reports = False  # D: its side channel takes P's report_failed (connector/reports.py)
+    takes_claims = False  # a pull-mode P: its side channel takes D's claims (connector/sidecalls.py)
 
     def __init__(
         self,
@@ -142,6 +143,8 @@ class ConnectorBase(Generic[E]):
         self._handles: dict[int, tuple[RankKey, XferHandle, str]] = {}  # token -> (rank, handle, tid)
         self.timeline = Timeline()  # when each step of a request happened here (``/v1/kv_stats``)
         self._feeder = Feeder(self.core, self._execute, self._failed)
+        self._claim_verdicts: dict[int, AnswerClaim] = {}  # P: the core's answer to the claim being judged
+        self._claim_token = 0
         self._init_ticker()
 
     def _init_ticker(self) -> None:
@@ -223,6 +226,7 @@ class ConnectorBase(Generic[E]):
             self._port,
             self._secret,
             on_report=self._on_report if self.takes_reports else None,
+            on_claim=self._on_claim if self.takes_claims else None,
             clock=self._clock,
         )
         self._port = self._bg.run(self._server.start(), _START_TIMEOUT_S)
@@ -364,7 +368,11 @@ class ConnectorBase(Generic[E]):
                 if self._on_event is not None:
                     self._on_event()
             case StartHandshake():
-                self._handshake(action)
+                start_handshake(self, action)
+            case SendClaim():
+                start_claim(self, action)
+            case AnswerClaim():
+                self._claim_verdicts[action.token] = action
             case ReportFailure():
                 task = self.reporter.submit(action)  # the report core drops what it must
                 if task is not None:
@@ -421,41 +429,13 @@ class ConnectorBase(Generic[E]):
         self._feeder.follow(Outcome(action.token, True))
         self._wake()  # poll it at the busy rate from now on
 
-    def _handshake(self, action: StartHandshake) -> None:
-        """Run ``ensure`` on the loop; its ``HandshakeDone`` comes back as an input when it ends."""
-        mgr = self.managers[action.key]
-        a = action
-        args = (a.host, a.port, a.remote[0], a.remote[1], a.mode)
-        try:
-            hit = mgr.cached(*args, engine_id=a.engine_id, incarnation=a.incarnation)
-        except KvwireError as exc:
-            refused = isinstance(exc, NobodyListens)
-            self._feeder.follow(HandshakeDone(a.token, None, str(exc), refusal(exc), refused))
-            return
-        if hit is not None:
-            # Cached (the usual case): answered right after the input that asked, as an outcome is
-            # (never re-entrantly), not a loop pass later: that pass cost each rank pair a wake-up.
-            self._feeder.follow(HandshakeDone(a.token, hit, "", cached=True))
-            return
-        task = asyncio.ensure_future(mgr.ensure(*args, engine_id=a.engine_id, incarnation=a.incarnation))
-        self._tasks.add(task)
+    def _on_claim(self, claim: Claim) -> ClaimVerdict:
+        """A D's authenticated ``claim`` (side channel, same loop), judged by the core at once."""
+        return answer_claim(self, claim)
 
-        def finished(t: asyncio.Future[PeerRank]) -> None:
-            self._tasks.discard(t)
-            if t.cancelled():
-                return
-            exc = t.exception()
-            if exc is not None and not isinstance(exc, KvwireError):
-                log.error("%s: handshake with %s:%d raised %r", self.role, a.host, a.port, exc)
-            if exc is not None:
-                refused = isinstance(exc, NobodyListens)
-                done = HandshakeDone(a.token, None, str(exc), refusal(exc), refused)
-            else:
-                done = HandshakeDone(a.token, t.result(), "")
-            self._guarded(self._apply, (self._clock(), done))
-            self._wake()
-
-        task.add_done_callback(finished)
+    def _new_claim_token(self) -> int:
+        self._claim_token += 1
+        return self._claim_token
 
     def _on_report(self, report: ReportFailed) -> None:
         """A peer's authenticated ``report_failed`` (side channel, same loop): the ``failed`` it means."""

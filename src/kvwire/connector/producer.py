@@ -58,6 +58,7 @@ class Producer(ConnectorBase[ProducerEvent]):
         self._held: set[str] = set()
         self._held_lock = threading.Lock()
         kind: type[ProducerCore] = PullProducerCore
+        self.takes_claims = self.config.mode is TransferMode.PULL  # D claims our blocks before it reads
         if self.config.mode is TransferMode.PUSH:
             kind = LayerwisePushProducerCore if self.config.layerwise else PushProducerCore
         return kind(self.engine, layouts, num_blocks, self.config, host=self.host)

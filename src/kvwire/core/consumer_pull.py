@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from kvwire.core.consumer import ConsumerCore
 from kvwire.core.consumer_records import Link, LocalPart, Request
-from kvwire.core.io import Input, Outcome, PostRead, Release, XferEnded
+from kvwire.core.io import ClaimAnswered, Input, Outcome, PostRead, Release, SendClaim, XferEnded
 from kvwire.core.types import PeerRank
 from kvwire.errors import BlockRangeError, IllegalTransition, LayoutError
-from kvwire.kv.descriptors import plan_transfer
-from kvwire.protocol.messages import Done, Failed, FailReason, Notification
+from kvwire.kv.descriptors import TransferPlan, plan_transfer
+from kvwire.protocol.messages import Claim, Done, Failed, FailReason, Notification
 from kvwire.protocol.states import ConsumerState
 from kvwire.protocol.states import ConsumerTrigger as CT
 from kvwire.protocol.types import PeerMode
@@ -24,12 +24,15 @@ class PullConsumerCore(ConsumerCore):
         super().__init__(*args, **kwargs)
         self._posting: dict[int, tuple[Request, LocalPart, Link, int]] = {}
         self._reading: dict[int, tuple[Request, LocalPart, Link, int]] = {}
+        self._claims: dict[int, tuple[Request, LocalPart, Link, TransferPlan, float]] = {}  # out, by token
 
     @property
     def busy(self) -> bool:
         return bool(self._reading)
 
     def _start(self, now: float, req: Request, part: LocalPart, link: Link, peer: PeerRank) -> None:
+        """Claim P's blocks for this request before reading them: a P that no longer holds them (its
+        lease ran out while D waited) refuses, and nothing is read."""
         assert peer.layout is not None
         try:
             plan = plan_transfer(
@@ -50,12 +53,57 @@ class PullConsumerCore(ConsumerCore):
             self._posted(part)
             return
         token = self._new_token()
+        link.claiming = True
+        self._claims[token] = (req, part, link, plan, now)
+        claim = Claim(
+            pp_rank=peer.pp_rank,
+            tp_rank=peer.tp_rank,
+            to_incarnation=peer.incarnation,
+            transfer_id=req.transfer_id,
+            block_ids=list(req.remote.block_ids),
+            engine_id=self.engine.engine_id,
+            incarnation=self.engine.incarnation,
+            from_pp_rank=part.key[0],
+            from_tp_rank=part.key[1],
+        )
+        self._do(SendClaim(token, part.key, peer.host, peer.port, link.src, claim))
+
+    def _claim_answered(self, now: float, inp: ClaimAnswered) -> None:
+        req, part, link, plan, sent_at = self._claims.pop(inp.token)
+        link.claiming = False
+        if (
+            part.machine.state is not ConsumerState.REGISTERING
+            or self._requests.get(req.transfer_id) is not req
+        ):
+            # Ended meanwhile (an abort, a dead P, another read failed): nothing is read. P holds the
+            # blocks for us now: it hears our end with the others' once our reads drained, or at once
+            # when they already did (it may have taken a word before this claim).
+            if inp.lease_s is not None:
+                link.claimed = True
+                if self._requests.get(req.transfer_id) is not req:
+                    self._tell(req, part, link, FailReason.ABORTED)
+            return
+        if inp.lease_s is None:
+            why = inp.refusal or FailReason.HANDSHAKE_FAILED
+            self._log_info("%s: P refused the claim (%s): %s", req.transfer_id, why.value, inp.detail)
+            self._fail(req, part, CT.HANDSHAKE_FAILED, why)
+            self._settle(now, req)
+            return
+        link.claimed, link.claim_until = True, sent_at + inp.lease_s
+        token = self._new_token()
         link.posting, link.posted_at = True, now
         self._posting[token] = (req, part, link, plan.nbytes)
         self.stats.descriptors_posted += plan.num_descs
+        assert link.peer is not None
         self._do(
             PostRead(
-                token, part.key, peer.agent_name, plan.src_array, plan.dst_array, plan.nbytes, req.transfer_id
+                token,
+                part.key,
+                link.peer.agent_name,
+                plan.src_array,
+                plan.dst_array,
+                plan.nbytes,
+                req.transfer_id,
             )
         )
 
@@ -86,6 +134,9 @@ class PullConsumerCore(ConsumerCore):
             part.machine.handle(CT.DONE_ALL)
 
     def _on_transfer_input(self, now: float, inp: Input) -> None:
+        if isinstance(inp, ClaimAnswered):
+            self._claim_answered(now, inp)
+            return
         if not isinstance(inp, XferEnded):
             raise IllegalTransition(self.role, "pull", type(inp).__name__)
         req, part, link, nbytes = self._reading.pop(inp.token)
@@ -104,6 +155,9 @@ class PullConsumerCore(ConsumerCore):
         reason: FailReason,
     ) -> None:
         link.token = 0
+        if ok and now > link.claim_until:
+            # P's grant ran out before the read ended: P may have reused the blocks mid-read.
+            ok, reason = False, FailReason.LEASE_EXPIRED
         if ok:
             link.read_done = True
             self.stats.bytes_moved += nbytes
@@ -137,18 +191,23 @@ class PullConsumerCore(ConsumerCore):
         """Every read of the request is over: P may free its blocks."""
         for part in req.parts.values():
             for link in part.links.values():
-                if link.peer is None:
-                    continue
-                common = {
-                    "transfer_id": req.transfer_id,
-                    "engine_id": self.engine.engine_id,
-                    "incarnation": self.engine.incarnation,
-                    "tp_rank": part.key[1],
-                    "pp_rank": part.key[0],
-                }
-                msg: Notification = (
-                    Done(num_blocks=len(req.remote.block_ids), **common)  # type: ignore[arg-type]
-                    if reason is None
-                    else Failed(reason=reason, **common)  # type: ignore[arg-type]
-                )
-                self._send(part.key, link.peer.agent_name, msg)
+                # Not to a P rank that refused the claim, nor one never asked: it holds nothing for us.
+                if link.claimed or link.claiming or link.read_done:
+                    self._tell(req, part, link, reason)
+
+    def _tell(self, req: Request, part: LocalPart, link: Link, reason: FailReason | None) -> None:
+        if link.peer is None:
+            return
+        common = {
+            "transfer_id": req.transfer_id,
+            "engine_id": self.engine.engine_id,
+            "incarnation": self.engine.incarnation,
+            "tp_rank": part.key[1],
+            "pp_rank": part.key[0],
+        }
+        msg: Notification = (
+            Done(num_blocks=len(req.remote.block_ids), **common)  # type: ignore[arg-type]
+            if reason is None
+            else Failed(reason=reason, **common)  # type: ignore[arg-type]
+        )
+        self._send(part.key, link.peer.agent_name, msg)

@@ -32,6 +32,12 @@ class Link:
     rehandshaked: bool = False  # a push_reg could not be sent: the handshake was redone once
     reg_nonce: int = 0  # push: the push_reg's, which P's done must echo
     want_digest: bool = False  # push: D asked P for a digest of what it writes
+    # Pull: a ``claim`` is out (claiming), or P granted it (claimed: its word ends P's hold) until
+    # ``claim_until`` (by this side's clock: the claim was sent before P answered, so P holds at least
+    # that long); a read that ends later may have copied blocks P had freed.
+    claiming: bool = False
+    claimed: bool = False
+    claim_until: float = math.inf
 
 
 @dataclass(eq=False)

@@ -13,6 +13,8 @@ simulator) executes the actions in order. The contract a driver keeps:
 * ``StartHandshake`` ends with exactly one ``HandshakeDone`` (success or error), never re-entrantly: a
   cached peer's may come right after the input that asked (as an outcome does), one that needs a handshake
   when it ends, with other inputs between.
+* ``SendClaim`` ends with exactly one ``ClaimAnswered``, never re-entrantly. A ``ClaimArrived`` is answered
+  by exactly one ``AnswerClaim`` among its actions.
 * ``Tick`` is due at ``core.wake_at()`` at the latest; earlier ticks are harmless.
 
 Inputs and actions are frozen ``msgspec.Struct``s, not frozen dataclasses: a request makes about 30 of
@@ -29,7 +31,7 @@ import numpy as np
 
 from kvwire.core.types import PeerRank
 from kvwire.kv.digest import DigestScope
-from kvwire.protocol.messages import Failed, FailReason, Notification
+from kvwire.protocol.messages import Claim, ErrorCode, Failed, FailReason, Notification
 from kvwire.protocol.ranks import RankKey
 from kvwire.protocol.types import PeerMode
 
@@ -152,6 +154,23 @@ class Digested(msgspec.Struct, frozen=True):
     digest: bytes | None
 
 
+class ClaimAnswered(msgspec.Struct, frozen=True):
+    """D: P's answer to a ``SendClaim``: ``lease_s`` when granted (P holds the blocks at least that long
+    from when it answered), else why not (``refusal``; ``detail`` for the log)."""
+
+    token: int
+    lease_s: float | None
+    refusal: FailReason | None = None
+    detail: str = ""
+
+
+class ClaimArrived(msgspec.Struct, frozen=True):
+    """P: an authenticated ``claim`` on its side channel (pull mode), to be answered at once."""
+
+    token: int
+    msg: Claim
+
+
 Input = (
     Tick
     | NotifIn
@@ -164,6 +183,8 @@ Input = (
     | Abort
     | Allocated
     | Digested
+    | ClaimAnswered
+    | ClaimArrived
 )
 
 # --- actions ------------------------------------------------------------------------------------------
@@ -272,6 +293,27 @@ class Emit(msgspec.Struct, frozen=True):
     event: object
 
 
+class SendClaim(msgspec.Struct, frozen=True):
+    """D: ask P's rank ``remote`` at ``host:port`` (side channel) whether it still holds ``claim``'s blocks
+    (pull mode, before any READ of them); its ``ClaimAnswered`` comes back."""
+
+    token: int
+    key: RankKey
+    host: str
+    port: int
+    remote: RankKey
+    claim: Claim
+
+
+class AnswerClaim(msgspec.Struct, frozen=True):
+    """P: the answer to ``ClaimArrived`` ``token``: granted for ``lease_s``, or refused (``code``)."""
+
+    token: int
+    lease_s: float | None
+    code: ErrorCode | None = None
+    detail: str = ""
+
+
 Action = (
     Send
     | PostWrite
@@ -284,5 +326,7 @@ Action = (
     | Reap
     | TouchPeer
     | Emit
+    | SendClaim
+    | AnswerClaim
 )
 Actions = Sequence[Action]

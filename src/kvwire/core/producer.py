@@ -14,7 +14,15 @@ import math
 
 from kvwire.core.base import CoreBase, DropReason, core_log
 from kvwire.core.events import ProducerEvent, ProducerOutcome
-from kvwire.core.io import Abort, Finished, Input, ReportFailure, TouchPeer
+from kvwire.core.io import (
+    Abort,
+    AnswerClaim,
+    ClaimArrived,
+    Finished,
+    Input,
+    ReportFailure,
+    TouchPeer,
+)
 from kvwire.core.producer_records import (
     Phase,
     Reg,
@@ -27,7 +35,7 @@ from kvwire.core.producer_records import (
 )
 from kvwire.errors import BlockRangeError, IllegalTransition
 from kvwire.kv.groups import moved_ids
-from kvwire.protocol.messages import Done, Failed, FailReason, Heartbeat, Notification, PushReg
+from kvwire.protocol.messages import Done, ErrorCode, Failed, FailReason, Heartbeat, Notification, PushReg
 from kvwire.protocol.ranks import RankKey
 from kvwire.protocol.states import ProducerTrigger as PT
 
@@ -319,7 +327,37 @@ class ProducerCore(CoreBase):
 
 
 class PullProducerCore(ProducerCore):
-    """Pull: P lends its blocks; D reads them and says ``done`` (or ``failed``) when every read ended."""
+    """Pull: P lends its blocks; each D rank claims them before it reads (``claim``: granted only while P
+    holds them for that transfer) and says ``done`` (or ``failed``) when its reads ended; P holds them
+    until every D rank that claimed them has, or the lease runs out."""
+
+    def _on_transfer_input(self, now: float, inp: Input) -> None:
+        if isinstance(inp, ClaimArrived):
+            self._claim(now, inp)
+        else:
+            super()._on_transfer_input(now, inp)
+
+    def _claim(self, now: float, inp: ClaimArrived) -> None:
+        msg = inp.msg
+        req = self._requests.get(msg.transfer_id)
+        code, detail = None, ""
+        if req is None or req.phase is not Phase.HELD:
+            code = ErrorCode.GONE
+            detail = f"{msg.transfer_id}: not held here (its lease expired, it ended, or it never finished)"
+        elif not set(msg.block_ids) <= set(req.block_ids):
+            code, detail = ErrorCode.BAD_REQUEST, f"{msg.transfer_id}: names blocks not held for it"
+        else:
+            claimer = (msg.engine_id, msg.incarnation, msg.from_pp_rank, msg.from_tp_rank)
+            if claimer not in req.claims and len(req.claims) >= self.config.max_registrations_per_request:
+                code, detail = ErrorCode.BAD_REQUEST, f"{msg.transfer_id}: too many claimers"
+            else:
+                req.claims.setdefault(claimer, True)
+                lease = self.config.kv_lease_duration_s
+                req.lease_until = max(req.lease_until, now + lease)
+                self._do(AnswerClaim(inp.token, lease))
+                return
+        self.stats.dropped_notifs[f"claim_{code.value}"] += 1
+        self._do(AnswerClaim(inp.token, None, code, detail))
 
     def _on_notif(self, now: float, key: RankKey, sender: str, msg: Notification) -> None:
         if isinstance(msg, Heartbeat):
@@ -335,11 +373,24 @@ class PullProducerCore(ProducerCore):
             return  # D tells every P rank it read from; the first one ended the request
         if req is None or req.phase is not Phase.HELD:
             raise self._refuse(DropReason.UNKNOWN_TRANSFER, f"{type(msg).__name__} {msg.transfer_id}")
+        claimer = (msg.engine_id, msg.incarnation, msg.pp_rank, msg.tp_rank)
+        reading = req.claims.get(claimer)
+        if reading is None and any(req.claims.values()):
+            # A rank that claimed nothing may not end the hold while a claimer still reads: its word
+            # would free the blocks under that read. (With none reading, its word ends it: its plan read
+            # nothing, or every claim was refused.)
+            raise self._refuse(DropReason.UNEXPECTED, f"{type(msg).__name__} {msg.transfer_id} unclaimed")
+        if reading is False:
+            return  # its word to another of our ranks came first
+        req.claims[claimer] = False
         if isinstance(msg, Failed):
             self.stats.failures[msg.reason] += 1
-        else:
+            req.claim_failed = True
+        if any(req.claims.values()):
+            return  # another D rank still reads them
+        if not req.claim_failed:
             self.stats.transfers_done += 1
-        how = ProducerOutcome.PULLED if isinstance(msg, Done) else ProducerOutcome.FAILED
+        how = ProducerOutcome.FAILED if req.claim_failed else ProducerOutcome.PULLED
         self._end(now, req, how, emit=True)
 
     def _timers(self, now: float) -> None:

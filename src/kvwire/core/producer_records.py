@@ -82,6 +82,11 @@ class Request:
     # the early-registration table (None: created by the engine's own call).
     early_owner: tuple[str, str] | None = None
     early_ids: int = 0  # D's block ids its registrations name while PREFILLING (``max_early_block_ids``)
+    # Pull: the D ranks (engine, life, pp, tp) whose ``claim`` was granted, each True until it said
+    # ``done`` or ``failed`` (to any P rank: D says it to every one it read from, once all its reads
+    # ended); the blocks stay held while one is True. And whether one of them failed.
+    claims: dict[tuple[str, str, int, int], bool] = field(default_factory=dict)
+    claim_failed: bool = False
 
 
 def drop_d_ids(reg: Reg) -> int:

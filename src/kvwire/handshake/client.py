@@ -35,15 +35,17 @@ from kvwire.errors import (
 )
 from kvwire.handshake import refusals
 from kvwire.handshake.types import PeerAddress
-from kvwire.protocol.auth import sign
+from kvwire.protocol.auth import SignedRequest, sign
 from kvwire.protocol.codec import FRAME_HEADER_BYTES, decode_side, encode_frame, parse_frame_header
 from kvwire.protocol.compat import describe_mismatch, fields_of
 from kvwire.protocol.messages import (
     VERSION,
     Ack,
+    Claim,
     ErrorCode,
     ErrorReply,
     GetMetadata,
+    Granted,
     Metadata,
     ReportFailed,
     Sealed,
@@ -61,6 +63,7 @@ _REFUSALS: dict[ErrorCode, type[HandshakeError]] = {
     ErrorCode.UNAUTHORIZED: Unauthorized,
     ErrorCode.NO_SUCH_RANK: NoSuchRank,
     ErrorCode.BAD_REQUEST: HandshakeError,
+    ErrorCode.GONE: HandshakeError,
 }
 
 
@@ -197,6 +200,21 @@ async def send_report(
         raise HandshakeError(f"{addr}: bad reply: {type(reply).__name__} is no ack")
 
 
+async def send_claim(
+    addr: PeerAddress, claim: Claim, *, timeout_s: float, secret: bytes | None = None
+) -> Granted | ErrorReply:
+    """Ask P (its rank in ``addr``) whether it still holds a pull request's blocks: its ``granted``, or
+    its refusal as the ``ErrorReply`` (``gone``, ``bad_request``, ...); raises as ``fetch_metadata`` does
+    when no trusted answer comes (under a secret only a sealed ``granted`` is believed)."""
+    if secret:
+        claim = sign(claim, secret, target=f"{addr.host}:{addr.port}")
+    async with _connection(addr, timeout_s) as (reader, writer):
+        reply = opened_reply(await _roundtrip(reader, writer, addr, claim), claim, secret, addr)
+    if not isinstance(reply, Granted | ErrorReply):
+        raise HandshakeError(f"{addr}: bad reply: {type(reply).__name__} answers no claim")
+    return reply
+
+
 # Refusals a server with a secret sends plain: of a request it could not verify, or could not decode.
 _PLAIN_REFUSALS = frozenset({ErrorCode.UNAUTHORIZED, ErrorCode.BAD_REQUEST, ErrorCode.INCOMPATIBLE})
 
@@ -207,7 +225,7 @@ def _reply_seal(secret: bytes) -> ReplySeal:
 
 
 def opened_reply(
-    reply: SideMessage, req: GetMetadata | ReportFailed, secret: bytes | None, addr: PeerAddress
+    reply: SideMessage, req: SignedRequest, secret: bytes | None, addr: PeerAddress
 ) -> SideMessage:
     """The reply a holder of the secret can trust: with a secret, metadata only from a ``Sealed`` reply
     made for ``req`` (a relay or an impostor answering on the peer's address cannot make one). A plain

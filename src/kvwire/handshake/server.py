@@ -39,10 +39,12 @@ from kvwire.protocol.codec import (
 from kvwire.protocol.compat import compat_fields, compat_hash
 from kvwire.protocol.messages import (
     Ack,
+    Claim,
     CompatFields,
     ErrorCode,
     ErrorReply,
     GetMetadata,
+    Granted,
     KVInfo,
     Metadata,
     RegionMsg,
@@ -52,9 +54,10 @@ from kvwire.protocol.messages import (
 from kvwire.protocol.seal import ReplySeal
 
 log = logging.getLogger("kvwire.handshake")
-_R = TypeVar(
-    "_R", Metadata, ErrorReply, Ack, Metadata | ErrorReply, Ack | ErrorReply, Metadata | ErrorReply | Ack
-)
+_Reply = Metadata | ErrorReply | Ack | Granted
+_R = TypeVar("_R", Metadata | ErrorReply, Ack | ErrorReply, Granted | ErrorReply, _Reply)
+# P's connector's verdict on a ``claim``: granted, or the refusal (its code and why).
+ClaimVerdict = Granted | tuple[ErrorCode, str]
 
 DEFAULT_IDLE_TIMEOUT_S = 10.0
 DEFAULT_MAX_REQUESTS = 64
@@ -153,12 +156,15 @@ class SideChannelServer:
         max_connections_per_host: int = DEFAULT_MAX_CONNECTIONS_PER_HOST,
         first_request_timeout_s: float = DEFAULT_FIRST_REQUEST_TIMEOUT_S,
         on_report: Callable[[ReportFailed], None] | None = None,
+        on_claim: Callable[[Claim], ClaimVerdict] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._ranks = {(r.pp_rank, r.tp_rank): r for r in ranks}
         # Takes an authenticated ``report_failed`` (D's connector; runs on the server's loop). None: this
         # engine takes none (P, or a bare metadata server).
         self.on_report = on_report
+        # Judges an authenticated ``claim`` (a pull-mode P's connector; same loop). None: takes none.
+        self.on_claim = on_claim
         if len(self._ranks) != len(ranks):
             raise ConfigError("two local ranks share a (pp, tp) rank")
         self.engine = engine
@@ -351,17 +357,20 @@ class SideChannelServer:
                 # The stream is out of sync after a bad frame: answer, then close.
                 await self._send(writer, self._error_for(exc))
                 return
-            if not isinstance(msg, ReportFailed | GetMetadata):
+            if not isinstance(msg, ReportFailed | GetMetadata | Claim):
                 await self._send(
                     writer, self._refuse(ErrorCode.BAD_REQUEST, f"{type(msg).__name__} is no request")
                 )
                 return
-            reply: Metadata | ErrorReply | Ack = self._trusting(
-                conn, self.report(msg) if isinstance(msg, ReportFailed) else self.answer(msg)
-            )
+            reply: _Reply = self._trusting(conn, self._reply_to(msg))
             await self._send(writer, self.sealed(msg, reply))
             if isinstance(reply, ErrorReply) and reply.code is ErrorCode.UNAUTHORIZED:
                 return  # no second try on a connection that could not prove the secret: its slot goes
+
+    def _reply_to(self, msg: ReportFailed | GetMetadata | Claim) -> _Reply:
+        if isinstance(msg, ReportFailed):
+            return self.report(msg)
+        return self.claim(msg) if isinstance(msg, Claim) else self.answer(msg)
 
     def _trusting(self, conn: _Conn, reply: _R) -> _R:
         """With a secret, a request that was not refused as unauthorized proved it (``answer`` and
@@ -381,7 +390,7 @@ class SideChannelServer:
                 return None
             raise
 
-    async def _send(self, writer: asyncio.StreamWriter, reply: Metadata | ErrorReply | Sealed | Ack) -> None:
+    async def _send(self, writer: asyncio.StreamWriter, reply: _Reply | Sealed) -> None:
         writer.write(encode_frame(reply))
         async with asyncio.timeout(self._idle_timeout_s):
             await writer.drain()
@@ -406,14 +415,13 @@ class SideChannelServer:
         # Bound to every interface: the requester may have dialled any of our addresses.
         return self._host in ("0.0.0.0", "::", "") or host.strip("[]") == self._host
 
-    def sealed(
-        self, req: SignedRequest, reply: Metadata | ErrorReply | Ack
-    ) -> Metadata | ErrorReply | Ack | Sealed:
+    def sealed(self, req: SignedRequest, reply: _Reply) -> _Reply | Sealed:
         """With a secret, the reply to a verified request goes sealed (``protocol/seal.py``): readable only
         by a holder of the secret, and only as the answer to that request; a ``report_failed``'s refusals
         too (docs/protocol.md §4: only ``unauthorized`` and the refusals of undecodable frames go plain).
         A refusal of the request's credentials stays plain: it cannot be bound to a request that was not
-        verified, and grants nothing; so does a report's ``ack``."""
+        verified, and grants nothing; so does a report's ``ack`` (a claim's ``granted`` grants a read: it
+        goes sealed)."""
         if self._seal is None or isinstance(reply, Ack):
             return reply
         if isinstance(reply, ErrorReply) and reply.code is ErrorCode.UNAUTHORIZED:
@@ -448,6 +456,29 @@ class SideChannelServer:
         self.stats.replies["report"] += 1
         self.on_report(req)
         return Ack()
+
+    def claim(self, req: Claim) -> Granted | ErrorReply:
+        """Judge a D's ``claim`` on one of our ranks' blocks (pull mode): the connector says."""
+        refused = self._unauthorized(req)
+        if refused is not None:
+            return refused
+        if self.on_claim is None:
+            return self._refuse(
+                ErrorCode.BAD_REQUEST, f"{self.engine.engine_id} takes no claim (not a pull P)"
+            )
+        if (req.pp_rank, req.tp_rank) not in self._ranks:
+            return self._refuse(
+                ErrorCode.NO_SUCH_RANK,
+                f"{self.engine.engine_id} serves no rank pp{req.pp_rank}/tp{req.tp_rank}",
+            )
+        if req.to_incarnation != self.engine.incarnation:
+            # An earlier life lent them (a restart since): this one holds nothing of that request.
+            return self._refuse(ErrorCode.GONE, f"claim for life {req.to_incarnation[:64]!r}, not this one")
+        verdict = self.on_claim(req)
+        if isinstance(verdict, Granted):
+            self.stats.replies["granted"] += 1
+            return verdict
+        return self._refuse(*verdict)
 
     def answer(self, req: GetMetadata) -> Metadata | ErrorReply:
         """The reply to one decoded request."""

@@ -27,21 +27,41 @@ from typing import TypeVar
 import msgspec
 
 from kvwire.errors import AuthError, ConfigError
-from kvwire.protocol.messages import GetMetadata, ReportFailed
+from kvwire.protocol.messages import Claim, GetMetadata, ReportFailed
 
 # The side-channel requests a shared secret authenticates.
-SignedRequest = GetMetadata | ReportFailed
-R = TypeVar("R", GetMetadata, ReportFailed)
+SignedRequest = GetMetadata | ReportFailed | Claim
+R = TypeVar("R", GetMetadata, ReportFailed, Claim)
 
 NONCE_BYTES = 16
 _DOMAIN = b"kvwire/get_metadata/2"
 _REPORT_DOMAIN = b"kvwire/report_failed/1"
+_CLAIM_DOMAIN = b"kvwire/claim/1"
 MAX_SKEW_MS = 30_000  # clocks of a cluster agree far better (NTP); a longer window only helps a replay
 _ENCODER = msgspec.msgpack.Encoder()
 
 
 def signed_bytes(req: SignedRequest) -> bytes:
     """The canonical bytes that ``auth`` covers."""
+    if isinstance(req, Claim):
+        return _ENCODER.encode(
+            [
+                _CLAIM_DOMAIN,
+                req.version,
+                req.pp_rank,
+                req.tp_rank,
+                req.to_incarnation,
+                req.transfer_id,
+                req.block_ids,
+                req.engine_id,
+                req.incarnation,
+                req.from_pp_rank,
+                req.from_tp_rank,
+                req.nonce,
+                req.target,
+                req.ts_ms,
+            ]
+        )
     if isinstance(req, ReportFailed):
         return _ENCODER.encode(
             [

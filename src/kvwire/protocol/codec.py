@@ -29,11 +29,13 @@ from kvwire.protocol.messages import (
     Ack,
     Cancel,
     CancelAck,
+    Claim,
     Done,
     ErrorReply,
     Failed,
     FailReason,
     GetMetadata,
+    Granted,
     Heartbeat,
     Metadata,
     Notification,
@@ -49,7 +51,8 @@ NOTIF_TYPES: frozenset[str] = frozenset(
     str(cls.__struct_config__.tag) for cls in (PushReg, Done, Failed, Cancel, CancelAck, Heartbeat)
 )
 SIDE_TYPES: frozenset[str] = frozenset(
-    str(cls.__struct_config__.tag) for cls in (GetMetadata, Metadata, ErrorReply, Sealed, ReportFailed, Ack)
+    str(cls.__struct_config__.tag)
+    for cls in (GetMetadata, Metadata, ErrorReply, Sealed, ReportFailed, Ack, Claim, Granted)
 )
 
 

@@ -62,6 +62,9 @@ def _inputs(f: CompatFields) -> list[object]:
         f.transfer_mode.value,
         # Appended only when set, so the hashes of unfused caches stay what wire contract v1 says.
         *(["kv_fused"] if f.kv_fused else []),
+        # Pull mode's D claims P's blocks before it reads them (``claim``): a P or D from before claims
+        # would fail every pull request with a newer peer, so they no longer pair (push is unchanged).
+        *(["pull_claims"] if f.transfer_mode is TransferMode.PULL else []),
     ]
 
 

@@ -34,6 +34,7 @@ ReasonText = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 # A content digest (CRC-32 today: 4 bytes); longer is refused as malformed before it is kept anywhere.
 DigestBytes = Annotated[bytes, msgspec.Meta(max_length=64)]
 IdText = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
+MAX_CLAIM_BLOCKS = 1 << 20  # a claim names P's blocks of one request: 16 Mi tokens at 16 per block
 # A host name or address as dialled: DNS names are at most 253 characters. Kept by bounded tables and
 # logged, so a 4 MiB one (the notification's bound) must not get that far.
 HostText = Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
@@ -51,6 +52,9 @@ class ErrorCode(enum.Enum):
     UNAUTHORIZED = "unauthorized"
     NO_SUCH_RANK = "no_such_rank"
     BAD_REQUEST = "bad_request"
+    # Added (v1-compatible): a ``claim`` for a transfer this engine does not hold (ended, expired, or
+    # never finished here).
+    GONE = "gone"
 
 
 class FailReason(enum.Enum):
@@ -222,7 +226,40 @@ class Ack(msgspec.Struct, tag="ack", tag_field="type", kw_only=True):
     version: Version = VERSION
 
 
-SideMessage = GetMetadata | Metadata | ErrorReply | Sealed | ReportFailed | Ack
+class Claim(msgspec.Struct, tag="claim", tag_field="type", kw_only=True):
+    """Pull mode: D asks P, on P's side channel, before it reads a request's blocks from one P rank,
+    whether P still holds those blocks for that transfer. P answers ``granted`` (and keeps them at least
+    ``lease_ms`` from then, and until this D rank's ``done`` or ``failed``) or ``error`` (``gone``: not
+    held; ``bad_request``: other blocks). Without it a D that came after P's lease read blocks P had
+    freed and reused, and decoded another request's KV as this one's. Authenticated as
+    ``get_metadata``; its answer, ``granted`` included, goes sealed under a secret."""
+
+    version: Version = VERSION
+    pp_rank: NonNeg  # P's rank to be read
+    tp_rank: NonNeg
+    to_incarnation: IdText  # P's life the request's parameters named
+    transfer_id: IdText
+    block_ids: Annotated[list[NonNeg], msgspec.Meta(max_length=MAX_CLAIM_BLOCKS)]
+    # The claimer: D's engine, life and rank (P waits for the ``done`` or ``failed`` of each).
+    engine_id: IdText
+    incarnation: IdText
+    from_pp_rank: NonNeg
+    from_tp_rank: NonNeg
+    nonce: bytes | None = None
+    auth: bytes | None = None
+    target: str | None = None
+    ts_ms: int | None = None
+
+
+class Granted(msgspec.Struct, tag="granted", tag_field="type", kw_only=True):
+    """P's answer to a ``claim`` it holds: the blocks stay P's for this transfer at least ``lease_ms``
+    from when P answered (D's heartbeats extend it), and until the claimer's ``done`` or ``failed``."""
+
+    version: Version = VERSION
+    lease_ms: Positive
+
+
+SideMessage = GetMetadata | Metadata | ErrorReply | Sealed | ReportFailed | Ack | Claim | Granted
 
 
 # --- notifications ---------------------------------------------------------------------------------

@@ -31,7 +31,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from kvwire.errors import AuthError
-from kvwire.protocol.messages import NOTIF_MAGIC, GetMetadata, ReportFailed, Sealed
+from kvwire.protocol.auth import SignedRequest
+from kvwire.protocol.messages import NOTIF_MAGIC, Sealed
 
 SEALED_NOTIF_MAGIC = b"KVS1"
 NOTIF_TAG_BYTES = 16  # 128-bit tags: forging one is as hard as guessing it
@@ -50,7 +51,7 @@ def derive_key(secret: bytes, info: bytes) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(secret)
 
 
-def _reply_aad(req: GetMetadata | ReportFailed) -> bytes:
+def _reply_aad(req: SignedRequest) -> bytes:
     if req.nonce is None or req.target is None:
         raise AuthError("only a signed request (nonce and target) can be answered sealed")
     return _ENCODER.encode([_REPLY_AAD, req.nonce, req.target])
@@ -62,12 +63,12 @@ class ReplySeal:
     def __init__(self, secret: bytes) -> None:
         self._aead = AESGCM(derive_key(secret, _REPLY_INFO))
 
-    def seal(self, body: bytes, req: GetMetadata | ReportFailed) -> Sealed:
+    def seal(self, body: bytes, req: SignedRequest) -> Sealed:
         """``body``: the encoded reply message (msgpack, no frame header)."""
         nonce = os.urandom(GCM_NONCE_BYTES)
         return Sealed(nonce=nonce, box=self._aead.encrypt(nonce, body, _reply_aad(req)))
 
-    def open(self, sealed: Sealed, req: GetMetadata | ReportFailed) -> bytes:
+    def open(self, sealed: Sealed, req: SignedRequest) -> bytes:
         """The reply's encoded message, or ``AuthError`` if it was not made for ``req`` with this secret."""
         if len(sealed.nonce) != GCM_NONCE_BYTES:
             raise AuthError(f"sealed reply: nonce must be {GCM_NONCE_BYTES} bytes, got {len(sealed.nonce)}")

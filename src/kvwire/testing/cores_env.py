@@ -13,10 +13,12 @@ from kvwire.core.events import ConsumerEvent, ConsumerEventKind, ProducerEvent, 
 from kvwire.core.io import (
     Action,
     Allocated,
+    ClaimAnswered,
     Finished,
     PostWrite,
     RemoteEngine,
     Send,
+    SendClaim,
     StartHandshake,
 )
 from kvwire.core.producer import PullProducerCore
@@ -133,6 +135,9 @@ def freed(how: ProducerOutcome, tid: str = TID) -> ProducerEvent:
 # -- D (push) ---------------------------------------------------------------------------------------------
 
 
+CLAIM_LEASE_S = 30.0  # what P grants a pull claim in these tests
+
+
 class D:
     """A consumer core with one P peer, both TP1/PP1."""
 
@@ -154,12 +159,18 @@ class D:
         remote = RemoteEngine("P", "127.0.0.1", 5000, block_ids=BLOCKS if self.mode is PULL else ())
         return Allocated(tid, tuple(D_BLOCKS), TOKENS, 0, remote)
 
-    def start(self, now: float, tid: str = TID) -> list[Action]:
-        """Allocated at ``now``; the handshake with P succeeds at once: what follows it."""
+    def start(self, now: float, tid: str = TID, lease_s: float | None = CLAIM_LEASE_S) -> list[Action]:
+        """Allocated at ``now``; the handshake with P succeeds at once: what follows it (pull: and P
+        answers the claim at once, granted for ``lease_s``; None: what follows the handshake alone)."""
         hs = one(self.h.at(now, self.allocated(tid)), StartHandshake)
         mode = PeerMode.NOTIF_ONLY if self.mode is PUSH else PeerMode.FULL
         assert (hs.key, hs.port, hs.remote, hs.mode, hs.engine_id) == ((0, 0), 5000, (0, 0), mode, "P")
-        return self.h.done(now, hs.token, self.p.peer_rank(mode=mode))
+        out = self.h.done(now, hs.token, self.p.peer_rank(mode=mode))
+        if self.mode is PUSH or lease_s is None:
+            return out
+        claim = one(out, SendClaim)
+        assert (claim.claim.transfer_id, claim.claim.block_ids, claim.remote) == (tid, list(BLOCKS), (0, 0))
+        return self.h.at(now, ClaimAnswered(claim.token, lease_s))
 
     def nonce(self, tid: str = TID) -> int:
         """The reg_nonce of the last push_reg D sent for ``tid`` (0: none sent)."""

@@ -40,13 +40,15 @@ def require(ok: bool, why: str) -> None:
 
 def documented_compat_hash(md: Metadata) -> str:
     """§5 computed from the reply's own ``compat`` values: SHA-256 (hex) of the msgpack array, with one
-    more element, the string ``"kv_fused"``, when the cache is fused."""
+    more element, the string ``"kv_fused"``, when the cache is fused, and ``"pull_claims"`` in pull mode."""
     c = md.compat
     assert c is not None
     values: list[object] = ["kvwire/compat", md.version, c.model_id, c.dtype, c.num_layers, c.kv_heads]
     values += [c.head_dim, c.layout, c.mla, c.transfer_mode.value]
     if c.kv_fused:
         values.append("kv_fused")
+    if c.transfer_mode.value == "pull":
+        values.append("pull_claims")
     return hashlib.sha256(msgspec.msgpack.encode(values)).hexdigest()
 
 

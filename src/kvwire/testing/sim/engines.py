@@ -12,10 +12,14 @@ from typing import assert_never
 import numpy as np
 
 from kvwire.connector.reports import as_notification, report_of
+from kvwire.connector.sidecalls import CLAIM_REFUSALS
 from kvwire.core.base import CoreBase, Feeder, Refused
 from kvwire.core.config import ConnectorConfig
 from kvwire.core.io import (
     Action,
+    AnswerClaim,
+    ClaimAnswered,
+    ClaimArrived,
     Digest,
     Digested,
     Emit,
@@ -29,6 +33,7 @@ from kvwire.core.io import (
     Release,
     ReportFailure,
     Send,
+    SendClaim,
     StartHandshake,
     Tick,
     TouchPeer,
@@ -41,7 +46,7 @@ from kvwire.kv.digest import kv_digest
 from kvwire.kv.mapping import RankLayout, layer_window
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.codec import encode_notif
-from kvwire.protocol.messages import CancelAck, Done, Failed, TransferMode
+from kvwire.protocol.messages import CancelAck, Claim, Done, ErrorCode, Failed, FailReason, TransferMode
 from kvwire.protocol.ranks import RankKey
 from kvwire.testing.sim.handshakes import SimHandshakes
 from kvwire.testing.sim.net import Region, World, metered
@@ -92,6 +97,8 @@ class SimEngine:
         self._make_core, self._on_event = make_core, on_event
         self.life = 0
         self.wire_id = engine_id
+        self.claim_verdicts: dict[int, AnswerClaim] = {}  # P: its core's answer to the claim being judged
+        self._claim_token = 0
         self.expired = 0  # D: quarantines the lives before this one released at the bound
         self.graveyard: list[KVCache] = []  # old lives' memory stays mapped: late writes must not crash us
         self._start_life()
@@ -237,6 +244,10 @@ class SimEngine:
                 self.core.stats.peers_reaped += self.handshakes.reap(in_use)
             case Emit(event):
                 self._on_event(self, event)
+            case SendClaim():
+                self._claim(action)
+            case AnswerClaim():
+                self.claim_verdicts[action.token] = action
             case _:
                 assert_never(action)
 
@@ -377,6 +388,44 @@ class SimEngine:
                     f"S1: {tid}'s bytes were read from {engine.engine_id} blocks no longer held for it"
                 )
                 return
+
+    def _claim(self, a: SendClaim) -> None:
+        """A ``claim`` on P's side channel: judged by P's core when it arrives (a frozen, dead or cut-off
+        P answers nothing: the claim times out), answered back after another hop."""
+        w, life = self.world, self.life
+        target = w.addresses.get((a.host, a.port))
+        hop = 200e-6 + w.rng.random() * 800e-6
+
+        def answer(got: ClaimAnswered) -> None:
+            if self.life == life and self.alive:
+                self.feed(got)
+
+        def judge() -> None:
+            if (
+                target is None
+                or not target.alive
+                or target.paused
+                or w.partitioned(self.engine_id, target.engine_id)
+            ):
+                timeout = self.config.handshake_timeout_s - hop
+                w.after(timeout, lambda: answer(ClaimAnswered(a.token, None, FailReason.HANDSHAKE_FAILED)))
+                return
+            lease_s, refusal = target.judge_claim(a.claim)
+            w.after(hop, lambda: answer(ClaimAnswered(a.token, lease_s, refusal)))
+
+        w.after(hop, judge)
+
+    def judge_claim(self, claim: Claim) -> tuple[float | None, FailReason | None]:
+        """This engine's side channel taking a claim (as ``SideChannelServer.claim``): its core says."""
+        if claim.to_incarnation != self.incarnation or not isinstance(self.core, ProducerCore):
+            return None, FailReason.LEASE_EXPIRED
+        self._claim_token += 1
+        self.feed(ClaimArrived(self._claim_token, claim))
+        verdict = self.claim_verdicts.pop(self._claim_token, None)
+        if verdict is not None and verdict.lease_s is not None:
+            return verdict.lease_s, None
+        code = verdict.code if verdict is not None else ErrorCode.GONE
+        return None, CLAIM_REFUSALS.get(code or ErrorCode.GONE, FailReason.HANDSHAKE_FAILED)
 
     def _report(self, a: ReportFailure) -> None:
         """A ``report_failed`` on the peer's side channel: lost when nobody listens there or the link is

@@ -7,6 +7,7 @@ runs each and asserts the invariant it breaks is reported (and that the real cor
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import msgspec
@@ -15,7 +16,17 @@ from kvwire.core.consumer import PushConsumerCore
 from kvwire.core.consumer_pull import PullConsumerCore
 from kvwire.core.consumer_records import PeerLife
 from kvwire.core.consumer_records import Request as ConsumerRequest
-from kvwire.core.io import Action, Allocated, HandshakeDone, Input, LayersReady, StartHandshake, XferEnded
+from kvwire.core.io import (
+    Action,
+    Allocated,
+    ClaimAnswered,
+    HandshakeDone,
+    Input,
+    LayersReady,
+    SendClaim,
+    StartHandshake,
+    XferEnded,
+)
 from kvwire.core.producer_layers import LayerwisePushProducerCore
 from kvwire.core.producer_push import PushProducerCore
 from kvwire.core.producer_records import Reg, Request
@@ -96,13 +107,20 @@ class ReleaseAtPeerWord(PushConsumerCore):
 
 
 class ReadAnyLife(PullConsumerCore):
-    """D reads from whichever P life answers at the address (kvwire before P's answer named its life: a P
-    that crashed and restarted during a D freeze lent the new life's blocks to the old requests)."""
+    """D reads from whichever P life answers at the address, without claiming the blocks first (kvwire
+    before P's answer named its life, and before claims: a P that crashed and restarted during a D
+    freeze lent the new life's blocks to the old requests)."""
 
     def _on_input(self, now: float, inp: Input) -> None:
         if isinstance(inp, Allocated):
             inp = msgspec.structs.replace(inp, remote=msgspec.structs.replace(inp.remote, incarnation=None))
         super()._on_input(now, inp)
+
+    def _do(self, action: Action) -> None:
+        if isinstance(action, SendClaim):  # read at once, as if P granted it for ever
+            self._claim_answered(self._now, ClaimAnswered(action.token, math.inf))
+            return
+        super()._do(action)
 
 
 class StreamUnreadyLayers(LayerwisePushProducerCore):

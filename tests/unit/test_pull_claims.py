@@ -1,0 +1,126 @@
+"""Pull mode's claims (docs/protocol.md §3): D claims P's blocks before it reads them, and takes the read
+only if it ended while the grant lasted. Before, a D that came after P's lease read blocks P had freed and
+reused, and answered another request's KV as this one's (HTTP 200, wrong tokens), and a client could name
+any of P's blocks in remote_block_ids; and with several D ranks reading one P rank, the first rank's
+``done`` freed the blocks under the others' reads."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvwire.core.base import DropReason, Refused
+from kvwire.core.events import ProducerOutcome
+from kvwire.core.io import (
+    Abort,
+    AnswerClaim,
+    ClaimAnswered,
+    ClaimArrived,
+    Finished,
+    PostRead,
+    Send,
+    SendClaim,
+)
+from kvwire.protocol.messages import Claim, Done, ErrorCode, Failed, FailReason
+from kvwire.testing.core_harness import events, one, protocol
+from kvwire.testing.cores_env import BLOCKS, CFG, FAILED, PULL, READY, RELEASED, TID, TOKENS, D, P, ev, freed
+
+
+def _claim(d_rank: int = 0, blocks: tuple[int, ...] = BLOCKS, life: str = "D-life1") -> Claim:
+    return Claim(
+        pp_rank=0,
+        tp_rank=0,
+        to_incarnation="P-life1",
+        transfer_id=TID,
+        block_ids=list(blocks),
+        engine_id="D",
+        incarnation=life,
+        from_pp_rank=0,
+        from_tp_rank=d_rank,
+    )
+
+
+def _verdict(t: P, now: float, claim: Claim, token: int = 1) -> AnswerClaim:
+    return one(t.h.at(now, ClaimArrived(token, claim)), AnswerClaim)
+
+
+def _end(ok: bool, d_rank: int = 0) -> Done | Failed:
+    common = {"transfer_id": TID, "engine_id": "D", "incarnation": "D-life1", "tp_rank": d_rank, "pp_rank": 0}
+    if ok:
+        return Done(num_blocks=2, **common)  # type: ignore[arg-type]
+    return Failed(reason=FailReason.WRITE_FAILED, **common)  # type: ignore[arg-type]
+
+
+# -- P ----------------------------------------------------------------------------------------------------
+
+
+def test_p_grants_only_what_it_holds_and_a_grant_keeps_the_blocks() -> None:
+    t = P(mode=PULL)
+    gone = _verdict(t, 0.0, _claim())  # not finished here yet: nothing held
+    assert (gone.lease_s, gone.code) == (None, ErrorCode.GONE)
+    t.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
+    other = _verdict(t, 1.0, _claim(blocks=(3, 9)), token=2)  # block 9 is not this request's
+    assert (other.lease_s, other.code) == (None, ErrorCode.BAD_REQUEST)
+    granted = _verdict(t, 20.0, _claim(), token=3)
+    assert (granted.token, granted.lease_s, granted.code) == (3, CFG.kv_lease_duration_s, None)
+    # The grant runs from P's answer (20 + 30), past the lease from the finish (30): not freed at 30.
+    assert events(t.h.ticks(49.75, 0.25)) == []
+    assert events(t.h.tick(50.0)) == [freed(ProducerOutcome.EXPIRED)]
+    late = _verdict(t, 51.0, _claim(), token=4)  # the lease ran out: a late D reads nothing
+    assert (late.lease_s, late.code) == (None, ErrorCode.GONE)
+
+
+def test_p_holds_the_blocks_until_every_claimer_ended() -> None:
+    t = P(mode=PULL)
+    t.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
+    for rank in (0, 1):
+        assert _verdict(t, 0.5, _claim(d_rank=rank), token=rank + 1).lease_s == CFG.kv_lease_duration_s
+    assert events(t.from_d(1.0, _end(True, d_rank=0))) == []  # rank 1 still reads: held
+    assert t.from_d(1.0, _end(True, d_rank=0)) == []  # its word to another P rank: nothing new
+    with pytest.raises(Refused) as stray:  # a rank that claimed nothing may not end a hold others read
+        t.from_d(1.0, _end(True, d_rank=5))
+    assert stray.value.reason is DropReason.UNEXPECTED
+    assert events(t.from_d(1.5, _end(True, d_rank=1))) == [freed(ProducerOutcome.PULLED)]
+
+
+def test_p_fails_the_hold_when_one_claimer_failed() -> None:
+    t = P(mode=PULL)
+    t.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
+    for rank in (0, 1):
+        _verdict(t, 0.5, _claim(d_rank=rank), token=rank + 1)
+    assert events(t.from_d(1.0, _end(False, d_rank=1))) == []
+    assert events(t.from_d(1.5, _end(True, d_rank=0))) == [freed(ProducerOutcome.FAILED)]
+    assert t.core.stats.failures[FailReason.WRITE_FAILED] == 1 and t.core.stats.transfers_done == 0
+
+
+# -- D ----------------------------------------------------------------------------------------------------
+
+
+def test_d_reads_nothing_of_a_refused_claim() -> None:
+    t = D(mode=PULL)
+    claim = one(t.start(0.0, lease_s=None), SendClaim)
+    assert (claim.host, claim.port, claim.claim.to_incarnation) == ("127.0.0.1", 5000, "P-life1")
+    out = t.h.at(0.2, ClaimAnswered(claim.token, None, FailReason.LEASE_EXPIRED, "gone: not held"))
+    assert not any(isinstance(a, PostRead) for a in out)
+    assert events(out) == [ev(FAILED, FailReason.LEASE_EXPIRED), ev(RELEASED, FailReason.LEASE_EXPIRED)]
+    assert not any(isinstance(a, Send) for a in protocol(out))  # P holds nothing for us: nothing to tell
+
+
+def test_d_takes_a_read_only_if_it_ended_within_the_grant() -> None:
+    t = D(mode=PULL)
+    claim = one(t.start(0.0, lease_s=None), SendClaim)
+    read = one(t.h.at(0.1, ClaimAnswered(claim.token, 2.0)), PostRead)  # granted at 0.0 + 2 s
+    out = t.h.ended(2.5, read.token)  # it ended after P may have let the blocks go
+    assert ev(READY) not in events(out)
+    assert events(out)[0] == ev(FAILED, FailReason.LEASE_EXPIRED)
+    ok = D(mode=PULL)
+    read = one(ok.start(0.0, lease_s=2.0), PostRead)
+    assert events(ok.h.ended(1.9, read.token)) == [ev(READY)]
+
+
+def test_a_claim_granted_after_d_gave_up_is_ended_at_once() -> None:
+    t = D(mode=PULL)
+    claim = one(t.start(0.0, lease_s=None), SendClaim)
+    t.h.at(0.1, Abort(TID))
+    out = t.h.at(0.2, ClaimAnswered(claim.token, 30.0))  # P holds the blocks for us now
+    assert not any(isinstance(a, PostRead) for a in out)
+    assert t.to_p(False, FailReason.ABORTED) in out  # so P frees them now, not at its lease's end
