@@ -261,6 +261,26 @@ def test_a_stream_longer_than_the_timeout_is_not_cut_a_stalled_one_is(
     assert json.loads(events[-2])["error"]["type"] == "timeout" and events[-1] == "[DONE]"
 
 
+def test_a_model_while_no_engine_is_in_view_is_503_not_404() -> None:
+    """An empty fleet (engines restarting, discovery away) cannot say which models exist: a request naming
+    the engines' model was a 404 model_not_found (the openai client gives up on it, and the outage counted
+    as bad requests)."""
+    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    config = RouterConfig(prefill_urls=(dead[0],), decode_urls=(dead[1],), health_interval_s=0.5)
+    port = free_port()
+    with ServerThread([(create_app(config), port)]):
+        url = f"http://127.0.0.1:{port}"
+        resp = httpx.post(url + "/v1/completions", json={"model": "kvwire-tiny", "prompt": "x"}, timeout=30)
+        assert resp.status_code == 503 and resp.json()["error"]["type"] == "service_unavailable", resp.text
+        counted = {
+            s.labels["outcome"]: s.value
+            for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)
+            for s in f.samples
+            if s.name == "kvwire_requests_total"
+        }
+        assert counted.get("unavailable") == 1 and not counted.get("bad_request"), counted
+
+
 def test_no_healthy_prefill_is_503(stack: Stack, cluster: FakeCluster) -> None:
     with pytest.raises(openai.InternalServerError) as err:
         client(stack.dead_router).completions.create(model="kvwire", prompt="x", max_tokens=2)

@@ -68,6 +68,7 @@ log = logging.getLogger(__name__)
 _EXTRA_EVENTS = 16
 # Picks per request when the picked engines refuse connections (each refusal re-checks that engine first).
 _PICK_TRIES = 3
+_MAX_SEEN_MODELS = 256  # model names remembered for _in_view
 
 
 @dataclass
@@ -110,6 +111,7 @@ class Router:
             registry=self.metrics.registry,
         )
         self.created = int(time.time())
+        self._seen_models: set[str] = set()  # every model name the router has served
         self._stop = asyncio.Event()
         self._poller: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
@@ -134,7 +136,19 @@ class Router:
     # -- status endpoints ----------------------------------------------------------------------------
 
     def served_models(self) -> list[str]:
-        return sorted({self.config.model} | self.registry.models())
+        names = {self.config.model} | self.registry.models()
+        if len(self._seen_models) < _MAX_SEEN_MODELS:  # bounded: names come from engines and records
+            self._seen_models |= names
+        return sorted(names)
+
+    def _in_view(self, body: dict[str, Any], served: frozenset[str]) -> None:
+        """A model no engine in view serves is a 503 while the router cannot say what the fleet serves (no
+        engine in view) or saw it served before (engines restarting, discovery away): a 404 told the
+        client the name was wrong, the openai client does not retry one, and it counted as a bad request."""
+        name = body.get("model")
+        unknown = isinstance(name, str) and name not in served
+        if unknown and (name in self._seen_models or not self.registry.models()):
+            raise ApiError(ErrorType.UNAVAILABLE, f"no engine serving {str(name)[:200]!r} is in view now")
 
     def health(self) -> tuple[int, dict[str, Any]]:
         engines = {
@@ -167,6 +181,7 @@ class Router:
         trace = _Trace()
         try:
             body, models = api.decode_json_object(raw), frozenset(self.served_models())
+            self._in_view(body, models)
             req = api.parse_request(body, kind, models, self.registry.dialect.openai_server)
             response, latency = await self._route(req, start, trace)
         except asyncio.CancelledError:  # its client hung up (``unless_client_gone``), as a stream's can
