@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 
+import msgspec
 import pytest
 
 from kvwire.config import EngineKind, Policy, RouterConfig
@@ -204,6 +205,13 @@ def test_discovery_target_and_record_parsing() -> None:
     for raw in (b"{}", b"[1]", b'{"role": "router"}', b" " * (MAX_RECORD_BYTES + 1)):
         with pytest.raises(ValueError):
             decode(raw)
+    # Out of the bounds /health is held to: refused on decode, as the watcher's skip-and-count expects.
+    good = msgspec.json.decode(encode(rec))
+    for field, value in (("side_channel_port", 99999), ("tp_size", 0), ("pp_size", -4)):
+        with pytest.raises(ValueError, match=field):
+            decode(msgspec.json.encode({**good, field: value}))
+    with pytest.raises(ValueError, match="running"):
+        decode(msgspec.json.encode({**good, "load": {"running": -1}}))
     with pytest.raises(EtcdUnavailable):
         _events({"error": {"message": "no"}})
     with pytest.raises(EtcdUnavailable):

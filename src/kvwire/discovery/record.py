@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import enum
 import urllib.parse
+from typing import Annotated
 
 import msgspec
 
 # A record is a few hundred bytes; anything much larger under our prefix is not one of ours.
 MAX_RECORD_BYTES = 64 << 10
+# The bounds an engine's /health is held to (router/health.py), checked on decode: anyone who can write
+# under the prefix writes records, and a port of 99999 or a tp_size of 0 is no engine the router can use.
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 
 
 class FleetRole(enum.Enum):
@@ -26,19 +32,19 @@ class SideChannel(msgspec.Struct, frozen=True):
     """One rank's side channel (vLLM engines listen on one port per rank; kvwire's reference engine on one
     port for all its ranks, listed once per rank)."""
 
-    pp_rank: int
-    tp_rank: int
+    pp_rank: NonNeg
+    tp_rank: NonNeg
     host: str
-    port: int
+    port: Port
 
 
 class RecordLoad(msgspec.Struct, frozen=True):
-    running: int = 0
-    waiting: int = 0
-    free_blocks: int = 0
-    cached_blocks: int = 0  # in the engine's prefix cache
-    prefix_query_tokens: int = 0  # prompt tokens admitted with the prefix cache on, since start
-    prefix_hit_tokens: int = 0  # of which found in the cache
+    running: NonNeg = 0
+    waiting: NonNeg = 0
+    free_blocks: NonNeg = 0
+    cached_blocks: NonNeg = 0  # in the engine's prefix cache
+    prefix_query_tokens: NonNeg = 0  # prompt tokens admitted with the prefix cache on, since start
+    prefix_hit_tokens: NonNeg = 0  # of which found in the cache
 
 
 class EngineRecord(msgspec.Struct, frozen=True):
@@ -48,17 +54,17 @@ class EngineRecord(msgspec.Struct, frozen=True):
     model: str
     url: str  # the engine's HTTP API, as the router reaches it
     side_channel_host: str
-    side_channel_port: int
+    side_channel_port: Port
     compat: str = ""  # the engine's compat hash (model, seed, KV layout, mode): equal ones can pair
     side_channels: tuple[SideChannel, ...] = ()
-    tp_size: int = 1
-    pp_size: int = 1
+    tp_size: Positive = 1
+    pp_size: Positive = 1
     seed: int | None = None
     mode: str | None = None
     authenticated: bool | None = None
     load: RecordLoad = RecordLoad()
-    kv_blocks: int = 0  # the KV cache's size in blocks of block_size tokens (0: not said)
-    block_size: int = 0
+    kv_blocks: NonNeg = 0  # the KV cache's size in blocks of block_size tokens (0: not said)
+    block_size: NonNeg = 0
     draining: bool = False  # SIGTERM received: finish what it has, take nothing new
     updated: float = 0.0  # the engine's wall clock when written (for people reading etcd)
 
