@@ -25,7 +25,7 @@ from kvwire.testing.core_harness import events, one, protocol
 from kvwire.testing.cores_env import BLOCKS, CFG, FAILED, PULL, READY, RELEASED, TID, TOKENS, D, P, ev, freed
 
 
-def _claim(d_rank: int = 0, blocks: tuple[int, ...] = BLOCKS, life: str = "D-life1") -> Claim:
+def _claim(d_rank: int = 0, blocks: tuple[int, ...] = BLOCKS, life: str = "D-life1", tp: int = 1) -> Claim:
     return Claim(
         pp_rank=0,
         tp_rank=0,
@@ -36,6 +36,7 @@ def _claim(d_rank: int = 0, blocks: tuple[int, ...] = BLOCKS, life: str = "D-lif
         incarnation=life,
         from_pp_rank=0,
         from_tp_rank=d_rank,
+        tp_size=tp,
     )
 
 
@@ -72,21 +73,38 @@ def test_p_grants_only_what_it_holds_and_a_grant_keeps_the_blocks() -> None:
 def test_p_holds_the_blocks_until_every_claimer_ended() -> None:
     t = P(mode=PULL)
     t.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
-    for rank in (0, 1):
-        assert _verdict(t, 0.5, _claim(d_rank=rank), token=rank + 1).lease_s == CFG.kv_lease_duration_s
+    for rank in (0, 1):  # D at TP 2: both ranks read P's one rank (a head each)
+        assert _verdict(t, 0.5, _claim(d_rank=rank, tp=2), token=rank + 1).lease_s == CFG.kv_lease_duration_s
     assert events(t.from_d(1.0, _end(True, d_rank=0))) == []  # rank 1 still reads: held
     assert t.from_d(1.0, _end(True, d_rank=0)) == []  # its word to another P rank: nothing new
-    with pytest.raises(Refused) as stray:  # a rank that claimed nothing may not end a hold others read
+    with pytest.raises(Refused) as stray:  # a rank that reads nothing of ours may not end a hold
         t.from_d(1.0, _end(True, d_rank=5))
     assert stray.value.reason is DropReason.UNEXPECTED
     assert events(t.from_d(1.5, _end(True, d_rank=1))) == [freed(ProducerOutcome.PULLED)]
+
+
+def test_p_waits_for_a_d_rank_that_has_not_claimed_yet() -> None:
+    """D's rank 0 claims, reads and says done before rank 1's claim arrives (one worker process per rank,
+    one a few ms behind): the blocks stay held for rank 1, whose claim is then granted (it was refused
+    ``gone`` and the load failed)."""
+    t = P(mode=PULL)
+    t.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
+    assert _verdict(t, 0.010, _claim(d_rank=0, tp=2)).lease_s is not None
+    assert events(t.from_d(0.012, _end(True, d_rank=0))) == []
+    assert _verdict(t, 0.013, _claim(d_rank=1, tp=2), token=2).lease_s is not None
+    assert events(t.from_d(0.020, _end(True, d_rank=1))) == [freed(ProducerOutcome.PULLED)]
+    other = P(mode=PULL)
+    other.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
+    _verdict(other, 0.1, _claim(tp=2))
+    refused = _verdict(other, 0.2, _claim(d_rank=1, life="D-life2", tp=2), token=2)  # another D life
+    assert refused.code is ErrorCode.BAD_REQUEST
 
 
 def test_p_fails_the_hold_when_one_claimer_failed() -> None:
     t = P(mode=PULL)
     t.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
     for rank in (0, 1):
-        _verdict(t, 0.5, _claim(d_rank=rank), token=rank + 1)
+        _verdict(t, 0.5, _claim(d_rank=rank, tp=2), token=rank + 1)
     assert events(t.from_d(1.0, _end(False, d_rank=1))) == []
     assert events(t.from_d(1.5, _end(True, d_rank=0))) == [freed(ProducerOutcome.FAILED)]
     assert t.core.stats.failures[FailReason.WRITE_FAILED] == 1 and t.core.stats.transfers_done == 0
@@ -124,3 +142,12 @@ def test_a_claim_granted_after_d_gave_up_is_ended_at_once() -> None:
     out = t.h.at(0.2, ClaimAnswered(claim.token, 30.0))  # P holds the blocks for us now
     assert not any(isinstance(a, PostRead) for a in out)
     assert t.to_p(False, FailReason.ABORTED) in out  # so P frees them now, not at its lease's end
+
+
+def test_a_claim_without_answer_is_told_failed_with_the_others() -> None:
+    """No trusted answer (a timeout): P may have granted it, so D tells it ``failed`` once it gives up;
+    after a refusal it tells nothing (P holds nothing for it)."""
+    t = D(mode=PULL)
+    claim = one(t.start(0.0, lease_s=None), SendClaim)
+    out = t.h.at(5.0, ClaimAnswered(claim.token, None, FailReason.HANDSHAKE_FAILED, "TimeoutError"))
+    assert t.to_p(False, FailReason.HANDSHAKE_FAILED) in protocol(out)

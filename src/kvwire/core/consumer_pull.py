@@ -65,6 +65,7 @@ class PullConsumerCore(ConsumerCore):
             incarnation=self.engine.incarnation,
             from_pp_rank=part.key[0],
             from_tp_rank=part.key[1],
+            tp_size=self.engine.tp_size,
         )
         self._do(SendClaim(token, part.key, peer.host, peer.port, link.src, claim))
 
@@ -85,6 +86,9 @@ class PullConsumerCore(ConsumerCore):
             return
         if inp.lease_s is None:
             why = inp.refusal or FailReason.HANDSHAKE_FAILED
+            # No trusted answer (a timeout, a lost reply): P may have granted it all the same, so it hears
+            # our end with the others (a ``failed`` for a hold it never granted changes nothing there).
+            link.claimed = why is FailReason.HANDSHAKE_FAILED
             self._log_info("%s: P refused the claim (%s): %s", req.transfer_id, why.value, inp.detail)
             self._fail(req, part, CT.HANDSHAKE_FAILED, why)
             self._settle(now, req)

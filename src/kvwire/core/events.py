@@ -73,8 +73,11 @@ class ConnectorStats:
     digests: int = 0
     # Most recent transfer durations (seconds, post to DONE), bounded.
     transfer_durations_s: list[float] = field(default_factory=list)
+    # Durations recorded in all (one per transfer in push, one per READ in pull): the list keeps the last.
+    durations_recorded: int = 0
 
     def record_duration(self, seconds: float, keep: int = 1024) -> None:
+        self.durations_recorded += 1
         self.transfer_durations_s.append(seconds)
         if len(self.transfer_durations_s) > keep:
             del self.transfer_durations_s[: len(self.transfer_durations_s) - keep]

@@ -33,9 +33,18 @@ from kvwire.core.producer_records import (
     expected_d_ranks,
     records_of,
 )
-from kvwire.errors import BlockRangeError, IllegalTransition
+from kvwire.errors import BlockRangeError, IllegalTransition, LayoutError
 from kvwire.kv.groups import moved_ids
-from kvwire.protocol.messages import Done, ErrorCode, Failed, FailReason, Heartbeat, Notification, PushReg
+from kvwire.protocol.messages import (
+    Claim,
+    Done,
+    ErrorCode,
+    Failed,
+    FailReason,
+    Heartbeat,
+    Notification,
+    PushReg,
+)
 from kvwire.protocol.ranks import RankKey
 from kvwire.protocol.states import ProducerTrigger as PT
 
@@ -346,18 +355,38 @@ class PullProducerCore(ProducerCore):
             detail = f"{msg.transfer_id}: not held here (its lease expired, it ended, or it never finished)"
         elif not set(msg.block_ids) <= set(req.block_ids):
             code, detail = ErrorCode.BAD_REQUEST, f"{msg.transfer_id}: names blocks not held for it"
+        elif (problem := self._claimer_problem(req, msg)) is not None:
+            code, detail = ErrorCode.BAD_REQUEST, f"{msg.transfer_id}: {problem}"
         else:
-            claimer = (msg.engine_id, msg.incarnation, msg.from_pp_rank, msg.from_tp_rank)
-            if claimer not in req.claims and len(req.claims) >= self.config.max_registrations_per_request:
-                code, detail = ErrorCode.BAD_REQUEST, f"{msg.transfer_id}: too many claimers"
-            else:
-                req.claims.setdefault(claimer, True)
-                lease = self.config.kv_lease_duration_s
-                req.lease_until = max(req.lease_until, now + lease)
-                self._do(AnswerClaim(inp.token, lease))
-                return
-        self.stats.dropped_notifs[f"claim_{code.value}"] += 1
+            req.claims.setdefault((msg.from_pp_rank, msg.from_tp_rank), True)
+            # At least the lease, and long enough for a read D does not time out itself (D takes a read
+            # only if it ended within the grant: D's heartbeats extend P's lease, but D cannot know it).
+            grant = max(self.config.kv_lease_duration_s, self.config.transfer_timeout_s)
+            req.lease_until = max(req.lease_until, now + grant)
+            self._do(AnswerClaim(inp.token, grant))
+            return
         self._do(AnswerClaim(inp.token, None, code, detail))
+
+    def _claimer_problem(self, req: Request, msg: Claim) -> str | None:
+        """Why this D rank may not claim ``req`` (None: it may). One D life reads a request, with one TP
+        size, from the ranks that overlap ours (``expected_d_ranks``)."""
+        life = (msg.engine_id, msg.incarnation)
+        if req.claim_life not in (None, life) or req.d_tp_size not in (None, msg.tp_size):
+            return "claimed by another D, or with another tp_size"
+        if not msg.from_tp_rank < msg.tp_size or len(req.claims) >= self.config.max_registrations_per_request:
+            return "a D rank out of range"
+        try:
+            expected = self._d_readers(msg.tp_size)
+        except LayoutError:
+            return f"no D rank of tp_size {msg.tp_size} reads ours"
+        if msg.from_tp_rank not in expected:
+            return f"D rank tp{msg.from_tp_rank} reads nothing of ours"
+        req.claim_life, req.d_tp_size = life, msg.tp_size
+        return None
+
+    def _d_readers(self, d_tp_size: int) -> frozenset[int]:
+        """The D TP ranks that read any of this core's ranks."""
+        return frozenset().union(*(self._expected(d_tp_size, key[1]) for key in self.layouts))
 
     def _on_notif(self, now: float, key: RankKey, sender: str, msg: Notification) -> None:
         if isinstance(msg, Heartbeat):
@@ -373,25 +402,35 @@ class PullProducerCore(ProducerCore):
             return  # D tells every P rank it read from; the first one ended the request
         if req is None or req.phase is not Phase.HELD:
             raise self._refuse(DropReason.UNKNOWN_TRANSFER, f"{type(msg).__name__} {msg.transfer_id}")
-        claimer = (msg.engine_id, msg.incarnation, msg.pp_rank, msg.tp_rank)
-        reading = req.claims.get(claimer)
-        if reading is None and any(req.claims.values()):
-            # A rank that claimed nothing may not end the hold while a claimer still reads: its word
-            # would free the blocks under that read. (With none reading, its word ends it: its plan read
-            # nothing, or every claim was refused.)
-            raise self._refuse(DropReason.UNEXPECTED, f"{type(msg).__name__} {msg.transfer_id} unclaimed")
+        if req.claim_life not in (None, (msg.engine_id, msg.incarnation)):
+            raise self._refuse(DropReason.UNEXPECTED, f"{type(msg).__name__} {msg.transfer_id}: another D")
+        rank = (msg.pp_rank, msg.tp_rank)
+        reading = req.claims.get(rank)
         if reading is False:
             return  # its word to another of our ranks came first
-        req.claims[claimer] = False
+        if (
+            reading is None
+            and req.d_tp_size is not None
+            and msg.tp_rank not in self._d_readers(req.d_tp_size)
+        ):
+            raise self._refuse(DropReason.UNEXPECTED, f"{type(msg).__name__} {msg.transfer_id}: not a reader")
+        req.claims[rank] = False  # ended: claimed and read, or read nothing (its plan was empty)
         if isinstance(msg, Failed):
             self.stats.failures[msg.reason] += 1
             req.claim_failed = True
-        if any(req.claims.values()):
-            return  # another D rank still reads them
+        if any(req.claims.values()) or not self._all_readers_ended(req):
+            return  # a D rank still reads them, or has yet to claim them
         if not req.claim_failed:
             self.stats.transfers_done += 1
         how = ProducerOutcome.FAILED if req.claim_failed else ProducerOutcome.PULLED
         self._end(now, req, how, emit=True)
+
+    def _all_readers_ended(self, req: Request) -> bool:
+        """Every D rank that reads ours said ``done`` or ``failed`` (without any claim: D's first word)."""
+        if req.d_tp_size is None:
+            return True
+        ended = {tp for (_pp, tp), reading in req.claims.items() if not reading}
+        return self._d_readers(req.d_tp_size) <= ended
 
     def _timers(self, now: float) -> None:
         for req in list(self._live_reqs.values()):

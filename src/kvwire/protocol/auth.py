@@ -57,6 +57,7 @@ def signed_bytes(req: SignedRequest) -> bytes:
                 req.incarnation,
                 req.from_pp_rank,
                 req.from_tp_rank,
+                req.tp_size,
                 req.nonce,
                 req.target,
                 req.ts_ms,

@@ -245,6 +245,9 @@ class Claim(msgspec.Struct, tag="claim", tag_field="type", kw_only=True):
     incarnation: IdText
     from_pp_rank: NonNeg
     from_tp_rank: NonNeg
+    # D's TP size: P holds the blocks until every D rank that reads them ended, those that have not
+    # claimed yet included (a slower rank's claim must not find them freed by a faster one's ``done``).
+    tp_size: Positive = 1
     nonce: bytes | None = None
     auth: bytes | None = None
     target: str | None = None

@@ -64,13 +64,19 @@ class StepStats:
 
     def __init__(self) -> None:
         self._deltas: dict[int, Deltas] = {}
+        self._timed: dict[int, int] = {}  # durations recorded, by connector, at the last take
 
     def take(self, connectors: Iterable[ConnectorBase[Any]]) -> dict[str, Any] | None:
         data = payload({})
         for c in connectors:
             counts = self._deltas.setdefault(id(c), Deltas()).take(counter_totals(c))
             new = counts.get("transfers", 0)
-            seconds = list(c.stats.transfer_durations_s)[-new:] if new else []
+            # The durations recorded since the last take (a pull request records one per READ, so their
+            # count is not ``new``); none on the side that does not post transfers.
+            recorded, durations = c.stats.durations_recorded, list(c.stats.transfer_durations_s)
+            timed = recorded - self._timed.get(id(c), 0)
+            self._timed[id(c)] = recorded
+            seconds = durations[-timed:] if timed > 0 and new else []
             # Sizes are not kept per transfer: each new one is shown at the interval's mean.
             sizes = [counts.get("bytes", 0) // new] * min(new, MAX_SAMPLES) if new else []
             data = merge(data, payload(counts, seconds, sizes))
