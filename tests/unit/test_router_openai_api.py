@@ -35,7 +35,7 @@ def test_parse_completion_defaults_and_forwarded_fields() -> None:
 @pytest.mark.parametrize(
     ("kind", "field"),
     [
-        (ApiKind.COMPLETION, "user"),
+        (ApiKind.COMPLETION, "functions"),
         (ApiKind.COMPLETION, "suffix"),
         (ApiKind.COMPLETION, "top_logprobs"),
         (ApiKind.CHAT, "tools"),
@@ -358,3 +358,13 @@ def test_a_role_only_delta_is_no_token() -> None:
     assert event_tokens(_chat_chunk({}, finish="stop")) == 0
     assert event_tokens(_engine_obj("ab", [97, 98])) == 2
     assert event_tokens({"choices": [], "usage": {"total_tokens": 3}}) == 0
+
+
+@pytest.mark.parametrize("kind", [ApiKind.COMPLETION, ApiKind.CHAT])
+def test_the_openai_user_field_is_accepted_and_not_forwarded(kind: ApiKind) -> None:
+    body: dict[str, Any] = {"model": "tiny", "user": "end-user-42"}
+    body |= {"messages": MSGS} if kind is ApiKind.CHAT else {"prompt": "hi"}
+    assert "user" not in parse(body, kind).engine_body()
+    with pytest.raises(ApiError) as err:
+        parse({**body, "user": "x" * 257}, kind)
+    assert err.value.param == "user"

@@ -29,6 +29,9 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stream_options: Any = None
     n: Any = None
     max_tokens: Any = None
+    # OpenAI's end-user id (for abuse monitoring): vLLM accepts and ignores it, and SDKs send it; so does
+    # the router (a 400 for it broke those clients). Not forwarded: kvwire's engines do not take it.
+    user: Annotated[str, _Meta(max_length=256)] | None = None
     # -- forwarded to the engines --
     temperature: Annotated[float, _Meta(ge=0, le=2)] | None = None
     top_p: Annotated[float, _Meta(gt=0, le=1)] | None = None
