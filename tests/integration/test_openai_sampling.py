@@ -152,7 +152,7 @@ def test_echo_and_min_tokens(stack: Stack) -> None:
     ("kw", "param"),
     [
         ({"extra_body": {"foo": 1}}, "foo"),
-        ({"user": "someone"}, "user"),
+        ({"user": "x" * 300}, "user"),  # taken up to 256 characters, as an id (vLLM ignores it)
         ({"suffix": "!"}, "suffix"),
         ({"presence_penalty": 0.5}, "presence_penalty"),  # known, forwarded, refused by the engines
         ({"best_of": 2}, "best_of"),
@@ -172,6 +172,11 @@ def test_unknown_and_invalid_parameters_are_refused_naming_them(
     assert bad.value.status_code == 400
     assert bad.value.param == param and param in bad.value.message
     assert "127.0.0.1" not in bad.value.message and "http" not in bad.value.message
+
+
+def test_the_openai_user_field_is_taken(stack: Stack) -> None:
+    got = _complete(stack.router, max_tokens=4, temperature=0, seed=5, user="end-user-42").choices[0]
+    assert got.text == _complete(stack.router, max_tokens=4, temperature=0, seed=5).choices[0].text
 
 
 def test_chat_refuses_what_it_cannot_do(stack: Stack) -> None:

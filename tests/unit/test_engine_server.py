@@ -109,6 +109,29 @@ async def test_stream(client: tuple[httpx.AsyncClient, EngineServer]) -> None:
     assert chunks[-1]["usage"]["completion_tokens"] == 5
 
 
+async def test_stream_options_include_usage_ends_with_a_usage_chunk(
+    client: tuple[httpx.AsyncClient, EngineServer],
+) -> None:
+    """As OpenAI's and vLLM's: the engine refused stream_options (a 400 for any client that asks)."""
+    c, _ = client
+    body = {"prompt": "stream me", "max_tokens": 3, "stream": True, "ignore_eos": True}
+    for options, usage_chunks in ((None, 0), ({"include_usage": True}, 1), ({"include_usage": False}, 0)):
+        sent = body if options is None else {**body, "stream_options": options}
+        async with c.stream("POST", "/v1/completions", json=sent) as r:
+            assert r.status_code == 200
+            events = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
+        chunks = [json.loads(e) for e in events[:-1]]
+        only_usage = [ch for ch in chunks if ch["choices"] == []]
+        assert len(only_usage) == usage_chunks and events[-1] == "[DONE]"
+        if usage_chunks:
+            assert chunks[-1] is only_usage[0] and only_usage[0]["usage"]["completion_tokens"] == 3
+    for bad in ({**body, "stream": False, "stream_options": {"include_usage": True}},
+                {**body, "stream_options": {"continuous_usage_stats": True}},
+                {**body, "stream_options": {"include_usage": "yes"}}):  # fmt: skip
+        r = await c.post("/v1/completions", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
+
+
 async def test_an_error_mid_stream_is_an_error_event_then_done(
     client: tuple[httpx.AsyncClient, EngineServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -42,6 +42,11 @@ MAX_STOPS = 16
 _Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
 
 
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
 class CompletionBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Every field the engine accepts. ``None`` (JSON null) means "not given", as for OpenAI."""
 
@@ -50,6 +55,9 @@ class CompletionBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
     min_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
     stream: bool | None = None
+    # OpenAI's: the last chunk of a stream is always one with usage here; ``include_usage`` adds the
+    # usage-only chunk (``choices: []``) OpenAI clients read it from.
+    stream_options: StreamOptions | None = None
     n: Annotated[int, msgspec.Meta(ge=1, le=1)] | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
@@ -94,6 +102,7 @@ class CompletionRequest:
     sampling: SamplingParams = GREEDY
     echo: bool = False
     prompt_text: str = ""  # what ``echo`` puts before the completion
+    include_usage: bool = False  # stream_options.include_usage: a usage-only chunk ends the stream
 
 
 _PATH = re.compile(r"at `\$\.(\w+)")
@@ -180,6 +189,11 @@ def parse_completion(body: Any, tokenizer: ByteTokenizer) -> CompletionRequest:
     max_tokens = parsed.max_tokens if parsed.max_tokens is not None else DEFAULT_MAX_TOKENS
     params = parsed.kv_transfer_params
     role, transfer_id = _transfer(params)
+    options = parsed.stream_options
+    if options is not None and not parsed.stream:
+        raise InvalidRequest("'stream_options' can only be given with stream: true", "stream_options")
+    if options is not None and options.continuous_usage_stats:
+        raise InvalidRequest("'stream_options.continuous_usage_stats' is not supported", "stream_options")
     return CompletionRequest(
         prompt=prompt,
         max_tokens=max_tokens,
@@ -192,6 +206,7 @@ def parse_completion(body: Any, tokenizer: ByteTokenizer) -> CompletionRequest:
         sampling=_sampling(parsed, tokenizer, max_tokens),
         echo=bool(parsed.echo),
         prompt_text=text,
+        include_usage=bool(options is not None and options.include_usage),
     )
 
 

@@ -469,6 +469,9 @@ class EngineServer:
                 if out.finished:
                     self._record(None, started, out.ttft_s, out.kv_transfer_s)
                     self._log_done(creq, out.num_output_tokens, started)
+                    if creq.include_usage:
+                        usage = {"model": model, "choices": [], "usage": chunk["usage"]}
+                        yield _sse({"id": cid, "object": "text_completion", "created": created, **usage})
                     yield b"data: [DONE]\n\n"
                     return
                 out = await queue.get()

@@ -9,7 +9,8 @@ can be checked exactly. ``ServerThread`` runs any ASGI apps under uvicorn on a b
 A fake made with ``vllm=True`` answers as a vLLM server would: ``/health`` is a bare 200, ``/v1/models``
 names its model, and ``/v1/chat/completions`` applies a "chat template" (``fake_chat_prompt``) and answers
 chat-shaped objects and chunks (a role-only first chunk; a usage chunk only when ``stream_options`` asks).
-Without it the fake is kvwire's reference engine: completions only, and ``stream_options`` refused.
+Without it the fake is kvwire's reference engine (completions only), and refuses ``stream_options``: the
+router never sends it there (the engine's last chunk always carries the usage).
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ def fake_engine_app(
             return Response(status_code=499)
         cluster.paths.append(f"{role} {request.url.path}")
         if "stream_options" in body and not vllm:
-            return _error(400, "stream_options is not supported")  # as kvwire's reference engine
+            return _error(400, "stream_options: the router sends none to kvwire's engines")
         kv = body.get("kv_transfer_params") or {}
         tid = str(kv.get("transfer_id", ""))
         prompt = fake_chat_prompt(body["messages"]) if chat else body["prompt"]

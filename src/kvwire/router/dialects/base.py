@@ -22,7 +22,7 @@ class Dialect(abc.ABC):
     # Whether the engines are full OpenAI servers: then a chat request goes to their /v1/chat/completions
     # with the client's messages (each applies its model's own chat template; the router's fixed template
     # fits only kvwire's reference engines), and a streamed leg asks for its usage chunk with
-    # ``stream_options`` (vLLM sends it only when asked; kvwire's engines always do and refuse the field).
+    # ``stream_options`` (vLLM sends it only when asked; kvwire's engines always put it in their last chunk).
     openai_server: bool = False
 
     @abc.abstractmethod
