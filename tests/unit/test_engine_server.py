@@ -123,8 +123,11 @@ async def test_stream_options_include_usage_ends_with_a_usage_chunk(
         chunks = [json.loads(e) for e in events[:-1]]
         only_usage = [ch for ch in chunks if ch["choices"] == []]
         assert len(only_usage) == usage_chunks and events[-1] == "[DONE]"
-        if usage_chunks:
+        if usage_chunks:  # then, as OpenAI's, only that chunk carries usage (clients sum it otherwise)
             assert chunks[-1] is only_usage[0] and only_usage[0]["usage"]["completion_tokens"] == 3
+            assert all(ch["usage"] is None for ch in chunks[:-1])
+        else:  # the router reads it from the last content chunk
+            assert chunks[-1]["usage"]["completion_tokens"] == 3
     for bad in ({**body, "stream": False, "stream_options": {"include_usage": True}},
                 {**body, "stream_options": {"continuous_usage_stats": True}},
                 {**body, "stream_options": {"include_usage": "yes"}}):  # fmt: skip

@@ -6,8 +6,12 @@ any of P's blocks in remote_block_ids; and with several D ranks reading one P ra
 
 from __future__ import annotations
 
+import asyncio
+
+import msgspec
 import pytest
 
+from kvwire.connector.sidecalls import claim_until_finished
 from kvwire.core.base import DropReason, Refused
 from kvwire.core.events import ProducerOutcome
 from kvwire.core.io import (
@@ -20,9 +24,13 @@ from kvwire.core.io import (
     Send,
     SendClaim,
 )
-from kvwire.protocol.messages import Claim, Done, ErrorCode, Failed, FailReason
+from kvwire.core.types import PeerAddress
+from kvwire.handshake.server import ClaimVerdict
+from kvwire.kv.spec import KVSpec
+from kvwire.protocol.messages import Claim, Done, ErrorCode, ErrorReply, Failed, FailReason, Granted
 from kvwire.testing.core_harness import events, one, protocol
 from kvwire.testing.cores_env import BLOCKS, CFG, FAILED, PULL, READY, RELEASED, TID, TOKENS, D, P, ev, freed
+from kvwire.testing.handshake_env import manager_pair
 
 
 def _claim(d_rank: int = 0, blocks: tuple[int, ...] = BLOCKS, life: str = "D-life1", tp: int = 1) -> Claim:
@@ -56,8 +64,8 @@ def _end(ok: bool, d_rank: int = 0) -> Done | Failed:
 
 def test_p_grants_only_what_it_holds_and_a_grant_keeps_the_blocks() -> None:
     t = P(mode=PULL)
-    gone = _verdict(t, 0.0, _claim())  # not finished here yet: nothing held
-    assert (gone.lease_s, gone.code) == (None, ErrorCode.GONE)
+    early = _verdict(t, 0.0, _claim())  # not finished here yet: nothing held, D asks again
+    assert (early.lease_s, early.code) == (None, ErrorCode.NOT_YET)
     t.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
     other = _verdict(t, 1.0, _claim(blocks=(3, 9)), token=2)  # block 9 is not this request's
     assert (other.lease_s, other.code) == (None, ErrorCode.BAD_REQUEST)
@@ -98,6 +106,17 @@ def test_p_waits_for_a_d_rank_that_has_not_claimed_yet() -> None:
     _verdict(other, 0.1, _claim(tp=2))
     refused = _verdict(other, 0.2, _claim(d_rank=1, life="D-life2", tp=2), token=2)  # another D life
     assert refused.code is ErrorCode.BAD_REQUEST
+
+
+def test_a_failed_load_frees_at_once_though_a_rank_never_claimed() -> None:
+    """D's rank 0 claimed, then the load failed (its read, or rank 1's handshake) before rank 1 claimed:
+    P frees at once on rank 0's ``failed`` (it held to its lease, waiting for a claim that never comes)."""
+    t = P(mode=PULL)
+    t.h.at(0.0, Finished(TID, BLOCKS, TOKENS))
+    assert _verdict(t, 0.5, _claim(d_rank=0, tp=2)).lease_s is not None
+    assert events(t.from_d(0.6, _end(False, d_rank=0))) == [freed(ProducerOutcome.FAILED)]
+    late = _verdict(t, 0.7, _claim(d_rank=1, tp=2), token=2)
+    assert late.code is ErrorCode.GONE
 
 
 def test_p_fails_the_hold_when_one_claimer_failed() -> None:
@@ -151,3 +170,38 @@ def test_a_claim_without_answer_is_told_failed_with_the_others() -> None:
     claim = one(t.start(0.0, lease_s=None), SendClaim)
     out = t.h.at(5.0, ClaimAnswered(claim.token, None, FailReason.HANDSHAKE_FAILED, "TimeoutError"))
     assert t.to_p(False, FailReason.HANDSHAKE_FAILED) in protocol(out)
+
+
+def test_a_claim_without_answer_after_the_request_ended_is_told_failed() -> None:
+    t = D(mode=PULL)
+    claim = one(t.start(0.0, lease_s=None), SendClaim)
+    t.h.at(0.1, Abort(TID))  # nothing in flight: the request ends now
+    out = t.h.at(5.0, ClaimAnswered(claim.token, None, FailReason.HANDSHAKE_FAILED, "TimeoutError"))
+    assert t.to_p(False, FailReason.ABORTED) in out  # P may have granted it
+    refused = D(mode=PULL)
+    claim = one(refused.start(0.0, lease_s=None), SendClaim)
+    refused.h.at(0.1, Abort(TID))
+    out = refused.h.at(0.2, ClaimAnswered(claim.token, None, FailReason.LEASE_EXPIRED, "gone"))
+    assert not [a for a in out if isinstance(a, Send)]  # a refusal: P holds nothing for us
+
+
+def test_d_asks_again_while_p_has_not_finished_the_request_yet() -> None:
+    """P's answer can reach D before P's worker got the request's end (a step later; with PP on P, a
+    later stage later still: a real two-stage P refused such a claim and failed the load). D asks again
+    while P says ``not_yet``, within the claim's budget, over a real side channel."""
+    spec = KVSpec(2, 2, 16, "float32", 16)
+    answers: list[ErrorCode | None] = [ErrorCode.NOT_YET, ErrorCode.NOT_YET, None]
+
+    def judge(claim: Claim) -> ClaimVerdict:
+        code = answers.pop(0) if answers else ErrorCode.NOT_YET
+        return Granted(lease_ms=30_000) if code is None else (code, "not finished here (yet)")
+
+    async def run(budget_s: float) -> Granted | ErrorReply:
+        async with manager_pair(spec) as mp:
+            mp.server.on_claim = judge
+            claim = msgspec.structs.replace(_claim(), to_incarnation=mp.p_info.incarnation)
+            return await claim_until_finished(PeerAddress("127.0.0.1", mp.port, 0, 0), claim, budget_s, None)
+
+    assert asyncio.run(run(2.0)) == Granted(lease_ms=30_000) and answers == []
+    late = asyncio.run(run(0.1))  # never finished within the budget: the refusal stands
+    assert isinstance(late, ErrorReply) and late.code is ErrorCode.NOT_YET

@@ -21,10 +21,12 @@ if TYPE_CHECKING:
     from kvwire.connector._base import ConnectorBase
 
 log = logging.getLogger("kvwire.connector")
+CLAIM_RETRY_S = 0.02  # the first pause before a claim P answered ``not_yet`` is asked again (doubling)
 
 # How D fails a request whose claim P refused.
 CLAIM_REFUSALS = {
     ErrorCode.GONE: FailReason.LEASE_EXPIRED,
+    ErrorCode.NOT_YET: FailReason.LEASE_EXPIRED,  # not finished there within the claim's budget
     ErrorCode.BAD_REQUEST: FailReason.BAD_REGISTRATION,
     ErrorCode.INCOMPATIBLE: FailReason.INCOMPATIBLE,
     ErrorCode.UNAUTHORIZED: FailReason.UNAUTHORIZED,
@@ -62,8 +64,9 @@ def start_handshake(conn: ConnectorBase[Any], a: StartHandshake) -> None:
 def start_claim(conn: ConnectorBase[Any], a: SendClaim) -> None:
     """D: send the claim on P's side channel; P's answer (or why none came) returns as ``ClaimAnswered``."""
     addr = PeerAddress(a.host, a.port, a.remote[0], a.remote[1])
-    timeout_s = conn.config.handshake_timeout_s
-    task = asyncio.ensure_future(send_claim(addr, a.claim, timeout_s=timeout_s, secret=conn._secret))
+    task = asyncio.ensure_future(
+        claim_until_finished(addr, a.claim, conn.config.handshake_timeout_s, conn._secret)
+    )
 
     def finished(t: asyncio.Future[Granted | ErrorReply]) -> ClaimAnswered:
         exc = t.exception()
@@ -77,6 +80,23 @@ def start_claim(conn: ConnectorBase[Any], a: SendClaim) -> None:
         return ClaimAnswered(a.token, None, why, f"{reply.code.value}: {reply.message}")
 
     _follow_up(conn, task, finished)
+
+
+async def claim_until_finished(
+    addr: PeerAddress, claim: Claim, budget_s: float, secret: bytes | None
+) -> Granted | ErrorReply:
+    """The claim, asked again while P answers ``not_yet`` (P's worker gets a request's end a step after
+    P's answer left: with PP on P a later stage's even later), for up to ``budget_s`` in all. The core's
+    grant window counts from the first try: later tries only make it safer."""
+    loop = asyncio.get_running_loop()
+    deadline, pause = loop.time() + budget_s, CLAIM_RETRY_S
+    while True:
+        left = deadline - loop.time()
+        reply = await send_claim(addr, claim, timeout_s=max(left, CLAIM_RETRY_S), secret=secret)
+        if not isinstance(reply, ErrorReply) or reply.code is not ErrorCode.NOT_YET or left < pause:
+            return reply
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 0.5)
 
 
 def _follow_up(conn: ConnectorBase[Any], task: asyncio.Future[Any], answer: Any) -> None:

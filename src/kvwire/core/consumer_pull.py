@@ -77,9 +77,9 @@ class PullConsumerCore(ConsumerCore):
             or self._requests.get(req.transfer_id) is not req
         ):
             # Ended meanwhile (an abort, a dead P, another read failed): nothing is read. P holds the
-            # blocks for us now: it hears our end with the others' once our reads drained, or at once
-            # when they already did (it may have taken a word before this claim).
-            if inp.lease_s is not None:
+            # blocks for us now, or may (no trusted answer): it hears our end with the others' once our
+            # reads drained, or at once when they already did (it may have taken a word before this).
+            if _maybe_granted(inp):
                 link.claimed = True
                 if self._requests.get(req.transfer_id) is not req:
                     self._tell(req, part, link, FailReason.ABORTED)
@@ -88,7 +88,7 @@ class PullConsumerCore(ConsumerCore):
             why = inp.refusal or FailReason.HANDSHAKE_FAILED
             # No trusted answer (a timeout, a lost reply): P may have granted it all the same, so it hears
             # our end with the others (a ``failed`` for a hold it never granted changes nothing there).
-            link.claimed = why is FailReason.HANDSHAKE_FAILED
+            link.claimed = _maybe_granted(inp)
             self._log_info("%s: P refused the claim (%s): %s", req.transfer_id, why.value, inp.detail)
             self._fail(req, part, CT.HANDSHAKE_FAILED, why)
             self._settle(now, req)
@@ -215,3 +215,8 @@ class PullConsumerCore(ConsumerCore):
             else Failed(reason=reason, **common)  # type: ignore[arg-type]
         )
         self._send(part.key, link.peer.agent_name, msg)
+
+
+def _maybe_granted(answer: ClaimAnswered) -> bool:
+    """P granted the claim, or may have: no trusted answer came (a refusal says it holds nothing for us)."""
+    return answer.lease_s is not None or answer.refusal in (None, FailReason.HANDSHAKE_FAILED)

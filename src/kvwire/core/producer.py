@@ -350,18 +350,21 @@ class PullProducerCore(ProducerCore):
         msg = inp.msg
         req = self._requests.get(msg.transfer_id)
         code, detail = None, ""
-        if req is None or req.phase is not Phase.HELD:
-            code = ErrorCode.GONE
-            detail = f"{msg.transfer_id}: not held here (its lease expired, it ended, or it never finished)"
+        if req is None or req.phase is Phase.PREFILLING:
+            code, detail = ErrorCode.NOT_YET, f"{msg.transfer_id}: not finished here (yet)"
+        elif req.phase is not Phase.HELD:
+            code, detail = ErrorCode.GONE, f"{msg.transfer_id}: no longer held here (expired or ended)"
         elif not set(msg.block_ids) <= set(req.block_ids):
             code, detail = ErrorCode.BAD_REQUEST, f"{msg.transfer_id}: names blocks not held for it"
         elif (problem := self._claimer_problem(req, msg)) is not None:
             code, detail = ErrorCode.BAD_REQUEST, f"{msg.transfer_id}: {problem}"
         else:
-            req.claims.setdefault((msg.from_pp_rank, msg.from_tp_rank), True)
+            req.claims.setdefault(msg.from_tp_rank, True)
             # At least the lease, and long enough for a read D does not time out itself (D takes a read
-            # only if it ended within the grant: D's heartbeats extend P's lease, but D cannot know it).
-            grant = max(self.config.kv_lease_duration_s, self.config.transfer_timeout_s)
+            # only if it ended within the grant, counted from when it sent the claim: its read's timeout
+            # starts up to a claim's round trip later; D's heartbeats extend P's lease, but D cannot know).
+            cfg = self.config
+            grant = max(cfg.kv_lease_duration_s, cfg.transfer_timeout_s + cfg.handshake_timeout_s)
             req.lease_until = max(req.lease_until, now + grant)
             self._do(AnswerClaim(inp.token, grant))
             return
@@ -373,8 +376,8 @@ class PullProducerCore(ProducerCore):
         life = (msg.engine_id, msg.incarnation)
         if req.claim_life not in (None, life) or req.d_tp_size not in (None, msg.tp_size):
             return "claimed by another D, or with another tp_size"
-        if not msg.from_tp_rank < msg.tp_size or len(req.claims) >= self.config.max_registrations_per_request:
-            return "a D rank out of range"
+        if msg.from_pp_rank != 0 or not msg.from_tp_rank < msg.tp_size:
+            return "a D rank out of range (D runs pp 1)"
         try:
             expected = self._d_readers(msg.tp_size)
         except LayoutError:
@@ -404,7 +407,7 @@ class PullProducerCore(ProducerCore):
             raise self._refuse(DropReason.UNKNOWN_TRANSFER, f"{type(msg).__name__} {msg.transfer_id}")
         if req.claim_life not in (None, (msg.engine_id, msg.incarnation)):
             raise self._refuse(DropReason.UNEXPECTED, f"{type(msg).__name__} {msg.transfer_id}: another D")
-        rank = (msg.pp_rank, msg.tp_rank)
+        rank = msg.tp_rank  # D runs pp 1
         reading = req.claims.get(rank)
         if reading is False:
             return  # its word to another of our ranks came first
@@ -418,8 +421,10 @@ class PullProducerCore(ProducerCore):
         if isinstance(msg, Failed):
             self.stats.failures[msg.reason] += 1
             req.claim_failed = True
-        if any(req.claims.values()) or not self._all_readers_ended(req):
-            return  # a D rank still reads them, or has yet to claim them
+        if any(req.claims.values()):
+            return  # a D rank still reads them
+        if not req.claim_failed and not self._all_readers_ended(req):
+            return  # a D rank has yet to claim them (a failed load ends here: a late claim finds them gone)
         if not req.claim_failed:
             self.stats.transfers_done += 1
         how = ProducerOutcome.FAILED if req.claim_failed else ProducerOutcome.PULLED
@@ -429,7 +434,7 @@ class PullProducerCore(ProducerCore):
         """Every D rank that reads ours said ``done`` or ``failed`` (without any claim: D's first word)."""
         if req.d_tp_size is None:
             return True
-        ended = {tp for (_pp, tp), reading in req.claims.items() if not reading}
+        ended = {tp for tp, reading in req.claims.items() if not reading}
         return self._d_readers(req.d_tp_size) <= ended
 
     def _timers(self, now: float) -> None:

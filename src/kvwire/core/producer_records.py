@@ -82,13 +82,13 @@ class Request:
     # the early-registration table (None: created by the engine's own call).
     early_owner: tuple[str, str] | None = None
     early_ids: int = 0  # D's block ids its registrations name while PREFILLING (``max_early_block_ids``)
-    # Pull: the D life whose ranks claimed it (one reads a request), and its ranks (pp, tp), each True from
+    # Pull: the D life whose ranks claimed it (one reads a request), and its TP ranks, each True from
     # its granted ``claim`` until it said ``done`` or ``failed`` (to any P rank: D says it to every one it
     # read from once all its reads ended), False once it did (a rank that read nothing says it unclaimed).
     # The blocks stay held until every D rank that reads ours ended (``d_tp_size`` names them), or the
     # lease runs out. And whether one of them failed.
     claim_life: tuple[str, str] | None = None
-    claims: dict[tuple[int, int], bool] = field(default_factory=dict)
+    claims: dict[int, bool] = field(default_factory=dict)  # by D TP rank
     claim_failed: bool = False
 
 

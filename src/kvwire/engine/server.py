@@ -463,15 +463,15 @@ class EngineServer:
                     created=created,
                     completion_tokens=out.num_output_tokens,
                 )
-                if not out.finished:
-                    chunk["usage"] = None
+                if not out.finished or creq.include_usage:
+                    usage, chunk["usage"] = chunk["usage"], None  # OpenAI's: then only its own chunk
                 yield _sse(chunk)
                 if out.finished:
                     self._record(None, started, out.ttft_s, out.kv_transfer_s)
                     self._log_done(creq, out.num_output_tokens, started)
                     if creq.include_usage:
-                        usage = {"model": model, "choices": [], "usage": chunk["usage"]}
-                        yield _sse({"id": cid, "object": "text_completion", "created": created, **usage})
+                        last = {"model": model, "choices": [], "usage": usage}
+                        yield _sse({"id": cid, "object": "text_completion", "created": created, **last})
                     yield b"data: [DONE]\n\n"
                     return
                 out = await queue.get()

@@ -64,6 +64,7 @@ _REFUSALS: dict[ErrorCode, type[HandshakeError]] = {
     ErrorCode.NO_SUCH_RANK: NoSuchRank,
     ErrorCode.BAD_REQUEST: HandshakeError,
     ErrorCode.GONE: HandshakeError,
+    ErrorCode.NOT_YET: HandshakeError,
 }
 
 

@@ -52,9 +52,11 @@ class ErrorCode(enum.Enum):
     UNAUTHORIZED = "unauthorized"
     NO_SUCH_RANK = "no_such_rank"
     BAD_REQUEST = "bad_request"
-    # Added (v1-compatible): a ``claim`` for a transfer this engine does not hold (ended, expired, or
-    # never finished here).
+    # Added (v1-compatible): a ``claim`` for a transfer this engine held and let go (ended, expired).
     GONE = "gone"
+    # Added (v1-compatible): a ``claim`` for a transfer this engine has not finished (yet: a P worker may
+    # get the request's end a step after P's answer reached D; the claimer asks again for a while).
+    NOT_YET = "not_yet"
 
 
 class FailReason(enum.Enum):

@@ -76,7 +76,7 @@ class StepStats:
             recorded, durations = c.stats.durations_recorded, list(c.stats.transfer_durations_s)
             timed = recorded - self._timed.get(id(c), 0)
             self._timed[id(c)] = recorded
-            seconds = durations[-timed:] if timed > 0 and new else []
+            seconds = durations[-timed:] if timed > 0 else []  # only the posting side records any
             # Sizes are not kept per transfer: each new one is shown at the interval's mean.
             sizes = [counts.get("bytes", 0) // new] * min(new, MAX_SAMPLES) if new else []
             data = merge(data, payload(counts, seconds, sizes))
