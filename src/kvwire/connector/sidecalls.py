@@ -87,16 +87,23 @@ async def claim_until_finished(
 ) -> Granted | ErrorReply:
     """The claim, asked again while P answers ``not_yet`` (P's worker gets a request's end a step after
     P's answer left: with PP on P a later stage's even later), for up to ``budget_s`` in all. The core's
-    grant window counts from the first try: later tries only make it safer."""
-    loop = asyncio.get_running_loop()
-    deadline, pause = loop.time() + budget_s, CLAIM_RETRY_S
-    while True:
-        left = deadline - loop.time()
-        reply = await send_claim(addr, claim, timeout_s=max(left, CLAIM_RETRY_S), secret=secret)
-        if not isinstance(reply, ErrorReply) or reply.code is not ErrorCode.NOT_YET or left < pause:
-            return reply
-        await asyncio.sleep(pause)
-        pause = min(pause * 2, 0.5)
+    grant window counts from the first try: later tries only make it safer. A try the budget cut short
+    raises (P may have granted it: D then tells it ``failed``); a pause it cut short leaves ``not_yet``."""
+    pause, reply, asking = CLAIM_RETRY_S, None, False
+    try:
+        async with asyncio.timeout(budget_s):
+            while True:
+                asking = True
+                reply = await send_claim(addr, claim, timeout_s=budget_s, secret=secret)
+                asking = False
+                if not isinstance(reply, ErrorReply) or reply.code is not ErrorCode.NOT_YET:
+                    return reply
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.5)
+    except TimeoutError:
+        if asking or reply is None:
+            raise
+        return reply
 
 
 def _follow_up(conn: ConnectorBase[Any], task: asyncio.Future[Any], answer: Any) -> None:
