@@ -7,6 +7,7 @@ to a log file whose tail is shown when it fails.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -39,16 +40,25 @@ class ServerFailed(KvwireError):
 _PORTS = range(20000, 32000)
 
 
+# The ports this process handed out lately: two picks before either server binds must differ (a CI chaos
+# run drew one port for D's HTTP listener and its side channel, and D could not start). Bounded.
+_GIVEN: collections.deque[int] = collections.deque(maxlen=1024)
+
+
 def free_port() -> int:
-    """A port that is free now on 127.0.0.1 (the server binds it a moment later)."""
+    """A port that is free now on 127.0.0.1 (the server binds it a moment later), and not one this process
+    handed out lately."""
     for _ in range(200):
         port = random.choice(_PORTS)
+        if port in _GIVEN:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _GIVEN.append(port)
+        return port
     raise ServerFailed(f"no free port on 127.0.0.1 in {_PORTS.start}-{_PORTS.stop - 1} after 200 tries")
 
 
