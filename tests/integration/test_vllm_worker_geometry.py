@@ -166,3 +166,13 @@ def test_block_size_mismatch_with_p_larger_fails_the_load_and_frees_both(pool: P
     finally:
         p.close()
         d.close()
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_p_rank_that_no_d_rank_reads_frees_the_request_with_the_others(pool: Pool, mode: str) -> None:
+    """One KV head replicated on P's two ranks (as MLA's latent is on every rank), D with one rank: D
+    reads the head from P rank 0 only. P rank 1 must hear the request's end all the same: vLLM frees a
+    request's blocks only once every worker reported it sent, and rank 1 held them to its lease (30 s,
+    past this test's 20 s bound)."""
+    model = replace(P_MODEL, kv_heads=1)
+    _transfer(pool, model, model, p_tp=2, mode=mode)

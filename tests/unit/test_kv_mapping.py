@@ -1,8 +1,10 @@
 import dataclasses
+import itertools
 import random
 
 import pytest
 
+from kvwire.core.producer_records import expected_d_ranks
 from kvwire.errors import BlockRangeError, LayoutError
 from kvwire.kv import (
     HeadSlice,
@@ -11,13 +13,16 @@ from kvwire.kv import (
     Layout,
     RankLayout,
     layer_window,
+    pair_slices,
     plan_transfer,
     source_ranks,
+    tp_map,
     tp_peers,
     tp_sources,
 )
 
 LLAMA = KVSpec(num_layers=32, kv_heads=8, head_dim=128, dtype="float16", block_size=16)
+MLA = KVSpec(num_layers=1, kv_heads=1, head_dim=4, mla=True)
 
 
 def test_layer_window_follows_vllm_split() -> None:
@@ -50,11 +55,36 @@ def test_src_tp_larger_fills_slices_of_one_block() -> None:
 def test_replicated_heads_are_written_once() -> None:
     spec = KVSpec(num_layers=1, kv_heads=2, head_dim=4)
     # 2 heads on 8 P ranks (4 replicas each) to 1 D rank: one replica per head writes.
-    assert tp_sources(spec, 8, 1, 0) == [0, 4]
+    assert [r for r in range(8) if tp_peers(spec, 8, 1, r)] == [0, 4]
     # MLA: D rank d reads from P rank d % P tp.
     mla = KVSpec(num_layers=1, kv_heads=1, head_dim=4, mla=True)
     assert [tp_sources(mla, 2, 4, d) for d in range(4)] == [[0], [1], [0], [1]]
     assert tp_peers(mla, 2, 4, 1) == [HeadSlice(1, 1, 0, 0, 1), HeadSlice(1, 3, 0, 0, 1)]
+
+
+def test_a_p_rank_no_d_rank_reads_is_told_by_one_d_rank() -> None:
+    """The replicas no D rank reads still register with one D rank (``r % D tp``), which moves nothing
+    from them: they must hear the request's end to free its blocks."""
+    spec = KVSpec(num_layers=1, kv_heads=2, head_dim=4)
+    assert tp_sources(spec, 8, 1, 0) == list(range(8))
+    assert [pair_slices(spec, 8, 1, r, 0) != [] for r in range(8)] == [r in (0, 4) for r in range(8)]
+    mla = KVSpec(num_layers=1, kv_heads=1, head_dim=4, mla=True)
+    assert [tp_sources(mla, 4, 2, d) for d in range(2)] == [[0, 2], [1, 3]]
+    assert [expected_d_ranks(mla, 4, 2, r) for r in range(4)] == [{0}, {1}, {0}, {1}]
+
+
+@pytest.mark.parametrize(
+    "spec", [LLAMA, KVSpec(num_layers=1, kv_heads=2, head_dim=4), MLA], ids=["8-heads", "2-heads", "mla"]
+)
+def test_every_p_rank_has_a_d_rank_and_both_sides_agree(spec: KVSpec) -> None:
+    """For every TP pair: each P rank registers with at least one D rank, every pair that moves heads
+    registers, and P's view (``expected_d_ranks``) is D's (``tp_sources``) transposed."""
+    for p_tp, d_tp in itertools.product((1, 2, 4, 8), repeat=2):
+        d_view = {(src, d) for d in range(d_tp) for src in tp_sources(spec, p_tp, d_tp, d)}
+        p_view = {(r, d) for r in range(p_tp) for d in expected_d_ranks(spec, p_tp, d_tp, r)}
+        assert d_view == p_view
+        assert {src for src, _ in p_view} == set(range(p_tp))
+        assert {(s.src_rank, s.dst_rank) for s in tp_map(spec, p_tp, d_tp)} <= p_view
 
 
 def test_tp_divisibility_and_range_errors() -> None:

@@ -22,9 +22,9 @@ import threading
 from collections.abc import Sequence
 
 from kvwire.connector._base import ConnectorBase
-from kvwire.core.consumer import ConsumerCore, PushConsumerCore, check_allocation
+from kvwire.core.consumer import ConsumerCore, PushConsumerCore
 from kvwire.core.consumer_pull import PullConsumerCore
-from kvwire.core.consumer_records import UsedIds
+from kvwire.core.consumer_records import UsedIds, check_allocation
 from kvwire.core.events import ConsumerEvent
 from kvwire.core.io import Abort, Allocated, RemoteEngine
 from kvwire.errors import TransferIdReused

@@ -16,7 +16,18 @@ from __future__ import annotations
 
 from kvwire.core.base import CoreBase, DropReason
 from kvwire.core.consumer_liveness import Lives, drain_hold, quarantined, release_at
-from kvwire.core.consumer_records import Link, LocalPart, PeerLife, Request, UsedIds, sampled, wrong_peer
+from kvwire.core.consumer_records import (
+    Link,
+    LocalPart,
+    Pair,
+    PairMemo,
+    PeerLife,
+    Request,
+    UsedIds,
+    check_allocation,
+    sampled,
+    wrong_peer,
+)
 from kvwire.core.events import ConsumerEvent, ConsumerEventKind
 from kvwire.core.io import (
     Abort,
@@ -31,10 +42,9 @@ from kvwire.core.io import (
     StartHandshake,
     TouchPeer,
 )
-from kvwire.core.types import EngineInfo, PeerRank
-from kvwire.errors import BlockRangeError, IllegalTransition, LayoutError, TransferIdReused, UnexpectedSender
-from kvwire.kv.digest import DigestScope, common_layers, p_layers, pair_heads, payload_bytes
-from kvwire.kv.groups import grouped, moved_ids
+from kvwire.core.types import PeerRank
+from kvwire.errors import IllegalTransition, LayoutError, TransferIdReused, UnexpectedSender
+from kvwire.kv.digest import DigestScope, payload_bytes
 from kvwire.kv.mapping import HeadSlice, source_ranks
 from kvwire.protocol.messages import (
     Cancel,
@@ -54,23 +64,6 @@ from kvwire.protocol.types import PeerMode
 
 _DRAINING = (ConsumerState.FAILING, ConsumerState.CANCELLING)
 _FAILED = (ConsumerState.FAILING, ConsumerState.FAILED)
-# (layers, (first head, count) per slice, slices) of one (P rank, local rank) pair: PushConsumerCore._pair.
-_Pair = tuple[range, tuple[tuple[int, int], ...], tuple[HeadSlice, ...]]
-
-
-def check_allocation(engine: EngineInfo, num_blocks: int, inp: Allocated) -> None:
-    """The engine's ``request_allocated`` arguments, checked before anything is sent (raises)."""
-    spec, tid = engine.spec, inp.transfer_id
-    n, cached = inp.num_tokens, inp.num_cached_tokens
-    ids = list(inp.block_ids)
-    if grouped(spec) and 0 <= cached <= n:  # a hybrid model's: the blocks its groups' tokens occupy
-        ids = moved_ids(spec, ids, n, cached)
-    if any(not 0 <= b < num_blocks for b in ids) or len(set(ids)) != len(ids):
-        raise BlockRangeError(f"{tid}: local block ids out of range or repeated")
-    if n <= 0 or not 0 <= cached <= n or cached % spec.block_size:
-        raise LayoutError(f"{tid}: bad token counts {n}/{cached}")
-    if len(inp.block_ids) * spec.block_size < n:
-        raise BlockRangeError(f"{tid}: {len(ids)} blocks cannot hold {n} tokens")
 
 
 class ConsumerCore(CoreBase):
@@ -327,7 +320,7 @@ class PushConsumerCore(ConsumerCore):
         self._sending: dict[int, tuple[Request, LocalPart, Link]] = {}  # push_reg token
         self._digesting: dict[int, tuple[Request, LocalPart, RankKey, Done]] = {}  # Digest token
         self._reg_seq = 0  # the last reg_nonce given (unique in this life; never 0, an old peer's echo)
-        self._pairs: dict[tuple[int, int, RankKey, RankKey], _Pair] = {}  # see _pair
+        self._pairs = PairMemo()
 
     @property
     def busy(self) -> bool:
@@ -439,10 +432,24 @@ class PushConsumerCore(ConsumerCore):
         if isinstance(msg, Done):
             self._on_done(now, req, part, link, msg)
             return
+        if isinstance(msg, Failed) and self._idle_refusal(now, req, part, msg):
+            return
         if src in part.machine.ranks.pending:  # a replay for an ended rank is refused below: it holds nothing
             req.hold_until = max(req.hold_until, drain_hold(msg, now, self.config.dead_peer_grace_s))
         how = RankEnd.FAILED if isinstance(msg, Failed) else RankEnd.CANCEL_ACKED
         self._rank_ended(now, req, part, src, how, msg.reason if isinstance(msg, Failed) else None)
+
+    def _idle_refusal(self, now: float, req: Request, part: LocalPart, msg: Failed) -> bool:
+        """A P rank that moves nothing here (a replica no D rank reads: ``tp_contacts``) refused our
+        registration (``bad_registration``: a P from before such ranks were told the end). It writes
+        nothing, so that ends it as done and the load goes on (else every such load from an older P fails)."""
+        src = (msg.pp_rank, msg.tp_rank)
+        bad = msg.reason is not FailReason.BAD_REGISTRATION or src not in part.machine.ranks.pending
+        if bad or self._slices(req, part, src):
+            return False
+        self._log_info("%s: P rank %s (moves nothing here) refused the registration", req.transfer_id, src)
+        self._rank_done(now, req, part, src, None)
+        return True
 
     def _rank_ended(
         self, now: float, req: Request, part: LocalPart, src: RankKey, how: RankEnd, reason: FailReason | None
@@ -496,21 +503,12 @@ class PushConsumerCore(ConsumerCore):
         self._digesting[token] = (req, part, src, msg)
         self._do(Digest(token, part.key, scope))
 
-    def _pair(self, req: Request, part: LocalPart, src: RankKey) -> _Pair:
-        """The layers and head slices P rank ``src`` writes into local rank ``part`` (a function of the
-        geometry only: memoized per core, asked for every ``done``)."""
-        remote = req.remote
-        key = (remote.tp_size, remote.pp_size, src, part.key)
-        pair = self._pairs.get(key)
-        if pair is None:
-            spec = self.engine.spec
-            slices = pair_heads(spec, remote.tp_size, self.engine.tp_size, src[1], part.key[1])
-            layers = common_layers(p_layers(spec, remote.pp_size, src[0]), self.layouts[part.key].layers)
-            heads = tuple((s.dst_head, s.num_heads) for s in slices)
-            if len(self._pairs) >= 256:  # peers of every geometry may come: keep it bounded
-                self._pairs.clear()
-            pair = self._pairs[key] = (layers, heads, slices)
-        return pair
+    def _pair(self, req: Request, part: LocalPart, src: RankKey) -> Pair:
+        """The layers and head slices P rank ``src`` writes into local rank ``part`` (asked per ``done``)."""
+        remote, e = req.remote, self.engine
+        return self._pairs.get(
+            e.spec, (remote.tp_size, remote.pp_size, e.tp_size), src, self.layouts[part.key]
+        )
 
     def _slices(self, req: Request, part: LocalPart, src: RankKey) -> tuple[HeadSlice, ...]:
         return self._pair(req, part, src)[2]

@@ -7,11 +7,19 @@ import math
 import zlib
 from dataclasses import dataclass, field
 
-from kvwire.core.io import RemoteEngine
-from kvwire.core.types import PeerRank
+from kvwire.core.io import Allocated, RemoteEngine
+from kvwire.core.types import EngineInfo, PeerRank
+from kvwire.errors import BlockRangeError, LayoutError
+from kvwire.kv.digest import common_layers, p_layers, pair_heads
+from kvwire.kv.groups import grouped, moved_ids
+from kvwire.kv.mapping import HeadSlice, RankLayout
+from kvwire.kv.spec import KVSpec
 from kvwire.protocol.messages import FailReason
 from kvwire.protocol.ranks import RankKey
 from kvwire.protocol.states import ConsumerRequest
+
+# (layers, (first head, count) per slice, slices) of one (P rank, local rank) pair (``PairMemo``).
+Pair = tuple[range, tuple[tuple[int, int], ...], tuple[HeadSlice, ...]]
 
 
 @dataclass(eq=False)
@@ -133,3 +141,39 @@ def sampled(transfer_id: str, share: float) -> bool:
     if share >= 1.0:
         return True
     return share > 0.0 and zlib.crc32(transfer_id.encode()) < share * 2**32
+
+
+def check_allocation(engine: EngineInfo, num_blocks: int, inp: Allocated) -> None:
+    """The engine's ``request_allocated`` arguments, checked before anything is sent (raises)."""
+    spec, tid = engine.spec, inp.transfer_id
+    n, cached = inp.num_tokens, inp.num_cached_tokens
+    ids = list(inp.block_ids)
+    if grouped(spec) and 0 <= cached <= n:  # a hybrid model's: the blocks its groups' tokens occupy
+        ids = moved_ids(spec, ids, n, cached)
+    if any(not 0 <= b < num_blocks for b in ids) or len(set(ids)) != len(ids):
+        raise BlockRangeError(f"{tid}: local block ids out of range or repeated")
+    if n <= 0 or not 0 <= cached <= n or cached % spec.block_size:
+        raise LayoutError(f"{tid}: bad token counts {n}/{cached}")
+    if len(inp.block_ids) * spec.block_size < n:
+        raise BlockRangeError(f"{tid}: {len(ids)} blocks cannot hold {n} tokens")
+
+
+class PairMemo:
+    """What one P rank writes into one local rank, by geometry only (layers, head slices), memoized: the
+    consumer asks it for every ``done``. Bounded: peers of every geometry may come."""
+
+    def __init__(self) -> None:
+        self._pairs: dict[tuple[int, int, int, RankKey, RankKey], Pair] = {}
+
+    def get(self, spec: KVSpec, sizes: tuple[int, int, int], src: RankKey, local: RankLayout) -> Pair:
+        """``sizes``: P's TP size, P's PP size, this engine's TP size."""
+        p_tp, p_pp, d_tp = sizes
+        key = (p_tp, p_pp, d_tp, src, (local.pp_rank, local.tp_rank))
+        pair = self._pairs.get(key)
+        if pair is None:
+            slices = pair_heads(spec, p_tp, d_tp, src[1], local.tp_rank)
+            layers = common_layers(p_layers(spec, p_pp, src[0]), local.layers)
+            if len(self._pairs) >= 256:
+                self._pairs.clear()
+            pair = self._pairs[key] = (layers, tuple((s.dst_head, s.num_heads) for s in slices), slices)
+        return pair

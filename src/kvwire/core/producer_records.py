@@ -18,7 +18,7 @@ import msgspec
 from kvwire.core.events import ProducerOutcome
 from kvwire.core.types import EngineInfo, PeerRank
 from kvwire.errors import BlockRangeError, LayoutError
-from kvwire.kv.mapping import tp_peers
+from kvwire.kv.mapping import tp_contacts
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.messages import (
     CancelAck,
@@ -122,8 +122,11 @@ TOMB_REASON = {
 
 @lru_cache(maxsize=256)
 def expected_d_ranks(spec: KVSpec, p_tp: int, d_tp: int, p_rank: int) -> frozenset[int]:
-    """The D TP ranks P rank ``p_rank`` writes (cached: asked at every settle of every request)."""
-    return frozenset(s.dst_rank for s in tp_peers(spec, p_tp, d_tp, p_rank))
+    """The D TP ranks that register with P rank ``p_rank``: those it writes, or, when no D rank reads it,
+    the one that tells it the request's end (``tp_contacts``)."""
+    if not 0 <= p_rank < p_tp:
+        raise LayoutError(f"p_rank {p_rank} out of range for tp {p_tp}")
+    return frozenset(dst for src, dst in tp_contacts(spec, p_tp, d_tp) if src == p_rank)
 
 
 def check_reg(req: Request, reg: Reg, expected: Callable[[int, int], frozenset[int]]) -> FailReason | None:

@@ -10,7 +10,10 @@ starting at model head ``spec.first_head(tp, r)``; with fewer heads than ranks a
 * D tp > P tp: a P rank writes a head slice into each of several D ranks;
 * P tp > D tp: several P ranks each write their heads into a slice of one D rank's block;
 * replicated heads (MLA, or kv_heads < tp): D rank ``d`` gets the block from P rank ``d % k`` of the
-  ``k`` ranks that hold it (MLA: ``k = P tp``), spreading the load over P's replicas.
+  ``k`` ranks that hold it (MLA: ``k = P tp``), spreading the load over P's replicas. With more P ranks
+  than D ranks some replicas are read by no D rank: D rank ``r % D tp`` registers with such a P rank
+  ``r`` all the same (nothing moves) and tells it the request's end (``tp_contacts``), so it frees the
+  request's blocks with the others.
 
 A ``HeadSlice`` gives the head offset inside each side's block and the number of heads; the byte offsets
 depend on the layout (``kvwire.kv.descriptors``).
@@ -95,6 +98,20 @@ def tp_map(spec: KVSpec, src_tp: int, dst_tp: int) -> tuple[HeadSlice, ...]:
     return tuple(slices)
 
 
+@functools.lru_cache(maxsize=256)
+def tp_contacts(spec: KVSpec, src_tp: int, dst_tp: int) -> tuple[tuple[int, int], ...]:
+    """The (P rank, D rank) pairs that exchange a registration and its end: every pair with a head slice,
+    and, for each P rank that no D rank reads, D rank ``src_rank % dst_tp``. Such a rank exists with
+    replicated heads when P has more ranks than D (MLA with P tp 2 and D tp 1: D reads rank 0 only); it
+    moves nothing, but must hear the request's end like the others: inside vLLM each rank is a worker,
+    and a request's blocks are freed only once every worker reported it, so one rank left waiting held
+    every request's blocks on P to the lease."""
+    pairs = {(s.src_rank, s.dst_rank) for s in tp_map(spec, src_tp, dst_tp)}
+    read = {src for src, _ in pairs}
+    pairs.update((src, src % dst_tp) for src in range(src_tp) if src not in read)
+    return tuple(sorted(pairs))
+
+
 def tp_peers(spec: KVSpec, src_tp: int, dst_tp: int, src_rank: int) -> list[HeadSlice]:
     """The D ranks P rank ``src_rank`` writes, each with its head slice (in D rank order)."""
     if not 0 <= src_rank < src_tp:
@@ -103,10 +120,11 @@ def tp_peers(spec: KVSpec, src_tp: int, dst_tp: int, src_rank: int) -> list[Head
 
 
 def tp_sources(spec: KVSpec, src_tp: int, dst_tp: int, dst_rank: int) -> list[int]:
-    """The P TP ranks that write into D rank ``dst_rank`` (ascending)."""
+    """The P TP ranks D rank ``dst_rank`` registers with (ascending): those that write into it, and those
+    no D rank reads that it tells the request's end (``tp_contacts``)."""
     if not 0 <= dst_rank < dst_tp:
         raise LayoutError(f"dst_rank {dst_rank} out of range for tp {dst_tp}")
-    return sorted({s.src_rank for s in tp_map(spec, src_tp, dst_tp) if s.dst_rank == dst_rank})
+    return [src for src, dst in tp_contacts(spec, src_tp, dst_tp) if dst == dst_rank]
 
 
 def pair_slices(spec: KVSpec, src_tp: int, dst_tp: int, src_rank: int, dst_rank: int) -> list[HeadSlice]:
