@@ -196,6 +196,8 @@ def test_discovery_target_and_record_parsing() -> None:
     assert parse_target("etcd://10.0.0.5:2379/prod/") == parse_target("etcd://10.0.0.5:2379/prod")
     t = parse_target("etcd://h")
     assert (t.host, t.port, t.prefix, str(t)) == ("h", 2379, "/kvwire", "etcd://h:2379/kvwire")
+    v6 = parse_target("etcd://[::1]:2380/p")  # an IPv6 literal keeps its brackets in the URL it dials
+    assert (v6.host, v6.base_url, str(v6)) == ("::1", "http://[::1]:2380", "etcd://[::1]:2380/p")
     for bad in ("http://h:1", "etcd://", "etcd://h:port"):
         with pytest.raises(ConfigError):
             parse_target(bad)

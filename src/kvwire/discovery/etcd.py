@@ -46,11 +46,16 @@ class EtcdTarget:
     prefix: str = DEFAULT_PREFIX
 
     @property
+    def _netloc(self) -> str:
+        # An IPv6 literal goes in brackets (``etcd://[::1]:2379``): bare, ``::1:2379`` is not an address.
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    @property
     def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"http://{self._netloc}"
 
     def __str__(self) -> str:
-        return f"etcd://{self.host}:{self.port}{self.prefix}"
+        return f"etcd://{self._netloc}{self.prefix}"
 
 
 def parse_target(text: str) -> EtcdTarget:
