@@ -115,7 +115,8 @@ def test_duplicate_push_reg_is_dropped_and_the_first_one_served() -> None:
         bare.push_reg("dup", [5, 6], 8)
         bare.push_reg("dup", [7, 8], 8)  # a second registration of the same D rank: never written
         wait_for(lambda: [m for m in bare.received() if isinstance(m, Done)], "done to D")
-        assert pair.producer.stats.dropped_notifs["duplicate"] == 1
+        # Counted on P's loop thread, which may not have polled the second one yet when the done lands.
+        wait_for(lambda: pair.producer.stats.dropped_notifs["duplicate"] == 1, "the duplicate dropped")
         wait_for(lambda: pair.producer.stats.transfers_done == 1, "P saw its write end")
         assert pair.producer.stats.transfers_started == 1
         assert untouched_blocks_zero(bare.setup.ranks, [5, 6])
@@ -201,9 +202,10 @@ def test_bad_notifications_to_p_are_dropped_by_reason() -> None:
     try:
         p_agent = pair.p_agent()
         rogue = _rogue(pair, "rogue/r2/pp0/tp0", p_agent)
+        # (A cancel of a transfer P has not seen is not among them: it is taken, as a D that declined the
+        # request before P finished, docs/protocol.md §3; tests/unit/test_decline.py bounds them.)
         corpus: list[tuple[bytes, str]] = [
             (b"KVW1\xff\x00", "malformed"),
-            (encode_notif(Cancel(transfer_id="x", engine_id="rogue", incarnation="r2")), "unknown_transfer"),
             (_done("x", "rogue", "r2"), "unexpected"),  # P gets no done in push mode
             (_done("x", "other", "r2"), "wrong_sender"),
         ]
@@ -211,7 +213,7 @@ def test_bad_notifications_to_p_are_dropped_by_reason() -> None:
             pair.on_loop(lambda r=raw: rogue.send_notif(p_agent.name, r))
         dropped = pair.producer.stats.dropped_notifs
         wait_for(lambda: sum(dropped.values()) == len(corpus), "every bad notification dropped")
-        assert dict(dropped) == {"malformed": 1, "unknown_transfer": 1, "unexpected": 1, "wrong_sender": 1}
+        assert dict(dropped) == {"malformed": 1, "unexpected": 1, "wrong_sender": 1}
     finally:
         pair.close()
 
@@ -235,13 +237,18 @@ def test_mutated_notifications_never_crash_or_write() -> None:
             target = d_agent.name if i % 2 else pair.p_agent().name
             sent[target] += 1
             pair.on_loop(lambda t=target, r=bytes(raw): rogue.send_notif(t, r))
+        # P takes a cancel that still decodes, of a transfer it has not seen (a D that declined it): each
+        # leaves one record, an ended request holding nothing; every other one is dropped.
         wait_for(
             lambda: (
                 sum(pair.consumer.stats.dropped_notifs.values()) == sent[d_agent.name]
-                and sum(pair.producer.stats.dropped_notifs.values()) == sent[pair.p_agent().name]
+                and sum(pair.producer.stats.dropped_notifs.values())
+                + pair.on_loop(lambda: pair.producer.core.records[0])
+                == sent[pair.p_agent().name]
             ),
-            "every mutated notification dropped",
+            "every mutated notification dropped, or taken as a cancel",
         )
+        assert pair.on_loop(lambda: pair.producer.core.live_requests) == 0
         kv = pair.fill_p([2, 3], 8)
         pair.consumer.request_allocated("after", [0, 1], 8, 0, pair.remote())
         pair.producer.request_finished("after", [2, 3], 8)

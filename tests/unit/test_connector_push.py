@@ -150,3 +150,20 @@ def test_lease_expires_without_registration() -> None:
         assert pair.p_event("nobody").outcome is ProducerOutcome.EXPIRED
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize("mode", [TransferMode.PUSH, TransferMode.PULL], ids=["push", "pull"])
+def test_a_declined_request_frees_ps_blocks_through_the_connectors(mode: TransferMode) -> None:
+    """D's engine dropped the request before allocating it (``decline``): each P rank (TP 2 here) is told
+    over a real handshake, and P's blocks come back at once (the lease is a minute: virtual time, never
+    moved). D sees no event: nothing of its blocks was involved."""
+    cfg = ConnectorConfig(mode=mode, kv_lease_duration_s=60.0)
+    pair = Pair(SPEC, p_tp=2, mode=mode, config=cfg, clock=VirtualClock())
+    try:
+        pair.producer.request_finished("gone", [0, 1], 8)
+        pair.consumer.decline("gone", pair.remote((0, 1)))
+        aborted = ProducerOutcome.ABORTED if mode is TransferMode.PUSH else ProducerOutcome.FAILED
+        assert pair.p_event("gone").outcome is aborted
+        assert pair.consumer.poll() == [] and pair.consumer.stats.dropped_notifs == {}
+    finally:
+        pair.close()

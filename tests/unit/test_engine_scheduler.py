@@ -47,6 +47,7 @@ class ScriptedHooks:
         self.finished: list[TransferRequest] = []
         self.allocated: list[TransferRequest] = []
         self.aborted: list[str] = []
+        self.declined: list[str] = []
         self.pending = HookEvents()
         self.closed = False
 
@@ -64,6 +65,9 @@ class ScriptedHooks:
 
     def abort(self, transfer_id: str) -> None:
         self.aborted.append(transfer_id)
+
+    def decline(self, req: TransferRequest) -> None:
+        self.declined.append(req.transfer_id)
 
     def poll(self) -> HookEvents:
         out, self.pending = self.pending, HookEvents()
@@ -199,6 +203,20 @@ def test_abort_while_waiting_for_kv_tells_the_connector_and_waits_for_release() 
     assert e.kv.allocator.num_free == 61  # the prompt's blocks may still be written by P
     hooks.consumer("t1", ConsumerEventKind.RELEASED)
     e.step()
+    assert e.kv.allocator.num_free == 64
+
+
+def test_abort_while_queued_before_allocation_declines_so_p_frees_its_blocks() -> None:
+    """Dropped before any block was allocated (still queued): nothing to release here, but P holds the
+    prompt's blocks for it: the connector is told (``decline``), and no abort is sent."""
+    hooks = ScriptedHooks()
+    e = make(Role.DECODE, hooks)
+    req = d_request()
+    e.submit(req)
+    e.abort(req.request_id)
+    (out,) = e.step()
+    assert out.finish_reason is FinishReason.ABORT
+    assert (hooks.declined, hooks.aborted, hooks.allocated) == (["t1"], [], [])
     assert e.kv.allocator.num_free == 64
 
 

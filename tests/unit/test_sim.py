@@ -70,6 +70,18 @@ def test_fault_free_run_delivers_every_request() -> None:
     assert report.outcomes == {"p_sent": 1000, "d_ready": 1000}
 
 
+@pytest.mark.parametrize(("mode", "layerwise"), [("push", False), ("pull", False), ("push", True)])
+def test_every_request_d_declines_frees_ps_blocks_before_the_lease(mode: str, layerwise: bool) -> None:
+    """D drops a tenth of the requests before allocating and tells P (``Decline``): P ends each one
+    aborted (push: D's cancel, before or after P's prefill finished) or failed (pull), none at its lease."""
+    report = simulate(1000, 5, faults=Faults(decline=0.1), mode=TransferMode(mode), layerwise=layerwise)
+    declined = report.outcomes["d_declined"]
+    assert report.violations == [] and declined > 50
+    ended = "p_aborted" if mode == "push" else "p_failed"
+    assert report.outcomes[ended] == declined and "p_expired" not in report.outcomes
+    assert report.outcomes["d_ready"] == 1000 - declined
+
+
 def test_fault_free_layerwise_run_streams_every_request_before_it_finishes() -> None:
     # Each layer is written as P's step computes it, the last with done once all are: D is READY before
     # P's request_finished for most requests (the rest registered after the step, or share it with a

@@ -9,6 +9,9 @@ Engine call sites (any thread; none waits on the network):
 * ``poll() -> list[ConsumerEvent]``: READY (decode may start), or FAILED then RELEASED, or (after
   ``abort``) RELEASED. After FAILED the blocks stay fenced until RELEASED.
 * ``abort(transfer_id)``: the engine drops the request; RELEASED follows once no P rank can still write.
+* ``decline(transfer_id, remote)``: the engine will not load a request it was given (dropped before its
+  blocks were allocated, or its local prefix hit covers the prompt): P is told, and frees the prompt's
+  blocks now instead of at its lease. No event follows (nothing of D's was involved).
 * ``close()``.
 
 The rules (registration, draining, liveness, grace, reads) are the core's:
@@ -26,7 +29,7 @@ from kvwire.core.consumer import ConsumerCore, PushConsumerCore
 from kvwire.core.consumer_pull import PullConsumerCore
 from kvwire.core.consumer_records import UsedIds, check_allocation
 from kvwire.core.events import ConsumerEvent
-from kvwire.core.io import Abort, Allocated, RemoteEngine
+from kvwire.core.io import Abort, Allocated, Decline, RemoteEngine
 from kvwire.errors import TransferIdReused
 from kvwire.kv.mapping import RankLayout
 from kvwire.protocol.messages import TransferMode
@@ -77,3 +80,6 @@ class Consumer(ConnectorBase[ConsumerEvent]):
 
     def abort(self, transfer_id: str) -> None:
         self._call(Abort(transfer_id))
+
+    def decline(self, transfer_id: str, remote: RemoteEngine) -> None:
+        self._call(Decline(transfer_id, remote))

@@ -15,6 +15,7 @@ every rank still registered, and RELEASED comes when every P rank has ended its 
 from __future__ import annotations
 
 from kvwire.core.base import CoreBase, DropReason
+from kvwire.core.consumer_decline import Declines
 from kvwire.core.consumer_liveness import Lives, drain_hold, quarantined, release_at
 from kvwire.core.consumer_records import (
     Link,
@@ -32,6 +33,7 @@ from kvwire.core.events import ConsumerEvent, ConsumerEventKind
 from kvwire.core.io import (
     Abort,
     Allocated,
+    Decline,
     Digest,
     Digested,
     ForgetPeer,
@@ -55,7 +57,6 @@ from kvwire.protocol.messages import (
     Heartbeat,
     Notification,
     PushReg,
-    id_batches,
 )
 from kvwire.protocol.ranks import RankEnd, RankKey
 from kvwire.protocol.states import ConsumerRequest, ConsumerState
@@ -79,6 +80,7 @@ class ConsumerCore(CoreBase):
         self._life = self._lives.table  # (engine_id, incarnation) of P engines
         self._handshakes: dict[int, tuple[Request, LocalPart, Link]] = {}
         self._probes: dict[int, tuple[str, str]] = {}  # who is at a dead P life's address now
+        self._declines = Declines(self.engine, self.layouts, self.peer_mode)
         # Every transfer id this life registered: single use (a done of the other request must not
         # complete a new one), and a done naming one after it ended is told from a never-seen id.
         self._used = UsedIds(self.config.max_served_ids)
@@ -101,8 +103,13 @@ class ConsumerCore(CoreBase):
             self._allocated(now, inp)
         elif isinstance(inp, Abort):
             self._abort(now, inp.transfer_id)
+        elif isinstance(inp, Decline):  # (one allocated after all is not told: the engine aborts it)
+            self._out.extend(self._declines.start(inp, self._new_token, self._requests))
+        elif isinstance(inp, HandshakeDone) and inp.token in self._declines:
+            if (told := self._declines.answered(inp)) is not None:
+                self._send(*told)
         elif isinstance(inp, HandshakeDone) and inp.token in self._probes:
-            self._on_probe(inp)
+            self._lives.probed(self._probes.pop(inp.token), inp, now)
         elif isinstance(inp, HandshakeDone):
             req, part, link = self._handshakes.pop(inp.token)
             self._on_p_handshake(now, req, part, link, inp)
@@ -215,16 +222,6 @@ class ConsumerCore(CoreBase):
     def _ended(self, req: Request, reason: FailReason | None) -> None:
         """The request is over on D (READY when ``reason`` is None)."""
 
-    def _on_probe(self, inp: HandshakeDone) -> None:
-        engine_id, incarnation = self._probes.pop(inp.token)
-        life = self._life.get((engine_id, incarnation))
-        if life is None:
-            return
-        peer = inp.peer
-        other = peer is not None and (peer.engine_id, peer.incarnation) != (engine_id, incarnation)
-        if inp.nobody_listens or other:
-            self._lives.gone(life, self._now)
-
     def _on_p_handshake(
         self, now: float, req: Request, part: LocalPart, link: Link, inp: HandshakeDone
     ) -> None:
@@ -295,12 +292,8 @@ class ConsumerCore(CoreBase):
             self._lives.prune(self._requests)
 
     def _heartbeats(self) -> None:
-        engine = self.engine
-        for (key, agent_name), tids in self._lives.live_links(self._requests).items():
-            for batch in id_batches(tids):
-                hb = Heartbeat(transfer_id="", engine_id=engine.engine_id, incarnation=engine.incarnation,
-                               transfer_ids=batch)  # fmt: skip
-                self._send(key, agent_name, hb)
+        for key, agent_name, hb in self._lives.heartbeats(self._requests, self.engine):
+            self._send(key, agent_name, hb)
             self.stats.heartbeats_sent += 1
 
     def _on_shutdown(self, now: float) -> None:
@@ -418,6 +411,8 @@ class PushConsumerCore(ConsumerCore):
             raise self._refuse(DropReason.UNEXPECTED, f"{type(msg).__name__} from {sender}")
         req = self._requests.get(msg.transfer_id)
         part = None if req is None else req.parts.get(key)
+        if req is None and isinstance(msg, CancelAck) and self._declines.told(msg.transfer_id):
+            return  # P acks the cancel that told it of a request we declined: expected, not a stray
         if req is None or part is None:
             # A transfer this life served (a late or replayed message) is told from one it never saw.
             ended = req is None and msg.transfer_id in self._used
@@ -440,9 +435,8 @@ class PushConsumerCore(ConsumerCore):
         self._rank_ended(now, req, part, src, how, msg.reason if isinstance(msg, Failed) else None)
 
     def _idle_refusal(self, now: float, req: Request, part: LocalPart, msg: Failed) -> bool:
-        """A P rank that moves nothing here (a replica no D rank reads: ``tp_contacts``) refused our
-        registration (``bad_registration``: a P from before such ranks were told the end). It writes
-        nothing, so that ends it as done and the load goes on (else every such load from an older P fails)."""
+        """A P rank that moves nothing here (``tp_contacts``) refused our registration: a P from before such
+        ranks were told the end. It writes nothing, so that ends it as done, and the load goes on."""
         src = (msg.pp_rank, msg.tp_rank)
         bad = msg.reason is not FailReason.BAD_REGISTRATION or src not in part.machine.ranks.pending
         if bad or self._slices(req, part, src):

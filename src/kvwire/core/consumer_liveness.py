@@ -23,9 +23,12 @@ from collections.abc import Iterator, Mapping
 
 from kvwire.core.config import ConnectorConfig
 from kvwire.core.consumer_records import Link, LocalPart, PeerLife, Request
-from kvwire.core.types import PeerRank
-from kvwire.protocol.messages import CancelAck, Failed, FailReason
+from kvwire.core.io import HandshakeDone
+from kvwire.core.types import EngineInfo, PeerRank
+from kvwire.protocol.messages import CancelAck, Failed, FailReason, Heartbeat, id_batches
 from kvwire.protocol.ranks import RankKey
+
+Beat = tuple[RankKey, str, Heartbeat]  # from local rank, to P agent, the message
 
 LifeKey = tuple[str, str]  # (engine_id, incarnation) of a P engine
 _VERDICTS_KEPT = 8  # per life: the verdicts whose confirmation is remembered (PeerLife.confirmed)
@@ -107,6 +110,17 @@ class Lives:
                         live[(part.key, link.peer.agent_name)].append(req.transfer_id)
         return live
 
+    def heartbeats(
+        self, requests: Mapping[str, Request], engine: EngineInfo
+    ) -> Iterator[tuple[RankKey, str, Heartbeat]]:
+        """D's heartbeats: to each live P rank, from each local rank, the transfers waiting on it (in
+        batches of ``id_batches``), as (local rank, P agent, message)."""
+        for (key, agent_name), tids in self.live_links(requests).items():
+            for batch in id_batches(tids):
+                hb = Heartbeat(transfer_id="", engine_id=engine.engine_id, incarnation=engine.incarnation,
+                               transfer_ids=batch)  # fmt: skip
+                yield key, agent_name, hb
+
     def note_listed(
         self, requests: Mapping[str, Request], key: RankKey, sender: str, tids: list[str], now: float
     ) -> None:
@@ -155,6 +169,15 @@ class Lives:
         """A notification from ``life``: a sign of life, and maybe the proof that it recalled its writes."""
         life.last_seen = max(life.last_seen, now)
         self._confirm(life, now)
+
+    def probed(self, life: tuple[str, str], inp: HandshakeDone, now: float) -> None:
+        """The answer to a probe of a dead life's address (``ConsumerCore._declare_dead``): a refused
+        connection or another life there confirms it gone; a timeout or the same life confirms nothing."""
+        known = self.table.get(life)
+        peer = inp.peer
+        other = peer is not None and (peer.engine_id, peer.incarnation) != life
+        if known is not None and (inp.nobody_listens or other):
+            self.gone(known, now)
 
     def gone(self, life: PeerLife, now: float) -> None:
         """Another life (or nobody) answers at its address, not from a cache: the process is over."""

@@ -137,6 +137,15 @@ class RemoteEngine(msgspec.Struct, frozen=True):
         return self.port + rank[0] * self.tp_size + rank[1] if self.rank_ports else self.port
 
 
+class Decline(msgspec.Struct, frozen=True):
+    """D: the engine will not load ``transfer_id`` from ``remote`` (it dropped the request before
+    allocating its blocks, or its local prefix hit covers the prompt). D tells the P ranks, so P frees the
+    prompt's blocks now rather than at its lease."""
+
+    transfer_id: str
+    remote: RemoteEngine
+
+
 class Allocated(msgspec.Struct, frozen=True):
     """D: the request's blocks are allocated (token order, prefix-hit blocks included)."""
 
@@ -181,6 +190,7 @@ Input = (
     | LayersReady
     | StepEnded
     | Abort
+    | Decline
     | Allocated
     | Digested
     | ClaimAnswered

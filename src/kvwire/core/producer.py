@@ -36,6 +36,7 @@ from kvwire.core.producer_records import (
 from kvwire.errors import BlockRangeError, IllegalTransition, LayoutError
 from kvwire.kv.groups import moved_ids
 from kvwire.protocol.messages import (
+    Cancel,
     Claim,
     Done,
     ErrorCode,
@@ -69,6 +70,9 @@ class ProducerCore(CoreBase):
         self._record_tombs: collections.deque[Request] = collections.deque()
         self._ids = 0
         self._early_by_life: collections.Counter[tuple[str, str]] = collections.Counter()  # their owners
+        self._early_cancels: collections.Counter[tuple[str, str]] = (
+            collections.Counter()
+        )  # Request.cancel_owner
         self._tombs: collections.deque[Request] = collections.deque()
         self._replies = Replies(self.engine)
         self._want: dict[tuple[int, int], frozenset[int]] = {}  # (D's tp size, local tp rank) -> D ranks
@@ -154,6 +158,23 @@ class ProducerCore(CoreBase):
             return False
         early = known is None or known.phase is Phase.PREFILLING
         return not early or self._early_ids + len(msg.block_ids) + 1 <= cfg.max_early_block_ids
+
+    def _early_cancel(self, msg: Cancel | Failed) -> Request | None:
+        """A record for a cancel of a transfer P has not seen (still prefilling here: a D that gave the
+        request up, or declined it, before it registered), bounded as early registrations are; None
+        when there is no room. The request then ends at once, and its prefill is reported ended when it
+        finishes, not held to the lease."""
+        life = (msg.engine_id, msg.incarnation)
+        cfg = self.config
+        if self._no_room(None) or self._early >= cfg.max_early_registrations:
+            return None
+        if self._early_cancels[life] >= cfg.max_early_registrations_per_peer:
+            return None  # its tombstone outlives the early record: bounded per life until forgotten
+        req = self._request(msg.transfer_id)
+        req.early_owner = req.cancel_owner = life
+        self._early_by_life[life] += 1
+        self._early_cancels[life] += 1
+        return req
 
     def _overloaded(self, key: RankKey, sender: str, msg: PushReg) -> None:
         """Drop a push_reg the table has no room for (``_admit``; counted ``overload``), and tell D on its
@@ -307,6 +328,10 @@ class ProducerCore(CoreBase):
     def _forget(self, req: Request) -> None:
         """Forget an ended request (a tombstone) and the records it held."""
         del self._requests[req.transfer_id]
+        if (owner := req.cancel_owner) is not None:
+            self._early_cancels[owner] -= 1
+            if self._early_cancels[owner] <= 0:
+                del self._early_cancels[owner]
         self._records -= records_of(req)
         self._tomb_records -= records_of(req)
         self._ids -= sum(len(reg.msg.block_ids) for reg in req.regs.values())

@@ -56,6 +56,7 @@ from kvwire.core.producer_records import (
     holding,
     live_registrations,
     outcome,
+    registrations_ended,
     silent_d_lives,
     sweep_due,
     uncovered,
@@ -187,11 +188,11 @@ class PushProducerCore(ProducerCore):
 
     def _on_cancel(self, now: float, key: RankKey, sender: str, msg: Cancel | Failed) -> None:
         self._make_room()
-        req = self._requests.get(msg.transfer_id)
+        req = self._requests.get(msg.transfer_id) or self._early_cancel(msg)
         reg = None if req is None else req.regs.get((key, sender))
         if req is None:
-            # P never saw the transfer (or forgot it a tombstone period ago): nothing to answer for.
-            raise self._refuse(DropReason.UNKNOWN_TRANSFER, f"cancel {msg.transfer_id} from {sender}")
+            # No room for an early record: P's lease ends the request when it comes (counted).
+            raise self._refuse(DropReason.OVERLOAD, f"cancel {msg.transfer_id} from {sender}: no room")
         if reg is None:
             # No registration from that D rank: nothing of ours writes for it. Remember the cancel, so a
             # push_reg arriving after it is refused, not written.
@@ -204,6 +205,7 @@ class PushProducerCore(ProducerCore):
             req.cancelled.add((key, sender))
             self._add_record(req, 0)
             self._send(key, sender, self._replies.cancel_ack(msg.transfer_id, key, wrote=False))
+            self._settle(now, req)  # a D that gave up before it registered ends the request here
             return
         if not reg.machine.accepts(PT.CANCEL):
             raise self._refuse(DropReason.LATE, f"cancel {msg.transfer_id} in {reg.state.name}")
@@ -231,8 +233,8 @@ class PushProducerCore(ProducerCore):
     def _settle(self, now: float, req: Request) -> None:
         """Emit the freeable event once nothing more can happen to a held request's blocks."""
         if req.phase is Phase.PREFILLING:
-            if req.regs and all(r.machine.registration_ended for r in req.regs.values()):
-                self._end(now, req, outcome(req), emit=False)
+            if (req.regs or req.cancelled) and registrations_ended(req):
+                self._end(now, req, outcome(req) if req.regs else ProducerOutcome.ABORTED, emit=False)
             return
         if req.phase is not Phase.HELD:
             return
@@ -243,6 +245,10 @@ class PushProducerCore(ProducerCore):
             self._end(now, req, ProducerOutcome.ABORTED, emit=True)
         elif all_ended(self.layouts, req, self._expected):
             self._end(now, req, outcome(req), emit=True)
+        elif req.cancelled and registrations_ended(req):
+            # A D rank cancelled without a registration here: D gave the request up (it cancels only a
+            # request it fails or drops, or one it declined to load), so no rank of it will complete one.
+            self._end(now, req, ProducerOutcome.ABORTED, emit=True)
         elif now >= req.lease_until:
             for reg in list(req.regs.values()):
                 self._fail(req, reg, PT.LEASE_EXPIRED)

@@ -82,6 +82,9 @@ class Request:
     # the early-registration table (None: created by the engine's own call).
     early_owner: tuple[str, str] | None = None
     early_ids: int = 0  # D's block ids its registrations name while PREFILLING (``max_early_block_ids``)
+    # The D life whose cancel created it while P was prefilling (it ends at once): counted against that
+    # life's ``max_early_registrations_per_peer`` until the tombstone is forgotten.
+    cancel_owner: tuple[str, str] | None = None
     # Pull: the D life whose ranks claimed it (one reads a request), and its TP ranks, each True from
     # its granted ``claim`` until it said ``done`` or ``failed`` (to any P rank: D says it to every one it
     # read from once all its reads ended), False once it did (a rank that read nothing says it unclaimed).
@@ -172,6 +175,11 @@ def all_ended(keys: Iterable[RankKey], req: Request, want: Callable[[int, int], 
         if not want(d_tp, key[1]) <= got:
             return False
     return True
+
+
+def registrations_ended(req: Request) -> bool:
+    """No registration of ``req`` can write any more (none came, or each ended)."""
+    return all(r.machine.registration_ended for r in req.regs.values())
 
 
 def outcome(req: Request) -> ProducerOutcome:

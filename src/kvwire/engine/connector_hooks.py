@@ -65,6 +65,9 @@ class ProducerHooks(_Hooks):
     def abort(self, transfer_id: str) -> None:
         self.connector.abort(transfer_id)
 
+    def decline(self, req: TransferRequest) -> None:
+        return None  # a prefill engine loads nothing
+
     def poll(self) -> HookEvents:
         return HookEvents(producer=self.connector.poll())
 
@@ -81,6 +84,9 @@ class ConsumerHooks(_Hooks):
 
     def abort(self, transfer_id: str) -> None:
         self.connector.abort(transfer_id)
+
+    def decline(self, req: TransferRequest) -> None:
+        self.connector.decline(req.transfer_id, remote_engine(req.params))
 
     def poll(self) -> HookEvents:
         return HookEvents(consumer=self.connector.poll())

@@ -260,7 +260,13 @@ class Engine:
             if tell_connector and self.hooks is not None:
                 self.hooks.abort(req.transfer_id)
         else:
+            queued_remote = req.role is TransferRole.REMOTE_PREFILL and req.state is RequestState.WAITING
             self.scheduler.finish(req, RequestState.FINISHED_ABORTED)
+            if queued_remote and self.hooks is not None:  # no blocks yet: P is told it may free its own
+                try:
+                    self.hooks.decline(self._transfer_request(req))
+                except KvwireError as exc:
+                    log.warning("could not tell P that %s was dropped: %s", req.transfer_id, exc)
         outputs.append((req, req.output(())))
 
     def _poll(self, outputs: list[tuple[Request, RequestOutput]]) -> None:

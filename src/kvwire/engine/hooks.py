@@ -65,6 +65,10 @@ class KVTransferHooks(Protocol):
     def abort(self, transfer_id: str) -> None:
         """D: the request waiting for this KV was aborted; end the transfer, then report RELEASED."""
 
+    def decline(self, req: TransferRequest) -> None:
+        """D: a request was dropped before its blocks were allocated: tell its P (which then frees the
+        prompt's blocks at once, not at its lease). No event follows."""
+
     def poll(self) -> HookEvents:
         """News since the last poll (non-blocking)."""
 

@@ -99,6 +99,12 @@ class LoopbackHub:
             if self._allocated.pop(transfer_id, None) is not None:
                 self._consumer_events.append(ConsumerEvent(transfer_id, ConsumerEventKind.RELEASED))
 
+    def decline(self, transfer_id: str) -> None:
+        """D will not load it: P's held blocks go back (``aborted``)."""
+        with self._lock:
+            if self._finished.pop(transfer_id, None) is not None:
+                self._producer_events.append(ProducerEvent(transfer_id, ProducerOutcome.ABORTED))
+
     def take(self, producer: bool) -> HookEvents:
         with self._lock:
             if producer:
@@ -147,6 +153,9 @@ class LoopbackHooks:
 
     def abort(self, transfer_id: str) -> None:
         self.hub.abort(transfer_id)
+
+    def decline(self, req: TransferRequest) -> None:
+        self.hub.decline(req.transfer_id)
 
     def poll(self) -> HookEvents:
         return self.hub.take(self.is_producer)

@@ -11,7 +11,8 @@ once: create each rank's agent through the transport registry and pair it with t
 
 What stays the adapter's own: reading the engine's config, wrapping its KV tensors as kvwire KV
 (``kvwire.kv.ExternalKV``, zero copy), and mapping its scheduler's steps to ``request_finished`` /
-``request_allocated`` / ``abort`` and the connector's events back to the engine.
+``request_allocated`` / ``abort`` / ``decline`` (a decode request it will not load: P frees the prompt's
+blocks at once) and the connector's events back to the engine.
 """
 
 from __future__ import annotations

@@ -195,6 +195,7 @@ class OpKind(enum.Enum):
     SEND = "send"  # P: the request finished prefill; hold its blocks for D (push: write; pull: D reads)
     LOAD = "load"  # D: blocks allocated for the remote prefix; register with P (push) or read (pull)
     ABORT = "abort"  # D: the engine dropped a request waiting for KV
+    DECLINE = "decline"  # D: a request whose KV it will not load (dropped unallocated, or a full local hit)
     DROP = "drop"  # P: the engine dropped a request D may register for: D's registration fails at once
     STREAM = "stream"  # P, layerwise: this step ends the request's prefill; write its layers as computed
 

@@ -64,8 +64,9 @@ class SchedulerSide:
         self._loading: set[str] = set()  # D: LOAD sent to the workers, not yet reported finished
         self._sending: dict[str, str] = {}  # P: SEND sent, not yet reported finished: req id -> transfer id
         self._held_tids: dict[str, str] = {}  # ...and the other way: a transfer id is held by one request
-        # D: requests whose LOAD went out, until they end. vLLM asks again after a preemption (or a failed
-        # load under kv_load_failure_policy=recompute): P has let go by then, so D recomputes locally.
+        # D: requests whose LOAD (or DECLINE) went out, until they end. vLLM asks again after a preemption
+        # (or a failed load under kv_load_failure_policy=recompute): P has let go by then, so D recomputes
+        # locally. A decode request that ends without either tells P (DECLINE), as vLLM's NIXL connector does.
         self._loaded: set[str] = set()
         self._ops: list[Op] = []
         self.rejected = 0  # requests whose kv_transfer_params were malformed (served locally instead)
@@ -96,21 +97,23 @@ class SchedulerSide:
             log.warning("kvwire: %s is prefilled locally: %s", req_id, exc)
             return 0, False
         count = num_prompt_tokens - num_computed_tokens
-        if count <= 0:
-            return 0, False
         # A local prefix hit is used only in whole blocks (kvwire trims P's writes to D's uncached suffix).
         cached = num_computed_tokens - num_computed_tokens % self.block_size
+        # Kept with nothing to load too: vLLM then allocates with no external tokens, and P is told.
         self._pending[req_id] = _Pending(params, cached)
-        return count, True
+        return (count, True) if count > 0 else (0, False)
 
     def allocated(self, req_id: str, block_ids: list[int], num_prompt_tokens: int, num_external: int) -> None:
         """Blocks exist for the request (prefix-hit blocks first, in token order)."""
         pending = self._pending.pop(req_id, None)
-        if pending is None or num_external == 0:
+        if pending is None:
             return  # not a remote load, or the second call after the load finished
         params = pending.params
-        self._loading.add(req_id)
         self._loaded.add(req_id)
+        if num_external == 0:  # the local prefix hit covers the prompt: nothing of P's is read
+            self._decline(req_id, params)
+            return
+        self._loading.add(req_id)
         self._ops.append(
             Op(
                 OpKind.LOAD,
@@ -133,12 +136,15 @@ class SchedulerSide:
         aborted: bool,
     ) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's ``request_finished``: (delay freeing the blocks, kv_transfer_params for the client)."""
-        self._pending.pop(req_id, None)
+        pending = self._pending.pop(req_id, None)
+        handled = req_id in self._loaded
         self._loaded.discard(req_id)
         if req_id in self._loading:
             # vLLM keeps the blocks of a request aborted while waiting for KV until finished_recving.
             self._ops.append(Op(OpKind.ABORT, req_id, req_id))
             return False, None
+        if self.role.consumes and not handled:
+            self._decline_unloaded(req_id, raw, pending)
         if not self.role.produces:
             return False, None
         try:
@@ -168,6 +174,24 @@ class SchedulerSide:
         self._sending[req_id], self._held_tids[tid] = tid, req_id
         self._ops.append(Op(OpKind.SEND, req_id, tid, list(block_ids), num_prompt_tokens))
         return True, self._params_for_d(tid, block_ids)
+
+    def _decline_unloaded(self, req_id: str, raw: dict[str, Any] | None, pending: _Pending | None) -> None:
+        """A decode request that ends without its LOAD (dropped while it queued, or never scheduled):
+        P is told, or it holds the prompt's blocks to its lease. Never raises (vLLM's scheduler)."""
+        try:
+            params = pending.params if pending is not None else parse_params(raw)
+        except InvalidRequest:
+            return  # malformed: it named no P we could tell (counted when it was matched)
+        if params is not None and params.do_remote_prefill:
+            self._decline(req_id, params)
+
+    def _decline(self, req_id: str, params: KvTransferParams) -> None:
+        try:
+            remote_engine(params, rank_ports=True)
+        except InvalidRequest:
+            return
+        tid = params.transfer_id or params.remote_request_id or req_id
+        self._ops.append(Op(OpKind.DECLINE, req_id, tid, remote=params))
 
     def reserve(self, req_id: str, transfer_id: str) -> bool:
         """Hold ``transfer_id`` for ``req_id`` from the step that streams its layers (False: another

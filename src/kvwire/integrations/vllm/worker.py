@@ -192,6 +192,8 @@ class WorkerSide:
             if self._sends.get(op.transfer_id, op.req_id) != op.req_id:
                 return  # the id is another (held) request's: this one never reached kvwire
             self.producer.abort(op.transfer_id)  # no event follows: the engine already owns the blocks
+        elif op.kind is OpKind.DECLINE and self.consumer is not None and op.remote is not None:
+            self.consumer.decline(op.transfer_id, remote_engine(op.remote, rank_ports=True))
         elif op.kind is OpKind.ABORT and self.consumer is not None:
             tid = next((t for t, r in self._loads.items() if r == op.req_id), None)
             if tid is not None:

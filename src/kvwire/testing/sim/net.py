@@ -54,6 +54,9 @@ class Faults:
     pause: float = 0.0  # per second: an engine frozen for up to 10 s
     crash: float = 0.0  # per second: an engine crashes and restarts with a new incarnation
     abort: float = 0.0  # per request: aborted at a random moment on P or D
+    # Per request: D drops it before allocating its blocks (a client gone while it queued) and tells P
+    # (``Decline``), which frees the prompt's blocks then rather than at its lease.
+    decline: float = 0.0
 
     @classmethod
     def chaos(cls) -> Faults:
@@ -72,6 +75,7 @@ class Faults:
             pause=0.05,
             crash=0.02,
             abort=0.05,
+            decline=0.02,
         )
 
 

@@ -33,7 +33,7 @@ from kvwire.core.config import ConnectorConfig
 from kvwire.core.consumer import PushConsumerCore
 from kvwire.core.consumer_pull import PullConsumerCore
 from kvwire.core.events import ConsumerEvent, ConsumerEventKind, ProducerEvent
-from kvwire.core.io import Abort, Allocated, Finished, LayersReady, RemoteEngine, StepEnded
+from kvwire.core.io import Abort, Allocated, Decline, Finished, LayersReady, RemoteEngine, StepEnded
 from kvwire.core.producer import ProducerCore, PullProducerCore
 from kvwire.core.producer_layers import LayerwisePushProducerCore
 from kvwire.core.producer_push import PushProducerCore
@@ -151,6 +151,7 @@ class _Req:
     p_incarnation: str = ""  # P's life at submit: the one that prefills
     p_wire_id: str = ""  # and its engine id, as P's answer names it
     d_after: float = 0.0  # when D allocates, after submit (push) or after P's prefill (pull)
+    declined: bool = False  # ... or declines instead (Faults.decline)
 
 
 def _ranks(engine: SimEngine) -> list[LocalRank]:
@@ -225,7 +226,7 @@ class Simulation:
         side, abort_after = plan.choice(("p", "d")), plan.random() * 20e-3
         req = _Req(f"r{number}", number, p, d, tokens, cached, w.now, p_life=p.life, d_life=d.life)
         req.p_incarnation, req.p_wire_id = p.incarnation, p.wire_id
-        req.d_after = d_after
+        req.d_after, req.declined = d_after, w.chance(w.faults.decline, "decline", plan)
         n = math.ceil(tokens / SPEC.block_size)
         p_blocks = p.allocate(req.tid, n)
         if p_blocks is None:
@@ -265,6 +266,13 @@ class Simulation:
 
     def _allocate_d(self, req: _Req) -> None:
         if req.d.life != req.d_life:
+            return
+        if req.declined:  # D drops it before allocating: its blocks never reach kvwire, P is told
+            self.outcomes["d_declined"] += 1
+            self._d_ended(req)
+            req.d_events.append(ConsumerEventKind.RELEASED)
+            self._free_d(req)
+            req.d.feed(Decline(req.tid, self._remote(req)))
             return
         req.d.writable.add(req.tid)
         remote = self._remote(req)
