@@ -167,3 +167,62 @@ def test_a_rolling_upgrade_through_the_router_pairs_each_generation_within_itsel
             proc.wait(timeout=10)
             if proc.stderr:
                 proc.stderr.close()
+
+
+def test_a_decode_leg_dropped_while_queued_frees_ps_blocks_at_once() -> None:
+    """D runs one request at a time; a second request's decode leg queues behind it, and its client gives
+    up. D drops it before allocating anything and tells P (``decline``): P's held blocks for it come back
+    within seconds, not at P's lease (30 s). Real processes over real NIXL."""
+    pp, dp = free_port(), free_port()
+    procs = [start("prefill", pp), start("decode", dp, "--max-num-seqs", "1")]
+    try:
+        p_url, d_url = f"http://127.0.0.1:{pp}", f"http://127.0.0.1:{dp}"
+        ph = wait_healthy(p_url, procs[0])
+        wait_healthy(d_url, procs[1])
+
+        def params(tid: str) -> dict[str, object]:
+            return {
+                "do_remote_prefill": True, "transfer_id": tid, "remote_engine_id": ph["engine_id"],
+                "remote_host": ph["side_channel_host"], "remote_port": ph["side_channel_port"],
+                "remote_tp_size": ph["tp_size"], "remote_pp_size": ph["pp_size"],
+            }  # fmt: skip
+
+        def p_leg(tid: str) -> None:
+            body = {"prompt": f"prompt of {tid} " * 20, "max_tokens": 1,
+                    "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid}}  # fmt: skip
+            assert httpx.post(p_url + "/v1/completions", json=body, timeout=30).status_code == 200
+
+        def p_held() -> int:
+            held: int = httpx.get(p_url + "/v1/kv_stats").json()["accounting"]["requests"]["held"]
+            return held
+
+        async def main() -> None:
+            async with httpx.AsyncClient(timeout=60) as client:
+                # A: D's one slot, decoding long enough for B to queue behind it.
+                p_leg("busy")
+                long = {"prompt": "prompt of busy " * 20, "max_tokens": 3000, "ignore_eos": True,
+                        "kv_transfer_params": params("busy")}  # fmt: skip
+                busy = asyncio.create_task(client.post(d_url + "/v1/completions", json=long))
+                await asyncio.sleep(0.5)
+                p_leg("dropped")  # P holds B's blocks for D now
+                assert p_held() == 1
+                short = {"prompt": "prompt of dropped " * 20, "max_tokens": 4,
+                         "kv_transfer_params": params("dropped")}  # fmt: skip
+                with pytest.raises(httpx.TimeoutException):  # B's client gives up while B queues on D
+                    await client.post(d_url + "/v1/completions", json=short, timeout=0.5)
+                t0 = time.monotonic()
+                while p_held() and time.monotonic() - t0 < 10:
+                    await asyncio.sleep(0.05)
+                assert p_held() == 0, "P still holds the dropped request's blocks"
+                assert time.monotonic() - t0 < 5  # the lease is 30 s
+                assert not busy.done()  # B was dropped while A still held D's one slot
+                busy.cancel()
+
+        asyncio.run(main())
+        assert httpx.get(d_url + "/v1/kv_stats").json()["accounting"]["requests"]["waiting"] == 0
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=10)
+            if proc.stderr:
+                proc.stderr.close()
