@@ -38,7 +38,7 @@ def test_a_request_d_drops_while_it_queues_frees_ps_blocks_at_once(
     ]
     assert p.reported.sending == {"p1"}
     consumer = d.worker.consumer
-    assert consumer is not None and consumer.stats.bytes_moved == 0
+    assert consumer is not None and consumer.stats.bytes_moved == 0 and consumer.stats.declined == 1
     p.assert_clean()
     d.assert_clean()
 

@@ -207,6 +207,7 @@ class KvMetrics:
         self.failures: Counter | None = None
         self.dropped: Counter | None = None
         self.digests: Counter | None = None
+        self.declined: Counter | None = None
         self.refused_connections: Counter | None = None
         self.circuit_open: Counter | None = None
         self.side_refusals: Counter | None = None
@@ -231,6 +232,13 @@ class KvMetrics:
             "kvwire_kv_digests",
             "KV digests computed: P over its source for a D that asked, D over the bytes that landed "
             "(each compared; a mismatch is a digest_mismatch failure)",
+            base,
+            registry=r,
+        )
+        self.declined = Counter(
+            "kvwire_declined",
+            "Decode requests this engine dropped before loading their KV (a client gone while the request "
+            "queued), whose P it told to free the prompt's blocks at once rather than at its lease",
             base,
             registry=r,
         )
@@ -327,6 +335,10 @@ class KvMetrics:
     def record_digests(self, count: int) -> None:
         if self.digests is not None:
             self.digests.labels(**self._base).inc(count)
+
+    def record_declined(self, count: int) -> None:
+        if self.declined is not None:
+            self.declined.labels(**self._base).inc(count)
 
     def record_dropped(self, reason: str, count: int = 1) -> None:
         if self.dropped is not None:

@@ -220,6 +220,10 @@ def test_a_decode_leg_dropped_while_queued_frees_ps_blocks_at_once() -> None:
 
         asyncio.run(main())
         assert httpx.get(d_url + "/v1/kv_stats").json()["accounting"]["requests"]["waiting"] == 0
+        assert (
+            'kvwire_declined_total{model_name="kvwire-tiny",role="decode"} 1.0'
+            in httpx.get(d_url + "/metrics").text
+        )
     finally:
         for proc in procs:
             proc.kill()

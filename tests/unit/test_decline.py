@@ -36,6 +36,7 @@ def test_d_tells_each_p_rank_it_pairs_with(mode: TransferMode) -> None:
     else:
         assert isinstance(told.msg, Failed) and told.msg.reason is FailReason.ABORTED
     assert t.core.live_requests == 0 and events(t.h.log) == []  # nothing of D's was involved
+    assert t.core.stats.declined == 1
     if mode is PUSH:  # P acks the cancel: expected, not counted as a stray notification
         ack = CancelAck(
             transfer_id=TID, engine_id="P", incarnation="P-life1", tp_rank=0, pp_rank=0, wrote=False
@@ -54,6 +55,7 @@ def test_d_tells_nothing_to_another_life_or_for_a_request_it_holds() -> None:
     # Allocated after all: the engine aborts it instead.
     t.start(0.5, "req-3")
     assert only(t.h.at(0.5, _decline(t, "req-3")), StartHandshake) == []
+    assert t.core.stats.declined == 2  # the first two set out to tell P; the third did not
 
 
 def test_declines_in_flight_are_bounded() -> None:

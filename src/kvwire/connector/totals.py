@@ -41,7 +41,7 @@ def posts_transfers(connector: ConnectorBase[Any]) -> bool:
 
 def counter_totals(connector: ConnectorBase[Any]) -> dict[str, int]:
     """Every counter an exporter shows, by key: ``transfers``, ``bytes`` (the posting side only),
-    ``failure:<FailReason>``, ``dropped:<why>``, ``handshakes:<mode>``, ``digests``,
+    ``failure:<FailReason>``, ``dropped:<why>``, ``handshakes:<mode>``, ``digests``, ``declined``,
     ``peers_declared_dead`` and ``guard_totals``'s keys."""
     st = connector.stats
     posts = posts_transfers(connector)
@@ -49,6 +49,7 @@ def counter_totals(connector: ConnectorBase[Any]) -> dict[str, int]:
         "transfers": st.transfers_done if posts else 0,
         "bytes": st.bytes_moved if posts else 0,
         "digests": st.digests,
+        "declined": st.declined,
         "peers_declared_dead": st.peers_declared_dead,
     }
     totals.update({f"failure:{r.value}": n for r, n in dict(st.failures).items()})

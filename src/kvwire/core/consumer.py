@@ -104,7 +104,9 @@ class ConsumerCore(CoreBase):
         elif isinstance(inp, Abort):
             self._abort(now, inp.transfer_id)
         elif isinstance(inp, Decline):  # (one allocated after all is not told: the engine aborts it)
-            self._out.extend(self._declines.start(inp, self._new_token, self._requests))
+            if hs := self._declines.start(inp, self._new_token, self._requests):
+                self.stats.declined += 1
+                self._out.extend(hs)
         elif isinstance(inp, HandshakeDone) and inp.token in self._declines:
             if (told := self._declines.answered(inp)) is not None:
                 self._send(*told)

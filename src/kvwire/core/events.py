@@ -71,6 +71,8 @@ class ConnectorStats:
     tombstones_dropped: int = 0
     # KV digests computed (P: over its source, for a D that asked; D: over the landed bytes, compared).
     digests: int = 0
+    # D: requests it declined (the engine will not load them) whose P ranks it set out to tell.
+    declined: int = 0
     # Most recent transfer durations (seconds, post to DONE), bounded.
     transfer_durations_s: list[float] = field(default_factory=list)
     # Durations recorded in all (one per transfer in push, one per READ in pull): the list keeps the last.

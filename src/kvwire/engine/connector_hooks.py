@@ -151,6 +151,7 @@ class ConnectorMetrics:
         self._failures: dict[Any, int] = {}
         self._dropped: dict[str, int] = {}
         self._digests = 0
+        self._declined = 0
         self._handshakes: dict[tuple[Any, PeerMode], int] = {}
         self._guards = Deltas()  # side-channel refusals and breaker fast failures seen so far
 
@@ -167,6 +168,9 @@ class ConnectorMetrics:
         if st.digests > self._digests:
             self.metrics.record_digests(st.digests - self._digests)
             self._digests = st.digests
+        if st.declined > self._declined:
+            self.metrics.record_declined(st.declined - self._declined)
+            self._declined = st.declined
         for why, count in list(st.dropped_notifs.items()):
             if count > self._dropped.get(why, 0):
                 self.metrics.record_dropped(why, count - self._dropped.get(why, 0))

@@ -50,6 +50,10 @@ _PLAIN = {
     "transfers": ("vllm:kvwire_transfers", "KV transfers this engine posted that finished (P in push mode)"),
     "bytes": ("vllm:kvwire_transfer_bytes", "KV bytes moved by the transfers this engine posted"),
     "digests": ("vllm:kvwire_kv_digests", "KV digests computed (verify_digest)"),
+    "declined": (
+        "vllm:kvwire_declined",
+        "Decode requests this engine dropped before loading their KV, whose P it told to free the prompt",
+    ),
     "peers_declared_dead": ("vllm:kvwire_peers_declared_dead", "Peer lives declared dead by heartbeats"),
     "circuit_open": (
         "vllm:kvwire_handshake_circuit_open",
