@@ -18,7 +18,7 @@ from kvwire.discovery.record import EngineRecord, FleetRole, RecordLoad, encode,
 from kvwire.discovery.registrar import Registrar
 from kvwire.discovery.watcher import FleetWatcher
 from kvwire.testing.clock import until
-from kvwire.testing.etcd import EtcdServer
+from kvwire.testing.etcd import EtcdServer, FleetView, engine_record
 
 
 @pytest.fixture
@@ -32,32 +32,7 @@ def run(body: Callable[[], Awaitable[None]], timeout_s: float = 20.0) -> None:
 
 
 def record(url: str = "http://127.0.0.1:8100", incarnation: str = "life-1", running: int = 0) -> EngineRecord:
-    return EngineRecord(
-        role=FleetRole.PREFILL,
-        engine_id="p0",
-        incarnation=incarnation,
-        model="kvwire-tiny",
-        url=url,
-        side_channel_host="127.0.0.1",
-        side_channel_port=5600,
-        compat="abc",
-        load=RecordLoad(running=running, free_blocks=100),
-    )
-
-
-class View:
-    """What the router's callback was handed, last."""
-
-    def __init__(self) -> None:
-        self.records: dict[str, EngineRecord] = {}
-        self.calls = 0
-
-    def __call__(self, records: Mapping[str, EngineRecord]) -> None:
-        self.records = dict(records)
-        self.calls += 1
-
-    def urls(self) -> set[str]:
-        return {r.url for r in self.records.values()}
+    return engine_record(url, incarnation, RecordLoad(running=running, free_blocks=100))
 
 
 def test_etcd_registration_watch_and_deregistration(etcd: EtcdServer) -> None:
@@ -65,7 +40,7 @@ def test_etcd_registration_watch_and_deregistration(etcd: EtcdServer) -> None:
         target = parse_target(etcd.url + "/t1")
         current = [record()]
         reg = Registrar(EtcdClient(target), lambda: current[0], ttl_s=3, interval_s=0.1)
-        view = View()
+        view = FleetView()
         watcher = FleetWatcher(EtcdClient(target), view)
         task = asyncio.create_task(watcher.run())
         reg.start()
@@ -106,7 +81,7 @@ def test_etcd_an_unchanged_record_is_not_rewritten(etcd: EtcdServer) -> None:
             return await keepalive(lease)
 
         reg.client.keepalive = counted  # type: ignore[method-assign]
-        view = View()
+        view = FleetView()
         watcher = FleetWatcher(EtcdClient(target), view)
         task = asyncio.create_task(watcher.run())
         reg.start()
@@ -135,7 +110,7 @@ def test_etcd_lease_expiry_removes_a_silent_engine(etcd: EtcdServer) -> None:
         target = parse_target(etcd.url)
         client = EtcdClient(target)
         reg = Registrar(client, record, ttl_s=1, interval_s=0.2)
-        view = View()
+        view = FleetView()
         watcher = FleetWatcher(EtcdClient(target), view)
         task = asyncio.create_task(watcher.run())
         reg.start()
@@ -161,7 +136,7 @@ def test_etcd_restart_keeps_the_view_then_resyncs(tmp_path: Path) -> None:
     async def body() -> None:
         target = parse_target(server.url)
         reg = Registrar(EtcdClient(target, timeout_s=0.5), record, ttl_s=2, interval_s=0.1)
-        view = View()
+        view = FleetView()
         watcher = FleetWatcher(EtcdClient(target, timeout_s=0.5), view, retry_s=0.1)
         task = asyncio.create_task(watcher.run())
         reg.start()
@@ -199,7 +174,7 @@ def test_etcd_new_incarnation_replaces_the_old_record(etcd: EtcdServer) -> None:
 
     async def body() -> None:
         target = parse_target(etcd.url)
-        view = View()
+        view = FleetView()
         watcher = FleetWatcher(EtcdClient(target), view)
         task = asyncio.create_task(watcher.run())
         old = Registrar(EtcdClient(target), record, ttl_s=5, interval_s=0.1)
@@ -233,7 +208,7 @@ def test_etcd_discovery_skips_junk_under_the_prefix(etcd: EtcdServer) -> None:
         await client.put(engine_key("/kvwire", FleetRole.PREFILL, "http://127.0.0.1:8100"), encode(other))
         good = record(url="http://127.0.0.1:8101")
         await client.put(engine_key("/kvwire", FleetRole.PREFILL, good.url), encode(good))
-        view = View()
+        view = FleetView()
         watcher = FleetWatcher(EtcdClient(target), view)
         task = asyncio.create_task(watcher.run())
         await until(lambda: watcher.synced.is_set(), "the listing")
@@ -256,7 +231,7 @@ def test_etcd_watcher_survives_a_failing_view_update(etcd: EtcdServer) -> None:
 
     async def body() -> None:
         target = parse_target(etcd.url)
-        view = View()
+        view = FleetView()
         calls = [0]
 
         def flaky(records: Mapping[str, EngineRecord]) -> None:
@@ -291,7 +266,7 @@ def test_etcd_a_key_that_is_not_utf8_is_skipped_and_the_view_follows_on(etcd: Et
         await client.put(engine_key("/kvwire", FleetRole.PREFILL, first.url), encode(first))
         junk = {"key": base64.b64encode(b"/kvwire/engines/prefill/\xff\xfe").decode(), "value": "eA=="}
         await client.call("/v3/kv/put", junk)
-        view = View()
+        view = FleetView()
         watcher = FleetWatcher(EtcdClient(target), view)
         task = asyncio.create_task(watcher.run())
         await until(lambda: watcher.synced.is_set(), "the listing")

@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvwire.discovery.etcd import EtcdClient, parse_target
-from kvwire.discovery.record import EngineRecord, FleetRole, encode
+from kvwire.discovery.record import EngineRecord, encode
 from kvwire.discovery.registrar import Registrar
 from kvwire.discovery.watcher import FleetWatcher
 from kvwire.testing.clock import until
-from kvwire.testing.etcd import EtcdServer
+from kvwire.testing.etcd import EtcdServer, FleetView, engine_record
 
 URL = "http://127.0.0.1:8100"
 
@@ -30,29 +30,7 @@ def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
 
 def record(incarnation: str = "life-1") -> EngineRecord:
     """A constant record, as a vLLM engine's is: no load change ever makes the registrar put."""
-    return EngineRecord(
-        role=FleetRole.PREFILL,
-        engine_id="p0",
-        incarnation=incarnation,
-        model="kvwire-tiny",
-        url=URL,
-        side_channel_host="127.0.0.1",
-        side_channel_port=5600,
-        compat="abc",
-    )
-
-
-class View:
-    def __init__(self) -> None:
-        self.records: dict[str, EngineRecord] = {}
-        self.calls = 0
-
-    def __call__(self, records: Mapping[str, EngineRecord]) -> None:
-        self.records = dict(records)
-        self.calls += 1
-
-    def incarnations(self) -> list[str]:
-        return [r.incarnation for r in self.records.values()]
+    return engine_record(URL, incarnation)
 
 
 def counting_renewals(reg: Registrar) -> list[int]:
@@ -67,8 +45,8 @@ def counting_renewals(reg: Registrar) -> list[int]:
     return renewals
 
 
-async def watching(target: str) -> tuple[View, FleetWatcher, asyncio.Task[None]]:
-    view = View()
+async def watching(target: str) -> tuple[FleetView, FleetWatcher, asyncio.Task[None]]:
+    view = FleetView()
     watcher = FleetWatcher(EtcdClient(parse_target(target)), view)
     return view, watcher, asyncio.create_task(watcher.run())
 

@@ -55,6 +55,14 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.
     raise AssertionError(f"{url} not healthy within {timeout_s} s")
 
 
+def kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        proc.kill()
+        proc.wait(timeout=10)
+        if proc.stderr:
+            proc.stderr.close()
+
+
 @pytest.fixture
 def pd() -> Iterator[tuple[str, str, dict[str, object]]]:
     pp, dp = free_port(), free_port()
@@ -162,11 +170,7 @@ def test_a_rolling_upgrade_through_the_router_pairs_each_generation_within_itsel
         texts = [r.json()["choices"][0]["text"] for r in got]
         assert set(texts) == {want[1], want[2]}, texts  # both generations served, each its own weights
     finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait(timeout=10)
-            if proc.stderr:
-                proc.stderr.close()
+        kill_all(procs)
 
 
 def test_a_decode_leg_dropped_while_queued_frees_ps_blocks_at_once() -> None:
@@ -225,8 +229,4 @@ def test_a_decode_leg_dropped_while_queued_frees_ps_blocks_at_once() -> None:
             in httpx.get(d_url + "/metrics").text
         )
     finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait(timeout=10)
-            if proc.stderr:
-                proc.stderr.close()
+        kill_all(procs)

@@ -13,11 +13,13 @@ import subprocess
 import sys
 import sysconfig
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 
 import httpx
 
+from kvwire.discovery.record import EngineRecord, FleetRole, RecordLoad
 from kvwire.testing.procs import free_port
 
 _READY_TIMEOUT_S = 20.0
@@ -116,3 +118,38 @@ class EtcdServer:
         self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def engine_record(
+    url: str = "http://127.0.0.1:8100", incarnation: str = "life-1", load: RecordLoad | None = None
+) -> EngineRecord:
+    """A prefill engine's record as discovery tests register it (``p0``, the tiny model)."""
+    return EngineRecord(
+        role=FleetRole.PREFILL,
+        engine_id="p0",
+        incarnation=incarnation,
+        model="kvwire-tiny",
+        url=url,
+        side_channel_host="127.0.0.1",
+        side_channel_port=5600,
+        compat="abc",
+        load=RecordLoad() if load is None else load,
+    )
+
+
+class FleetView:
+    """A router's callback for ``FleetWatcher``: the view it was handed last, and how many times."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, EngineRecord] = {}
+        self.calls = 0
+
+    def __call__(self, records: Mapping[str, EngineRecord]) -> None:
+        self.records = dict(records)
+        self.calls += 1
+
+    def urls(self) -> set[str]:
+        return {r.url for r in self.records.values()}
+
+    def incarnations(self) -> list[str]:
+        return [r.incarnation for r in self.records.values()]
