@@ -251,8 +251,9 @@ def discovery_option(commands: frozenset[Command]) -> Option:
         "discovery",
         str,
         None,
-        "etcd://HOST:PORT[/prefix] (prefix default /kvwire): engines register under a lease there and the "
-        "router routes to the engines registered there, besides any --prefill/--decode URLs",
+        "etcd://HOST:PORT[/prefix] (prefix default /kvwire; etcds://...?ca=CA&cert=CERT&key=KEY over TLS): "
+        "engines register under a lease there and the router routes to the engines registered there, "
+        "besides any --prefill/--decode URLs",
         commands,
         default_text="none: static URLs only",
     )

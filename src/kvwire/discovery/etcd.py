@@ -1,4 +1,6 @@
-"""A small etcd v3 client over etcd's JSON gateway (``/v3/...`` on the client port), on aiohttp.
+"""A small etcd v3 client over etcd's JSON gateway (``/v3/...`` on the client port), on aiohttp; plain
+HTTP (``etcd://``) or TLS (``etcds://``, with the CA that signed etcd's certificate and, for an etcd run
+with ``--client-cert-auth``, this client's certificate and key: ``?ca=PATH&cert=PATH&key=PATH``).
 
 Why not a gRPC client (``aetcd``, ``etcd3aio``): they bring ``grpcio`` and ``protobuf``, which a vLLM
 process already pins to its own versions (the connector runs inside vLLM), and their reconnect behaviour is
@@ -12,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
+import ssl
 import urllib.parse
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -38,12 +42,34 @@ class WatchIdle(EtcdUnavailable, SourceWatchIdle):
 
 
 @dataclass(frozen=True)
+class EtcdTls:
+    """TLS to etcd: the CA bundle that signed its certificate (None: the system's), and this client's
+    certificate and key when etcd checks clients (``--client-cert-auth``)."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    def context(self) -> ssl.SSLContext:
+        """The client's TLS context (``ssl.SSLError`` / ``OSError`` when a file cannot be loaded)."""
+        ctx = ssl.create_default_context(cafile=self.ca)
+        if self.cert is not None:
+            ctx.load_cert_chain(self.cert, self.key)
+        return ctx
+
+    def query(self) -> str:
+        parts = [(k, v) for k, v in (("ca", self.ca), ("cert", self.cert), ("key", self.key)) if v]
+        return "?" + urllib.parse.urlencode(parts) if parts else ""
+
+
+@dataclass(frozen=True)
 class EtcdTarget:
-    """Where the fleet lives: ``etcd://HOST:PORT[/prefix]``."""
+    """Where the fleet lives: ``etcd://HOST:PORT[/prefix]``, or ``etcds://...`` over TLS."""
 
     host: str
     port: int
     prefix: str = DEFAULT_PREFIX
+    tls: EtcdTls | None = None
 
     @property
     def _netloc(self) -> str:
@@ -52,26 +78,28 @@ class EtcdTarget:
 
     @property
     def base_url(self) -> str:
-        return f"http://{self._netloc}"
+        return f"{'https' if self.tls else 'http'}://{self._netloc}"
 
     def __str__(self) -> str:
-        return f"etcd://{self._netloc}{self.prefix}"
+        if self.tls is None:
+            return f"etcd://{self._netloc}{self.prefix}"
+        return f"etcds://{self._netloc}{self.prefix}{self.tls.query()}"
 
 
 def parse_target(text: str) -> EtcdTarget:
     """``etcd://HOST:PORT[/prefix]`` (``ConfigError`` otherwise). Errors never echo credentials."""
     shown = redact(text)
     parts = urllib.parse.urlsplit(text)
-    if parts.scheme != "etcd" or not parts.netloc:
-        raise ConfigError(f"--discovery {shown!r}: expected etcd://HOST:PORT[/prefix]")
+    if parts.scheme not in ("etcd", "etcds") or not parts.netloc:
+        raise ConfigError(f"--discovery {shown!r}: expected etcd://HOST:PORT[/prefix] (etcds:// for TLS)")
     if "@" in parts.netloc:
         # This client speaks plain HTTP to etcd's gateway without authentication: taking the user and
         # password and dropping them (as before) left every call refused by an etcd with auth on, and put
         # the password in the start-up log.
         raise ConfigError(
             f"--discovery {shown!r}: credentials in the URL are not supported (kvwire's etcd client has no "
-            "authentication or TLS): put etcd's auth/TLS behind a local proxy kvwire reaches over "
-            "plain HTTP, or run etcd without auth on a network only the fleet reaches (docs/fleet.md)"
+            "password authentication): use TLS client certificates (etcds://HOST:PORT?ca=CA&cert=CERT&"
+            "key=KEY with etcd's --client-cert-auth), or a network only the fleet reaches (docs/fleet.md)"
         )
     if "," in parts.netloc:
         raise ConfigError(
@@ -89,7 +117,36 @@ def parse_target(text: str) -> EtcdTarget:
     if port == 0:  # taken for "no port" before, and 2379 dialled instead
         raise ConfigError(f"--discovery {shown!r}: the port is out of range (1-65535)")
     prefix = parts.path.rstrip("/") or DEFAULT_PREFIX
-    return EtcdTarget(parts.hostname, port, prefix)
+    tls = _tls(shown, parts) if parts.scheme == "etcds" else None
+    if tls is None and parts.query:
+        raise ConfigError(f"--discovery {shown!r}: query parameters (ca, cert, key) are for etcds:// (TLS)")
+    return EtcdTarget(parts.hostname, port, prefix, tls)
+
+
+def _tls(shown: str, parts: urllib.parse.SplitResult) -> EtcdTls:
+    """``etcds://``'s ``?ca=&cert=&key=``: each a readable file, loaded once here (``ConfigError`` naming
+    the file that cannot be, at start-up rather than at the first call to etcd)."""
+    try:
+        query = urllib.parse.parse_qs(parts.query, strict_parsing=bool(parts.query))
+    except ValueError:
+        raise ConfigError(
+            f"--discovery {shown!r}: a malformed query (expected ca=PATH&cert=PATH&key=PATH)"
+        ) from None
+    unknown = sorted(set(query) - {"ca", "cert", "key"})
+    if unknown or any(len(v) != 1 for v in query.values()):
+        raise ConfigError(f"--discovery {shown!r}: unknown or repeated parameters {unknown} (ca, cert, key)")
+    got = {k: v[0] for k, v in query.items()}
+    if ("cert" in got) != ("key" in got):
+        raise ConfigError(f"--discovery {shown!r}: a client certificate needs both cert= and key=")
+    for name, path in got.items():
+        if not os.path.isfile(path):
+            raise ConfigError(f"--discovery {shown!r}: {name}={path} is not a readable file")
+    tls = EtcdTls(got.get("ca"), got.get("cert"), got.get("key"))
+    try:
+        tls.context()
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigError(f"--discovery {shown!r}: cannot load the TLS files: {exc}") from None
+    return tls
 
 
 def _b64(text: str) -> str:
@@ -115,10 +172,12 @@ class EtcdClient:
         # A watch line (event or progress notification) at least this often, or the stream counts as lost.
         self.watch_idle_s = watch_idle_s
         self._session: aiohttp.ClientSession | None = None
+        self._ssl = target.tls.context() if target.tls is not None else None
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
+            tls = aiohttp.TCPConnector(ssl=self._ssl) if self._ssl is not None else None
+            self._session = aiohttp.ClientSession(connector=tls)
         return self._session
 
     async def close(self) -> None:
@@ -240,8 +299,8 @@ def _key(b64: str) -> str:
 
 
 def open_store(text: str, timeout_s: float = 2.0) -> EtcdClient:
-    """``kvwire.discovery.source``'s entry: a client of ``etcd://HOST:PORT[/prefix]``."""
+    """``kvwire.discovery.source``'s entry: a client of ``etcd://HOST:PORT[/prefix]`` (``etcds://``: TLS)."""
     return EtcdClient(parse_target(text), timeout_s)
 
 
-SOURCE = Source("etcd", parse_target, open_store)
+SOURCE = Source("etcd", parse_target, open_store, also=("etcds",))

@@ -23,6 +23,7 @@ from kvwire.errors import ConfigError, KvwireError
 # scheme -> the module of that source. One line per source.
 SOURCES: dict[str, str] = {
     "etcd": "kvwire.discovery.etcd",
+    "etcds": "kvwire.discovery.etcd",  # etcd over TLS
 }
 
 
@@ -93,6 +94,11 @@ class Source:
     scheme: str
     parse_target: Callable[[str], Target]
     open_store: Callable[[str, float], Store]
+    also: tuple[str, ...] = ()  # other schemes it takes (etcd's TLS one, etcds)
+
+    @property
+    def schemes(self) -> tuple[str, ...]:
+        return (self.scheme, *self.also)
 
 
 def redact(text: str) -> str:
@@ -113,7 +119,7 @@ def _source(text: str) -> Source:
         forms = ", ".join(f"{s}://..." for s in SOURCES)
         raise ConfigError(f"--discovery {redact(text)!r}: expected one of {forms}")
     source = getattr(importlib.import_module(module), "SOURCE", None)
-    if not isinstance(source, Source) or source.scheme != scheme:
+    if not isinstance(source, Source) or scheme not in source.schemes:
         raise ConfigError(f"{module}.SOURCE is not the Source of scheme {scheme!r}")
     return source
 

