@@ -8,13 +8,27 @@ The real-NIXL case is ``tests/integration/test_vllm_worker_geometry.py``.
 
 from __future__ import annotations
 
+import msgspec
+
 from kvwire.core.consumer import PushConsumerCore
 from kvwire.core.events import ConsumerEvent, ConsumerEventKind, ProducerEvent, ProducerOutcome
-from kvwire.core.io import Allocated, Emit, Finished, Outcome, RemoteEngine, Send, StartHandshake
+from kvwire.core.io import (
+    Allocated,
+    Emit,
+    Finished,
+    NotifIn,
+    Outcome,
+    PostWrite,
+    RemoteEngine,
+    Send,
+    StartHandshake,
+)
 from kvwire.core.producer_push import PushProducerCore
 from kvwire.kv.spec import KVSpec
-from kvwire.protocol.messages import Done, Failed, FailReason, PushReg
-from kvwire.testing.core_harness import CoreHarness, TestEngine, only
+from kvwire.protocol.codec import encode_notif
+from kvwire.protocol.messages import Cancel, Done, Failed, FailReason, PushReg
+from kvwire.protocol.ranks import RankKey
+from kvwire.testing.core_harness import CoreHarness, TestEngine, events, only
 from kvwire.testing.cores_env import CFG, D_BLOCKS, TID, TOKENS
 from kvwire.transport.base import PeerMode
 
@@ -84,11 +98,7 @@ def test_the_idle_p_rank_ends_the_request_on_d_s_registration_not_at_its_lease()
     rank1 = {(0, 1): p.layouts[(0, 1)]}
     h = CoreHarness(PushProducerCore(p.info, rank1, p.num_blocks, CFG))
     assert h.at(0.0, Finished(TID, P_BLOCKS, TOKENS)) == []
-    reg = PushReg(
-        transfer_id=TID, engine_id="D", incarnation="D-life1", tp_rank=0, tp_size=1, host=d.host,
-        port=d.port, block_ids=D_BLOCKS, num_tokens=TOKENS, fence_ms=2_000,
-    )  # fmt: skip
-    hs = only(h.at(0.25, d.notif(reg, to=(0, 1))), StartHandshake)
+    hs = only(h.at(0.25, d.notif(_push_reg(d), to=(0, 1))), StartHandshake)
     assert [(s.key, s.remote) for s in hs] == [((0, 1), (0, 0))]
     out = h.done(0.25, hs[0].token, d.peer_rank(mode=PeerMode.FULL))
     sends = only(out, Send)
@@ -96,3 +106,54 @@ def test_the_idle_p_rank_ends_the_request_on_d_s_registration_not_at_its_lease()
     assert sends[0].msg.nbytes == 0 and sends[0].msg.tp_rank == 1
     freed = Emit(ProducerEvent(TID, ProducerOutcome.SENT))
     assert freed in out or freed in h.at(0.25, Outcome(sends[0].token, True))
+
+
+def _push_reg(d: TestEngine, *, idle_ranks: bool = True, engine_id: str = "D") -> PushReg:
+    return PushReg(
+        transfer_id=TID, engine_id=engine_id, incarnation=f"{engine_id}-life1", tp_rank=0, tp_size=1,
+        host=d.host, port=d.port, block_ids=D_BLOCKS, num_tokens=TOKENS, fence_ms=2_000,
+        idle_ranks=idle_ranks,
+    )  # fmt: skip
+
+
+def _written(h: CoreHarness, d: TestEngine, reg: PushReg, key: RankKey) -> list[object]:
+    """``reg`` reaches local rank ``key``, the handshake with D succeeds, the write (if any) ends: the events
+    that came of it."""
+    (hs,) = only(h.at(0.25, d.notif(reg, to=key, rank=(0, reg.tp_rank))), StartHandshake)
+    out = h.done(0.25, hs.token, d.peer_rank((0, reg.tp_rank), mode=PeerMode.FULL))
+    for post in only(out, PostWrite):  # (the harness feeds each tokened action's Outcome itself)
+        out += h.ended(0.25, post.token)
+    return events(out)
+
+
+def test_a_p_core_with_every_rank_frees_at_the_readers_end_for_a_d_that_tells_no_idle_rank() -> None:
+    """kvwire's own engine runs one core for all its ranks. A D from before idle ranks were told
+    (``idle_ranks`` false) registers with the reading rank only: P frees when that write ends, not at its
+    lease (the review found it waited 30 s); a D that tells them is waited for."""
+    p = TestEngine.build("P", tp=2, spec=ONE_HEAD, port=5000)
+    d = TestEngine.build("D", spec=ONE_HEAD, port=6000)
+    h = CoreHarness(PushProducerCore(p.info, p.layouts, p.num_blocks, CFG))
+    h.at(0.0, Finished(TID, P_BLOCKS, TOKENS))
+    sent = [ProducerEvent(TID, ProducerOutcome.SENT)]
+    assert _written(h, d, _push_reg(d, idle_ranks=False), (0, 0)) == sent
+
+    h = CoreHarness(PushProducerCore(p.info, p.layouts, p.num_blocks, CFG))
+    h.at(0.0, Finished(TID, P_BLOCKS, TOKENS))
+    assert _written(h, d, _push_reg(d), (0, 0)) == []  # the idle rank's word is still to come
+    assert _written(h, d, _push_reg(d), (0, 1)) == sent
+
+
+def test_a_cancel_from_another_d_does_not_end_a_request_its_d_is_loading() -> None:
+    """D (TP 2 here: rank 1 not registered yet) holds a finished write on P rank 0; a stray cancel of the
+    same transfer from another D life must not end it (the review showed P then failed rank 1)."""
+    p = TestEngine.build("P", spec=ONE_HEAD, port=5000)
+    d = TestEngine.build("D", tp=2, spec=ONE_HEAD, port=6000)
+    h = CoreHarness(PushProducerCore(p.info, p.layouts, p.num_blocks, CFG))
+    h.at(0.0, Finished(TID, P_BLOCKS, TOKENS))
+    reg0 = msgspec.structs.replace(_push_reg(d), tp_size=2)
+    assert _written(h, d, reg0, (0, 0)) == []  # rank 1 of D still to register
+    stray = Cancel(transfer_id=TID, engine_id="D2", incarnation="D2-life1")
+    out = h.at(0.25, NotifIn((0, 0), "D2/D2-life1/pp0/tp0", encode_notif(stray)))
+    assert events(out) == [] and h.core.live_requests == 1
+    reg1 = msgspec.structs.replace(reg0, tp_rank=1)
+    assert _written(h, d, reg1, (0, 0)) == [ProducerEvent(TID, ProducerOutcome.SENT)]

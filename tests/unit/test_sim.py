@@ -3,6 +3,7 @@ exactly, and each planted bug is caught (while the real cores, under the same fa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import multiprocessing
@@ -16,6 +17,7 @@ import pytest
 from kvwire.protocol.messages import TransferMode
 from kvwire.testing.sim import Faults, Plant, Report, simulate
 from kvwire.testing.sim.plants import PLANTS
+from kvwire.testing.sim.run import SPEC
 
 
 def _chaos(args: tuple[int, int, str]) -> Report:
@@ -37,6 +39,16 @@ def test_real_cores_under_chaos_keep_every_invariant(mode: str, layerwise: bool)
     _assert_clean(report)
     failed = sum(v for k, v in report.outcomes.items() if k.startswith("d_released"))
     assert failed > 0  # the faults made some requests fail, and those too ended cleanly
+
+
+@pytest.mark.parametrize(("mode", "layerwise"), [("push", False), ("pull", False), ("push", True)])
+def test_one_kv_head_replicated_on_p_keeps_every_invariant_under_chaos(mode: str, layerwise: bool) -> None:
+    """One KV head: P1's two TP ranks hold the same head, and D0 (TP 1) reads it from rank 0 only, so it
+    registers with rank 1 too (an idle rank, ``kv.mapping.tp_contacts``). Under every fault, nothing
+    is lost, freed twice or held past its bound."""
+    one_head = dataclasses.replace(SPEC, kv_heads=1)
+    report = simulate(1500, 13, mode=TransferMode(mode), layerwise=layerwise, spec=one_head)
+    _assert_clean(report)
 
 
 def test_a_seed_replays_exactly() -> None:

@@ -343,6 +343,7 @@ class PushConsumerCore(ConsumerCore):
             fence_ms=self.config.fence_ms,
             reg_nonce=link.reg_nonce,
             want_digest=link.want_digest,
+            idle_ranks=True,
         )
         link.sending = True
         self._sending[self._send(part.key, peer.agent_name, reg, answer=True)] = (req, part, link)

@@ -66,6 +66,7 @@ class PullConsumerCore(ConsumerCore):
             from_pp_rank=part.key[0],
             from_tp_rank=part.key[1],
             tp_size=self.engine.tp_size,
+            idle_ranks=True,
         )
         self._do(SendClaim(token, part.key, peer.host, peer.port, link.src, claim))
 

@@ -75,15 +75,16 @@ class ProducerCore(CoreBase):
         )  # Request.cancel_owner
         self._tombs: collections.deque[Request] = collections.deque()
         self._replies = Replies(self.engine)
-        self._want: dict[tuple[int, int], frozenset[int]] = {}  # (D's tp size, local tp rank) -> D ranks
+        self._want: dict[tuple[int, int, bool], frozenset[int]] = {}  # _expected's memo
 
-    def _expected(self, d_tp_size: int, tp_rank: int) -> frozenset[int]:
-        """The D TP ranks local rank ``tp_rank`` writes (``expected_d_ranks``, memoized per core: asked at
-        every settle, and the shared cache hashes the whole ``KVSpec`` per call)."""
-        want = self._want.get((d_tp_size, tp_rank))
+    def _expected(self, d_tp_size: int, tp_rank: int, idle: bool = True) -> frozenset[int]:
+        """The D TP ranks that register with local rank ``tp_rank`` (``expected_d_ranks``, memoized per core:
+        asked at every settle, and the shared cache hashes the whole ``KVSpec`` per call)."""
+        want = self._want.get((d_tp_size, tp_rank, idle))
         if want is None:
             spec, tp = self.engine.spec, self.engine.tp_size
-            want = self._want[(d_tp_size, tp_rank)] = expected_d_ranks(spec, tp, d_tp_size, tp_rank)
+            want = expected_d_ranks(spec, tp, d_tp_size, tp_rank, idle)
+            self._want[(d_tp_size, tp_rank, idle)] = want
         return want
 
     # -- introspection (tests, metrics) --------------------------------------------------------------------
@@ -401,20 +402,22 @@ class PullProducerCore(ProducerCore):
         life = (msg.engine_id, msg.incarnation)
         if req.claim_life not in (None, life) or req.d_tp_size not in (None, msg.tp_size):
             return "claimed by another D, or with another tp_size"
+        if req.d_idle not in (None, msg.idle_ranks):
+            return "claimed with another idle_ranks"
         if msg.from_pp_rank != 0 or not msg.from_tp_rank < msg.tp_size:
             return "a D rank out of range (D runs pp 1)"
         try:
-            expected = self._d_readers(msg.tp_size)
+            expected = self._d_readers(msg.tp_size, msg.idle_ranks)
         except LayoutError:
             return f"no D rank of tp_size {msg.tp_size} reads ours"
         if msg.from_tp_rank not in expected:
             return f"D rank tp{msg.from_tp_rank} reads nothing of ours"
-        req.claim_life, req.d_tp_size = life, msg.tp_size
+        req.claim_life, req.d_tp_size, req.d_idle = life, msg.tp_size, msg.idle_ranks
         return None
 
-    def _d_readers(self, d_tp_size: int) -> frozenset[int]:
+    def _d_readers(self, d_tp_size: int, idle: bool) -> frozenset[int]:
         """The D TP ranks that read any of this core's ranks."""
-        return frozenset().union(*(self._expected(d_tp_size, key[1]) for key in self.layouts))
+        return frozenset().union(*(self._expected(d_tp_size, key[1], idle) for key in self.layouts))
 
     def _on_notif(self, now: float, key: RankKey, sender: str, msg: Notification) -> None:
         if isinstance(msg, Heartbeat):
@@ -439,7 +442,7 @@ class PullProducerCore(ProducerCore):
         if (
             reading is None
             and req.d_tp_size is not None
-            and msg.tp_rank not in self._d_readers(req.d_tp_size)
+            and msg.tp_rank not in self._d_readers(req.d_tp_size, bool(req.d_idle))
         ):
             raise self._refuse(DropReason.UNEXPECTED, f"{type(msg).__name__} {msg.transfer_id}: not a reader")
         req.claims[rank] = False  # ended: claimed and read, or read nothing (its plan was empty)
@@ -460,7 +463,7 @@ class PullProducerCore(ProducerCore):
         if req.d_tp_size is None:
             return True
         ended = {tp for tp, reading in req.claims.items() if not reading}
-        return self._d_readers(req.d_tp_size) <= ended
+        return self._d_readers(req.d_tp_size, bool(req.d_idle)) <= ended
 
     def _timers(self, now: float) -> None:
         for req in list(self._live_reqs.values()):

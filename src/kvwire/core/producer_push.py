@@ -7,10 +7,9 @@ D's prefix hit trimmed) and ONE write is posted with ``done`` attached. Block id
 block count from the handshake (``failed``/``bad_registration``, no write). No write starts more than
 ``fence_ms`` after the ``push_reg`` was received (``failed``/``fence_expired``); a ``cancel`` is answered
 with ``cancel_ack`` only when no write of ours is in flight; a failed post or write sends ``failed`` at
-once; a write in progress past ``transfer_timeout_s`` is released, then reported failed. The request's
-blocks are freeable when every registration every local rank expects (from D's TP size) has ended, or
-when the lease runs out with no write in flight. An ended request is remembered ``tombstone_s`` so that a
-late ``push_reg`` or ``cancel`` gets the right answer at once.
+once; a write in progress past ``transfer_timeout_s`` is released, then reported failed. Blocks are freed
+when every registration each local rank expects has ended, when D gave the request up (a ``cancel`` with
+no registration), or at the lease; an ended request is remembered ``tombstone_s`` (late messages).
 
 P watches D as D watches P (NIXL reports neither a frozen nor a partitioned D: a write to it just stays
 in progress): a D life silent past ``liveness_timeout_s`` while P holds something for it is dead. A P that
@@ -53,6 +52,7 @@ from kvwire.core.producer_records import (
     d_life,
     engines_in_use,
     fence_expired,
+    given_up,
     holding,
     live_registrations,
     outcome,
@@ -195,14 +195,14 @@ class PushProducerCore(ProducerCore):
             raise self._refuse(DropReason.OVERLOAD, f"cancel {msg.transfer_id} from {sender}: no room")
         if reg is None:
             # No registration from that D rank: nothing of ours writes for it. Remember the cancel, so a
-            # push_reg arriving after it is refused, not written.
+            # push_reg arriving after it is refused, not written. A network duplicate is answered once
+            # (one ending message per registration; the simulator found the second cancel_ack).
             if (key, sender) in req.cancelled:
-                # The network's duplicate: answered once (one ending message per registration; the
-                # simulator found the second cancel_ack).
                 raise self._refuse(DropReason.DUPLICATE, f"cancel {msg.transfer_id} from {sender} again")
             if self._no_room(req):
                 raise self._refuse(DropReason.OVERLOAD, f"cancel {msg.transfer_id} from {sender}: no room")
             req.cancelled.add((key, sender))
+            req.gave_up.add((msg.engine_id, msg.incarnation))  # see given_up
             self._add_record(req, 0)
             self._send(key, sender, self._replies.cancel_ack(msg.transfer_id, key, wrote=False))
             self._settle(now, req)  # a D that gave up before it registered ends the request here
@@ -233,8 +233,10 @@ class PushProducerCore(ProducerCore):
     def _settle(self, now: float, req: Request) -> None:
         """Emit the freeable event once nothing more can happen to a held request's blocks."""
         if req.phase is Phase.PREFILLING:
-            if (req.regs or req.cancelled) and registrations_ended(req):
-                self._end(now, req, outcome(req) if req.regs else ProducerOutcome.ABORTED, emit=False)
+            if req.regs and registrations_ended(req):
+                self._end(now, req, outcome(req), emit=False)
+            elif given_up(req):
+                self._end(now, req, ProducerOutcome.ABORTED, emit=False)
             return
         if req.phase is not Phase.HELD:
             return
@@ -245,9 +247,7 @@ class PushProducerCore(ProducerCore):
             self._end(now, req, ProducerOutcome.ABORTED, emit=True)
         elif all_ended(self.layouts, req, self._expected):
             self._end(now, req, outcome(req), emit=True)
-        elif req.cancelled and registrations_ended(req):
-            # A D rank cancelled without a registration here: D gave the request up (it cancels only a
-            # request it fails or drops, or one it declined to load), so no rank of it will complete one.
+        elif given_up(req):  # its D cancelled without a registration here: no rank of it will complete one
             self._end(now, req, ProducerOutcome.ABORTED, emit=True)
         elif now >= req.lease_until:
             for reg in list(req.regs.values()):

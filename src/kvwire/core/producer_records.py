@@ -18,7 +18,7 @@ import msgspec
 from kvwire.core.events import ProducerOutcome
 from kvwire.core.types import EngineInfo, PeerRank
 from kvwire.errors import BlockRangeError, LayoutError
-from kvwire.kv.mapping import tp_contacts
+from kvwire.kv.mapping import tp_contacts, tp_peers
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.messages import (
     CancelAck,
@@ -73,10 +73,13 @@ class Request:
     lease_until: float = math.inf
     regs: dict[tuple[RankKey, str], Reg] = field(default_factory=dict)
     d_tp_size: int | None = None
+    d_idle: bool | None = None  # D tells the P ranks it reads nothing from (``PushReg.idle_ranks``)
     aborted: bool = False
     outcome: ProducerOutcome | None = None
     # (local rank, D agent) pairs whose cancel came before their push_reg: that push_reg is refused.
     cancelled: set[tuple[RankKey, str]] = field(default_factory=set)
+    # The D lives (engine_id, incarnation) whose cancel came without a registration: D gave it up.
+    gave_up: set[tuple[str, str]] = field(default_factory=set)
     forget_at: float = math.inf
     # The D life (engine_id, incarnation) whose push_reg created it while P was prefilling: its share of
     # the early-registration table (None: created by the engine's own call).
@@ -117,6 +120,9 @@ def busy(req: Request) -> bool:
 
 
 # Why a push_reg that arrives for an ended request is refused.
+# ``expected_d_ranks`` of an engine's core: (D's tp size, local tp rank, D tells idle ranks) -> D ranks.
+Expected = Callable[[int, int, bool], frozenset[int]]
+
 TOMB_REASON = {
     ProducerOutcome.ABORTED: FailReason.ABORTED,
     ProducerOutcome.SHUTDOWN: FailReason.SHUTDOWN,
@@ -124,27 +130,32 @@ TOMB_REASON = {
 
 
 @lru_cache(maxsize=256)
-def expected_d_ranks(spec: KVSpec, p_tp: int, d_tp: int, p_rank: int) -> frozenset[int]:
-    """The D TP ranks that register with P rank ``p_rank``: those it writes, or, when no D rank reads it,
-    the one that tells it the request's end (``tp_contacts``)."""
+def expected_d_ranks(spec: KVSpec, p_tp: int, d_tp: int, p_rank: int, idle: bool = True) -> frozenset[int]:
+    """The D TP ranks that register with P rank ``p_rank``: those it writes, and, when no D rank reads it
+    and D tells such ranks (``idle``: its ``push_reg``/``claim`` says so), the one that tells it the
+    request's end (``tp_contacts``)."""
     if not 0 <= p_rank < p_tp:
         raise LayoutError(f"p_rank {p_rank} out of range for tp {p_tp}")
+    if not idle:
+        return frozenset(s.dst_rank for s in tp_peers(spec, p_tp, d_tp, p_rank))
     return frozenset(dst for src, dst in tp_contacts(spec, p_tp, d_tp) if src == p_rank)
 
 
-def check_reg(req: Request, reg: Reg, expected: Callable[[int, int], frozenset[int]]) -> FailReason | None:
+def check_reg(req: Request, reg: Reg, expected: Expected) -> FailReason | None:
     """Whether a push_reg fits this rank and the request's other registrations (None: it does);
     ``expected(d_tp_size, local tp rank)``: ``expected_d_ranks`` of this engine."""
     msg = reg.msg
-    if not msg.tp_rank < msg.tp_size or (req.d_tp_size not in (None, msg.tp_size)):
+    if not msg.tp_rank < msg.tp_size or req.d_tp_size not in (None, msg.tp_size):
+        return FailReason.BAD_REGISTRATION
+    if req.d_idle not in (None, msg.idle_ranks):
         return FailReason.BAD_REGISTRATION
     try:
-        want = expected(msg.tp_size, reg.key[1])
+        want = expected(msg.tp_size, reg.key[1], msg.idle_ranks)
     except LayoutError:
         return FailReason.INCOMPATIBLE
     if msg.tp_rank not in want or msg.num_cached_tokens > msg.num_tokens:
         return FailReason.BAD_REGISTRATION
-    req.d_tp_size = msg.tp_size
+    req.d_tp_size, req.d_idle = msg.tp_size, msg.idle_ranks
     return None
 
 
@@ -160,7 +171,7 @@ def check_d_blocks(block_ids: Iterable[int], num_blocks: int) -> None:
         seen.add(b)
 
 
-def all_ended(keys: Iterable[RankKey], req: Request, want: Callable[[int, int], frozenset[int]]) -> bool:
+def all_ended(keys: Iterable[RankKey], req: Request, want: Expected) -> bool:
     """Every registration each local rank expects (``want(d_tp_size, local tp rank)``, from D's TP size)
     came and ended."""
     d_tp = req.d_tp_size
@@ -172,7 +183,7 @@ def all_ended(keys: Iterable[RankKey], req: Request, want: Callable[[int, int], 
             return False
     for key in keys:
         got = {r.msg.tp_rank for r in regs if r.key == key}
-        if not want(d_tp, key[1]) <= got:
+        if not want(d_tp, key[1], bool(req.d_idle)) <= got:
             return False
     return True
 
@@ -180,6 +191,16 @@ def all_ended(keys: Iterable[RankKey], req: Request, want: Callable[[int, int], 
 def registrations_ended(req: Request) -> bool:
     """No registration of ``req`` can write any more (none came, or each ended)."""
     return all(r.machine.registration_ended for r in req.regs.values())
+
+
+def given_up(req: Request) -> bool:
+    """A D gave ``req`` up (a ``cancel`` without a registration: it cancels only a request it failed,
+    dropped or declined) and no registration can write: the D whose registrations it holds, or any D
+    while it holds none (a cancel from another D life must not end one that D is still loading)."""
+    if not req.gave_up or not registrations_ended(req):
+        return False
+    lives = {d_life(r) for r in req.regs.values()}
+    return not lives or not lives.isdisjoint(req.gave_up)
 
 
 def outcome(req: Request) -> ProducerOutcome:

@@ -250,6 +250,9 @@ class Claim(msgspec.Struct, tag="claim", tag_field="type", kw_only=True):
     # D's TP size: P holds the blocks until every D rank that reads them ended, those that have not
     # claimed yet included (a slower rank's claim must not find them freed by a faster one's ``done``).
     tp_size: Positive = 1
+    # As ``PushReg.idle_ranks``: D's idle-rank tellers say ``done`` to the P ranks no D rank reads, so P
+    # waits for them. Not signed: it only decides whether P waits for a rank that moves nothing.
+    idle_ranks: bool = False
     nonce: bytes | None = None
     auth: bytes | None = None
     target: str | None = None
@@ -291,6 +294,9 @@ class PushReg(_Notif, tag="push_reg", tag_field="type", kw_only=True):
     reg_nonce: NonNeg = 0
     # D asks P for a content digest of what it writes (``Done.digest``; docs/protocol.md §3).
     want_digest: bool = False
+    # D registers with the P ranks no D rank reads too (``kv.mapping.tp_contacts``): P waits for that
+    # word only from a D that says so (one from before it never sends it).
+    idle_ranks: bool = False
 
 
 class Done(_Notif, tag="done", tag_field="type", kw_only=True):

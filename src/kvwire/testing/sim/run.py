@@ -168,6 +168,7 @@ class Simulation:
         plant: Plant | None = None,
         meter_cores: bool = False,
         layerwise: bool = False,
+        spec: KVSpec = SPEC,
     ) -> None:
         if layerwise and mode is not TransferMode.PUSH:
             raise ValueError("layer-wise transfer is a push mode")
@@ -176,8 +177,9 @@ class Simulation:
         self.mode = mode
         self.layerwise = layerwise
         self.plant = plant or Plant()
+        self.spec = spec
         rng = np.random.default_rng(seed)
-        shape = (SPEC.num_layers, 2, SPEC.kv_heads, MAX_TOKENS, SPEC.head_dim)
+        shape = (spec.num_layers, 2, spec.kv_heads, MAX_TOKENS, spec.head_dim)
         self._base = rng.integers(0, 256, size=shape).astype(np.uint8)
         self.reqs: dict[str, _Req] = {}
         self.outcomes: Counter[str] = Counter()
@@ -202,7 +204,7 @@ class Simulation:
         handler: Callable[[SimEngine, object], None] = self._p_event if producer else self._d_event
         config = dataclasses.replace(CONFIG, mode=self.mode, layerwise=self.layerwise)
         engine = SimEngine(
-            self.world, name, 9000 + len(self.engines), SPEC, tp=tp, pp=pp, num_blocks=4096,
+            self.world, name, 9000 + len(self.engines), self.spec, tp=tp, pp=pp, num_blocks=4096,
             mode=self.mode, config=config, make_core=make, on_event=handler,
         )  # fmt: skip
         self.engines.append(engine)
@@ -218,8 +220,9 @@ class Simulation:
         # Every draw first, whatever happens to the request: the schedule stream stays the same.
         tokens = plan.randint(1, MAX_TOKENS)
         cached = 0
-        if tokens > SPEC.block_size and plan.random() < 0.2:
-            cached = SPEC.block_size * plan.randint(1, (tokens - 1) // SPEC.block_size)
+        bs = self.spec.block_size
+        if tokens > bs and plan.random() < 0.2:
+            cached = bs * plan.randint(1, (tokens - 1) // bs)
         p, d = plan.choice(self.ps), plan.choice(self.ds)
         prefill, d_after = 0.5e-3 + plan.random() * 10e-3, plan.random() * 2e-3
         abort = w.chance(w.faults.abort, "abort", plan)
@@ -227,7 +230,7 @@ class Simulation:
         req = _Req(f"r{number}", number, p, d, tokens, cached, w.now, p_life=p.life, d_life=d.life)
         req.p_incarnation, req.p_wire_id = p.incarnation, p.wire_id
         req.d_after, req.declined = d_after, w.chance(w.faults.decline, "decline", plan)
-        n = math.ceil(tokens / SPEC.block_size)
+        n = math.ceil(tokens / bs)
         p_blocks = p.allocate(req.tid, n)
         if p_blocks is None:
             self.outcomes["no_p_blocks"] += 1
@@ -301,7 +304,7 @@ class Simulation:
             return
         req.streaming = True
         scatter_tokens(_ranks(p), req.p_blocks, ~self.kv(req))  # not computed yet: every byte differs
-        n = SPEC.num_layers
+        n = self.spec.num_layers
         for layer in range(n):
             self.world.after(duration * (layer + 1) / (n + 1), lambda ly=layer: self._layer(req, ly))  # type: ignore[misc]
         deadline = self.world.now + duration + CONFIG.transfer_timeout_s
@@ -543,12 +546,16 @@ def simulate(
     stop_at_first: bool = False,
     meter_cores: bool = False,
     layerwise: bool = False,
+    spec: KVSpec = SPEC,
 ) -> Report:
     """Run ``requests`` simulated requests under ``faults`` (default: ``Faults.chaos()``); with
     ``stop_at_first``, stop at the first violation (a planted bug's hunt); with ``meter_cores``, also
-    measure the CPU inside the cores' ``handle`` (a timer call per input: the run itself gets slower)."""
+    measure the CPU inside the cores' ``handle`` (a timer call per input: the run itself gets slower).
+    ``spec``: the model's KV geometry (one KV head: every head replicated on P's TP-2 engine, so D reads
+    from one rank and tells the other, ``kv.mapping.tp_contacts``)."""
     started, cpu_started = time.perf_counter(), time.process_time()
-    sim = Simulation(seed, Faults.chaos() if faults is None else faults, mode, plant, meter_cores, layerwise)
+    faults = Faults.chaos() if faults is None else faults
+    sim = Simulation(seed, faults, mode, plant, meter_cores, layerwise, spec)
     kvwire_log = logging.getLogger("kvwire")
     level = kvwire_log.level
     kvwire_log.setLevel(logging.ERROR)  # the cores' warnings (peers declared dead...) are expected here
