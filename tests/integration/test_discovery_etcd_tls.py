@@ -91,7 +91,17 @@ def test_bad_tls_settings_are_refused_at_start_naming_the_cause(tmp_path: Path, 
         f"{base}?ca={junk}": "cannot load the TLS files",
         f"{base}?ca={certs.ca}&ca={certs.ca}": "repeated",
         f"{base}?cafile={certs.ca}": "unknown",
+        f"{base}?ca=&cert=&key=": "is empty",  # unset shell variables: not "no certificate"
     }
     for url, why in cases.items():
         with pytest.raises(ConfigError, match=why):
             check_target(url)
+    # A file name is taken as written ('+' is not a space); '%26' stands for '&'.
+    odd = tmp_path / "ca+1&2.pem"
+    odd.write_bytes(certs.ca.read_bytes())
+    tls = parse_target(f"{base}?ca={str(odd).replace('&', '%26')}").tls
+    assert tls is not None and tls.ca == str(odd)
+    # An '@' in a file name is not a user: errors still name the host.
+    with pytest.raises(ConfigError) as err:
+        check_target("etcds://etcd-host:2379/p?cert=me@corp.pem&key=k.pem")
+    assert "etcd-host" in str(err.value)

@@ -157,3 +157,17 @@ def test_a_cancel_from_another_d_does_not_end_a_request_its_d_is_loading() -> No
     assert events(out) == [] and h.core.live_requests == 1
     reg1 = msgspec.structs.replace(reg0, tp_rank=1)
     assert _written(h, d, reg1, (0, 0)) == [ProducerEvent(TID, ProducerOutcome.SENT)]
+
+
+def test_a_refused_registration_of_another_d_does_not_keep_its_d_from_giving_the_request_up() -> None:
+    """Another D life's push_reg, refused at once (bad token counts), makes it no owner of the request:
+    the real D's decline still frees P's blocks at once (a second review found them held to the lease)."""
+    p = TestEngine.build("P", spec=ONE_HEAD, port=5000)
+    d2 = TestEngine.build("D2", spec=ONE_HEAD, port=6100)
+    h = CoreHarness(PushProducerCore(p.info, p.layouts, p.num_blocks, CFG))
+    h.at(0.0, Finished(TID, P_BLOCKS, TOKENS))
+    bad = msgspec.structs.replace(_push_reg(d2, engine_id="D2"), num_cached_tokens=99)
+    assert _written(h, d2, bad, (0, 0)) == []
+    declined = Cancel(transfer_id=TID, engine_id="D", incarnation="D-life1")
+    out = h.at(0.25, NotifIn((0, 0), "D/D-life1/pp0/tp0", encode_notif(declined)))
+    assert events(out) == [ProducerEvent(TID, ProducerOutcome.ABORTED)]

@@ -447,15 +447,20 @@ class PullProducerCore(ProducerCore):
             raise self._refuse(DropReason.UNEXPECTED, f"{type(msg).__name__} {msg.transfer_id}: not a reader")
         req.claims[rank] = False  # ended: claimed and read, or read nothing (its plan was empty)
         if isinstance(msg, Failed):
-            self.stats.failures[msg.reason] += 1
             req.claim_failed = True
+            # ``aborted``: D gave the request up (dropped, declined): the same end as push's cancel.
+            if msg.reason is not FailReason.ABORTED:
+                self.stats.failures[msg.reason] += 1
+                req.claim_broke = True
         if any(req.claims.values()):
             return  # a D rank still reads them
         if not req.claim_failed and not self._all_readers_ended(req):
             return  # a D rank has yet to claim them (a failed load ends here: a late claim finds them gone)
         if not req.claim_failed:
             self.stats.transfers_done += 1
-        how = ProducerOutcome.FAILED if req.claim_failed else ProducerOutcome.PULLED
+        how = ProducerOutcome.PULLED
+        if req.claim_failed:
+            how = ProducerOutcome.FAILED if req.claim_broke else ProducerOutcome.ABORTED
         self._end(now, req, how, emit=True)
 
     def _all_readers_ended(self, req: Request) -> bool:

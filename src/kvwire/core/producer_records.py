@@ -74,6 +74,7 @@ class Request:
     regs: dict[tuple[RankKey, str], Reg] = field(default_factory=dict)
     d_tp_size: int | None = None
     d_idle: bool | None = None  # D tells the P ranks it reads nothing from (``PushReg.idle_ranks``)
+    d_owner: tuple[str, str] | None = None  # the D life whose registrations passed ``check_reg``
     aborted: bool = False
     outcome: ProducerOutcome | None = None
     # (local rank, D agent) pairs whose cancel came before their push_reg: that push_reg is refused.
@@ -96,6 +97,7 @@ class Request:
     claim_life: tuple[str, str] | None = None
     claims: dict[int, bool] = field(default_factory=dict)  # by D TP rank
     claim_failed: bool = False
+    claim_broke: bool = False  # ... with another reason than ``aborted`` (then FAILED, else ABORTED)
 
 
 def drop_d_ids(reg: Reg) -> int:
@@ -155,7 +157,7 @@ def check_reg(req: Request, reg: Reg, expected: Expected) -> FailReason | None:
         return FailReason.INCOMPATIBLE
     if msg.tp_rank not in want or msg.num_cached_tokens > msg.num_tokens:
         return FailReason.BAD_REGISTRATION
-    req.d_tp_size, req.d_idle = msg.tp_size, msg.idle_ranks
+    req.d_tp_size, req.d_idle, req.d_owner = msg.tp_size, msg.idle_ranks, d_life(reg)
     return None
 
 
@@ -195,12 +197,12 @@ def registrations_ended(req: Request) -> bool:
 
 def given_up(req: Request) -> bool:
     """A D gave ``req`` up (a ``cancel`` without a registration: it cancels only a request it failed,
-    dropped or declined) and no registration can write: the D whose registrations it holds, or any D
-    while it holds none (a cancel from another D life must not end one that D is still loading)."""
+    dropped or declined) and no registration can write: the D whose registrations it took, or any D
+    while it took none (a cancel from another D life must not end one that D is still loading; a
+    registration refused at once, say of another D, makes no D its owner)."""
     if not req.gave_up or not registrations_ended(req):
         return False
-    lives = {d_life(r) for r in req.regs.values()}
-    return not lives or not lives.isdisjoint(req.gave_up)
+    return req.d_owner is None or req.d_owner in req.gave_up
 
 
 def outcome(req: Request) -> ProducerOutcome:

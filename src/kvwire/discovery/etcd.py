@@ -125,17 +125,17 @@ def parse_target(text: str) -> EtcdTarget:
 
 def _tls(shown: str, parts: urllib.parse.SplitResult) -> EtcdTls:
     """``etcds://``'s ``?ca=&cert=&key=``: each a readable file, loaded once here (``ConfigError`` naming
-    the file that cannot be, at start-up rather than at the first call to etcd)."""
-    try:
-        query = urllib.parse.parse_qs(parts.query, strict_parsing=bool(parts.query))
-    except ValueError:
-        raise ConfigError(
-            f"--discovery {shown!r}: a malformed query (expected ca=PATH&cert=PATH&key=PATH)"
-        ) from None
-    unknown = sorted(set(query) - {"ca", "cert", "key"})
-    if unknown or any(len(v) != 1 for v in query.values()):
-        raise ConfigError(f"--discovery {shown!r}: unknown or repeated parameters {unknown} (ca, cert, key)")
-    got = {k: v[0] for k, v in query.items()}
+    the file that cannot be, at start-up rather than at the first call to etcd). Values are percent-decoded
+    as URL paths are (``%26`` for ``&``); ``+`` stays ``+`` (not form encoding); an empty one is refused
+    (an unset shell variable must not turn into "no client certificate")."""
+    got: dict[str, str] = {}
+    for part in parts.query.split("&") if parts.query else []:
+        name, eq, value = part.partition("=")
+        if name not in ("ca", "cert", "key") or name in got or not eq:
+            raise ConfigError(f"--discovery {shown!r}: {name!r} unknown or repeated (ca, cert, key)")
+        if not value:
+            raise ConfigError(f"--discovery {shown!r}: {name}= is empty")
+        got[name] = urllib.parse.unquote(value)
     if ("cert" in got) != ("key" in got):
         raise ConfigError(f"--discovery {shown!r}: a client certificate needs both cert= and key=")
     for name, path in got.items():

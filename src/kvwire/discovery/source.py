@@ -106,7 +106,9 @@ def redact(text: str) -> str:
     scheme, sep, rest = text.partition("://")
     if not sep:
         return text
+    rest, query_mark, query = rest.partition("?")  # an '@' in a query (a file name) is not a user's
     netloc, slash, path = rest.partition("/")
+    path += query_mark + query
     if "@" in netloc:
         netloc = "***@" + netloc.rpartition("@")[2]
     return f"{scheme}{sep}{netloc}{slash}{path}"
