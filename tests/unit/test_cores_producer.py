@@ -125,6 +125,9 @@ def test_lease_expires_at_lease_end_and_heartbeats_extend_it() -> None:
     assert t.h.at(0.0, Finished(TID, BLOCKS, TOKENS)) == []
     assert events(t.h.ticks(29.75, 0.25)) == []
     assert events(t.h.tick(30.0)) == [freed(ProducerOutcome.EXPIRED)]
+    # Held to the lease with nobody registered: counted (kvwire_failures_total{reason="lease_expired"},
+    # vLLM NIXL's num_kv_expired_reqs), where it was counted nowhere.
+    assert t.core.stats.failures == {FailReason.LEASE_EXPIRED: 1}
 
     t = P()
     t.h.at(0.0, Finished(TID, BLOCKS, TOKENS))

@@ -74,6 +74,7 @@ def test_p_grants_only_what_it_holds_and_a_grant_keeps_the_blocks() -> None:
     # The grant runs from P's answer (20 + 30), past the lease from the finish (30): not freed at 30.
     assert events(t.h.ticks(49.75, 0.25)) == []
     assert events(t.h.tick(50.0)) == [freed(ProducerOutcome.EXPIRED)]
+    assert t.core.stats.failures[FailReason.LEASE_EXPIRED] == 1  # counted, as in push
     late = _verdict(t, 51.0, _claim(), token=4)  # the lease ran out: a late D reads nothing
     assert (late.lease_s, late.code) == (None, ErrorCode.GONE)
 

@@ -473,4 +473,5 @@ class PullProducerCore(ProducerCore):
     def _timers(self, now: float) -> None:
         for req in list(self._live_reqs.values()):
             if req.phase is Phase.HELD and now >= req.lease_until:
+                self.stats.failures[FailReason.LEASE_EXPIRED] += 1  # what operators watch for D not reading
                 self._end(now, req, ProducerOutcome.EXPIRED, emit=True)

@@ -249,9 +249,9 @@ class PushProducerCore(ProducerCore):
             self._end(now, req, outcome(req), emit=True)
         elif given_up(req):  # its D cancelled without a registration here: no rank of it will complete one
             self._end(now, req, ProducerOutcome.ABORTED, emit=True)
-        elif now >= req.lease_until:
-            for reg in list(req.regs.values()):
-                self._fail(req, reg, PT.LEASE_EXPIRED)
+        elif now >= req.lease_until:  # each registration it ends counts lease_expired; none: counted once
+            if not [r for r in list(req.regs.values()) if self._fail(req, r, PT.LEASE_EXPIRED)]:
+                self.stats.failures[FailReason.LEASE_EXPIRED] += 1
             self._end(now, req, ProducerOutcome.EXPIRED, emit=True)
 
     # -- transfer inputs -------------------------------------------------------------------------------------
