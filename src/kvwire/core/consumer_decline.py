@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container
 
-from kvwire.core.consumer_records import wrong_peer
+from kvwire.core.consumer_records import UsedIds, wrong_peer
 from kvwire.core.io import Decline, HandshakeDone, RemoteEngine, StartHandshake
 from kvwire.core.types import EngineInfo
 from kvwire.errors import LayoutError
@@ -37,7 +37,7 @@ class Declines:
         self._flights: dict[int, tuple[str, RankKey, RemoteEngine]] = {}
         self.dropped = 0  # rank pairs not told: the table was full (P's lease ends those)
         # The last declined transfers P was told of (push: P acks each cancel), oldest first.
-        self._told: dict[str, None] = {}
+        self._told = UsedIds(MAX_DECLINES)
 
     def __contains__(self, token: int) -> bool:
         return token in self._flights
@@ -80,9 +80,7 @@ class Declines:
             return None
         e = self._engine
         msg: Notification
-        self._told[transfer_id] = None
-        if len(self._told) > MAX_DECLINES:
-            del self._told[next(iter(self._told))]
+        self._told.add(transfer_id)
         if e.transfer_mode is TransferMode.PUSH:
             msg = Cancel(transfer_id=transfer_id, engine_id=e.engine_id, incarnation=e.incarnation)
         else:
