@@ -4,10 +4,12 @@ on the in-process backend, a decode leg whose P is unreachable or never comes, c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -29,14 +31,14 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-async def test_disaggregated_legs_over_http(caplog: pytest.LogCaptureFixture) -> None:
-    """P and D servers in one process, wired by the loopback hooks: D's answer equals colocated; each
-    leg's debug lines carry the transfer id."""
-    caplog.set_level(logging.DEBUG, logger="kvwire.engine.server")
-    hub = LoopbackHub()
-    p, d = make_server(Role.PREFILL), make_server(Role.DECODE)
-    p.engine.set_hooks(hub.producer(p.engine.kv))
-    d.engine.set_hooks(hub.consumer(d.engine.kv))
+Client = httpx.AsyncClient
+
+
+@contextlib.asynccontextmanager
+async def pd_clients(
+    p: EngineServer, d: EngineServer
+) -> AsyncIterator[tuple[httpx.AsyncClient, httpx.AsyncClient]]:
+    """P and D started, an HTTP client on each (in process); both stopped after."""
     p.start()
     d.start()
     try:
@@ -45,42 +47,54 @@ async def test_disaggregated_legs_over_http(caplog: pytest.LogCaptureFixture) ->
             httpx.AsyncClient(transport=pt, base_url="http://p") as pc,
             httpx.AsyncClient(transport=dt, base_url="http://d") as dc,
         ):
-            prompt = "disaggregate this prompt, please"
-            decode_params = {
-                "do_remote_prefill": True,
-                "transfer_id": "tx1",
-                "remote_engine_id": "prefill-test",
-                "remote_host": "127.0.0.1",
-                "remote_port": 5600,
-                "remote_tp_size": 1,
-                "remote_pp_size": 1,
-            }
-            d_body = {
-                "prompt": prompt,
-                "max_tokens": 6,
-                "ignore_eos": True,
-                "kv_transfer_params": decode_params,
-            }
-            p_params = {"do_remote_decode": True, "transfer_id": "tx1"}
-            p_body = {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": p_params}
-            rd, rp = await asyncio.gather(
-                dc.post("/v1/completions", json=d_body), pc.post("/v1/completions", json=p_body)
-            )
-            assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
-            kvp = rp.json()["kv_transfer_params"]
-            assert kvp["transfer_id"] == "tx1" and kvp["remote_engine_id"] == "prefill-test"
-            # P's answer is D's leg as it is (vllm-router and vLLM's proxies hand it over unchanged)
-            assert (kvp["do_remote_prefill"], kvp["do_remote_decode"]) == (True, False)
-            assert kvp["num_tokens"] == len(prompt) + 1
-            got = rd.json()
-            assert got["choices"][0]["token_ids"] == reference(prompt, 6)
-            assert got["timings"]["kv_bytes"] == 3 * 16 * TINY.kv_spec().bytes_per_token()
-            assert got["timings"]["kv_transfer_ms"] >= 0
-            traced = [r.getMessage() for r in caplog.records if getattr(r, "transfer_id", None) == "tx1"]
-            assert sum("accepted" in m for m in traced) == 2 and sum("done" in m for m in traced) == 2
+            yield pc, dc
     finally:
         p.stop()
         d.stop()
+
+
+async def test_disaggregated_legs_over_http(caplog: pytest.LogCaptureFixture) -> None:
+    """P and D servers in one process, wired by the loopback hooks: D's answer equals colocated; each
+    leg's debug lines carry the transfer id."""
+    caplog.set_level(logging.DEBUG, logger="kvwire.engine.server")
+    hub = LoopbackHub()
+    p, d = make_server(Role.PREFILL), make_server(Role.DECODE)
+    p.engine.set_hooks(hub.producer(p.engine.kv))
+    d.engine.set_hooks(hub.consumer(d.engine.kv))
+    async with pd_clients(p, d) as (pc, dc):
+        prompt = "disaggregate this prompt, please"
+        decode_params = {
+            "do_remote_prefill": True,
+            "transfer_id": "tx1",
+            "remote_engine_id": "prefill-test",
+            "remote_host": "127.0.0.1",
+            "remote_port": 5600,
+            "remote_tp_size": 1,
+            "remote_pp_size": 1,
+        }
+        d_body = {
+            "prompt": prompt,
+            "max_tokens": 6,
+            "ignore_eos": True,
+            "kv_transfer_params": decode_params,
+        }
+        p_params = {"do_remote_decode": True, "transfer_id": "tx1"}
+        p_body = {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": p_params}
+        rd, rp = await asyncio.gather(
+            dc.post("/v1/completions", json=d_body), pc.post("/v1/completions", json=p_body)
+        )
+        assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+        kvp = rp.json()["kv_transfer_params"]
+        assert kvp["transfer_id"] == "tx1" and kvp["remote_engine_id"] == "prefill-test"
+        # P's answer is D's leg as it is (vllm-router and vLLM's proxies hand it over unchanged)
+        assert (kvp["do_remote_prefill"], kvp["do_remote_decode"]) == (True, False)
+        assert kvp["num_tokens"] == len(prompt) + 1
+        got = rd.json()
+        assert got["choices"][0]["token_ids"] == reference(prompt, 6)
+        assert got["timings"]["kv_bytes"] == 3 * 16 * TINY.kv_spec().bytes_per_token()
+        assert got["timings"]["kv_transfer_ms"] >= 0
+        traced = [r.getMessage() for r in caplog.records if getattr(r, "transfer_id", None) == "tx1"]
+        assert sum("accepted" in m for m in traced) == 2 and sum("done" in m for m in traced) == 2
 
 
 async def test_disaggregated_with_the_real_connector_inproc() -> None:
@@ -96,59 +110,49 @@ async def test_disaggregated_with_the_real_connector_inproc() -> None:
         srv.scrape_hooks.append(ConnectorMetrics(hooks.connector, srv.metrics).sync)
         servers[role] = srv
     p, d = servers[Role.PREFILL], servers[Role.DECODE]
-    p.start()
-    d.start()
-    try:
-        pt, dt = httpx.ASGITransport(app=p.app), httpx.ASGITransport(app=d.app)
-        async with (
-            httpx.AsyncClient(transport=pt, base_url="http://p") as pc,
-            httpx.AsyncClient(transport=dt, base_url="http://d") as dc,
-        ):
-            for i, prompt in enumerate(["short", "a longer prompt " * 9]):
-                tid = f"real{i}"
-                dparams = {
-                    "do_remote_prefill": True,
-                    "transfer_id": tid,
-                    "remote_engine_id": "prefill-real",
-                    "remote_host": "127.0.0.1",
-                    "remote_port": p.identity.side_channel_port,
-                    "remote_tp_size": 2,
-                    "remote_pp_size": 2,
-                }
-                d_body = {
-                    "prompt": prompt,
-                    "max_tokens": 5,
-                    "ignore_eos": True,
-                    "kv_transfer_params": dparams,
-                }
-                p_body = {
-                    "prompt": prompt,
-                    "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid},
-                }
-                rd, rp = await asyncio.gather(
-                    dc.post("/v1/completions", json=d_body), pc.post("/v1/completions", json=p_body)
-                )
-                assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
-                assert rd.json()["choices"][0]["token_ids"] == reference(prompt, 5)
-            stats = (await pc.get("/v1/kv_stats")).json()
-            # 2 requests x 4 P ranks, each one push; D counts none (the poster counts)
-            assert stats["transfers"] == 8 and stats["bytes"] > 0
-            assert {h["notif_only"] for h in stats["handshakes"]} == {False}
-            d_stats = (await dc.get("/v1/kv_stats")).json()
-            assert d_stats["transfers"] == 0 and {h["notif_only"] for h in d_stats["handshakes"]} == {True}
-            # D posts nothing in push mode, but says how long each request waited for its KV.
-            waits = [
-                s.value
-                for f in text_string_to_metric_families((await dc.get("/metrics")).text)
-                for s in f.samples
-                if s.name == "kvwire_kv_wait_seconds_count"
-            ]
-            assert waits == [2.0]
-            for c in (pc, dc):
-                assert (await c.get("/health")).json()["load"]["free_blocks"] == 64
-    finally:
-        p.stop()
-        d.stop()
+    async with pd_clients(p, d) as (pc, dc):
+        for i, prompt in enumerate(["short", "a longer prompt " * 9]):
+            tid = f"real{i}"
+            dparams = {
+                "do_remote_prefill": True,
+                "transfer_id": tid,
+                "remote_engine_id": "prefill-real",
+                "remote_host": "127.0.0.1",
+                "remote_port": p.identity.side_channel_port,
+                "remote_tp_size": 2,
+                "remote_pp_size": 2,
+            }
+            d_body = {
+                "prompt": prompt,
+                "max_tokens": 5,
+                "ignore_eos": True,
+                "kv_transfer_params": dparams,
+            }
+            p_body = {
+                "prompt": prompt,
+                "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid},
+            }
+            rd, rp = await asyncio.gather(
+                dc.post("/v1/completions", json=d_body), pc.post("/v1/completions", json=p_body)
+            )
+            assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+            assert rd.json()["choices"][0]["token_ids"] == reference(prompt, 5)
+        stats = (await pc.get("/v1/kv_stats")).json()
+        # 2 requests x 4 P ranks, each one push; D counts none (the poster counts)
+        assert stats["transfers"] == 8 and stats["bytes"] > 0
+        assert {h["notif_only"] for h in stats["handshakes"]} == {False}
+        d_stats = (await dc.get("/v1/kv_stats")).json()
+        assert d_stats["transfers"] == 0 and {h["notif_only"] for h in d_stats["handshakes"]} == {True}
+        # D posts nothing in push mode, but says how long each request waited for its KV.
+        waits = [
+            s.value
+            for f in text_string_to_metric_families((await dc.get("/metrics")).text)
+            for s in f.samples
+            if s.name == "kvwire_kv_wait_seconds_count"
+        ]
+        assert waits == [2.0]
+        for c in (pc, dc):
+            assert (await c.get("/health")).json()["load"]["free_blocks"] == 64
 
 
 async def test_decode_leg_fails_with_503_when_the_prefiller_is_unreachable() -> None:

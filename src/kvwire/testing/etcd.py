@@ -10,6 +10,7 @@ import contextlib
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import sysconfig
@@ -45,6 +46,7 @@ class EtcdServer:
 
     def __init__(self, data_dir: Path, client_port: int | None = None, tls: CertFiles | None = None) -> None:
         self.tls = tls
+        self._health_tls: ssl.SSLContext | None = None
         self.data_dir = data_dir
         self.client_port = client_port or free_port()
         self.peer_port = free_port()
@@ -112,8 +114,9 @@ class EtcdServer:
         t = self.tls
         if t is None:
             return httpx.get(self.client_url + "/health", timeout=1.0)
-        ctx = EtcdTls(str(t.ca), str(t.client_cert), str(t.client_key)).context()
-        return httpx.get(self.client_url + "/health", timeout=1.0, verify=ctx)
+        if self._health_tls is None:  # built once: wait_ready polls every 50 ms
+            self._health_tls = EtcdTls(str(t.ca), str(t.client_cert), str(t.client_key)).context()
+        return httpx.get(self.client_url + "/health", timeout=1.0, verify=self._health_tls)
 
     def log_tail(self) -> str:
         with contextlib.suppress(OSError):
