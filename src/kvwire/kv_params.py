@@ -13,7 +13,7 @@ false`` for vLLM). Keys this struct does not know are ignored, as vLLM ignores t
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -21,6 +21,8 @@ from kvwire.errors import InvalidRequest
 from kvwire.protocol.messages import HostText, IdText, Port
 
 FIELD = "kv_transfer_params"  # the request body's key, and the parameter an error names
+# remote_hosts' bound: TP is at most 8 (kv/mapping.py) and PP at most the model's layers.
+MAX_RANK_HOSTS = 2048
 
 
 class KvTransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -38,6 +40,9 @@ class KvTransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
     remote_incarnation: IdText | None = None
     remote_host: HostText | None = None  # where P's side channel listens
     remote_port: Port | None = None
+    # P's ranks on several hosts (multi-node PP): rank (pp, tp)'s host at index pp * remote_tp_size + tp,
+    # one per rank. Not given: every rank at remote_host (one host).
+    remote_hosts: Annotated[tuple[HostText, ...], msgspec.Meta(max_length=MAX_RANK_HOSTS)] | None = None
     remote_tp_size: int | None = None  # P's parallelism; not given: 1
     remote_pp_size: int | None = None
     remote_block_ids: tuple[int, ...] | None = None  # pull mode: P's blocks of the prompt, in token order
@@ -72,6 +77,18 @@ class KvTransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
             ]
             raise InvalidRequest(f"{FIELD} with do_remote_prefill need {', '.join(missing)}", FIELD)
         return self.remote_engine_id, self.remote_host, self.remote_port
+
+    def rank_hosts(self) -> tuple[str, ...]:
+        """``remote_hosts`` checked against P's rank count (``()`` when not given); ``InvalidRequest`` when
+        it names another count of ranks."""
+        hosts = self.remote_hosts or ()
+        if hosts and len(hosts) != self.tp_size * self.pp_size:
+            raise InvalidRequest(
+                f"{FIELD} remote_hosts names {len(hosts)} hosts for P's {self.tp_size * self.pp_size} ranks "
+                f"(remote_tp_size {self.tp_size} x remote_pp_size {self.pp_size}): one per rank",
+                FIELD,
+            )
+        return hosts
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object: the fields that are set, under vLLM's names (plain JSON types: lists, not

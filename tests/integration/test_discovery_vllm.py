@@ -18,6 +18,7 @@ from kvwire.discovery.watcher import FleetWatcher
 from kvwire.errors import ConfigError
 from kvwire.integrations.vllm.discovery import start_registration, vllm_record
 from kvwire.integrations.vllm.params import KvRole, settings_from_extra
+from kvwire.integrations.vllm.scheduler import LocalEngine
 from kvwire.router.engines import EngineRegistry
 from kvwire.router.fleet import FleetDiscovery
 from kvwire.router.http import EngineClient
@@ -25,25 +26,30 @@ from kvwire.router.policy import Role
 from kvwire.testing.etcd import EtcdServer
 
 
+def _local(engine_id: str) -> LocalEngine:
+    return LocalEngine(engine_id, "127.0.0.1", 5700, 1, 1, "i")
+
+
 def test_discovery_vllm_settings_and_record() -> None:
     extra = {"discovery": "etcd://127.0.0.1:2379/f", "discovery_url": "http://127.0.0.1:8100/",
              "side_channel_port": 5700}  # fmt: skip
     s = settings_from_extra(extra)
-    rec = vllm_record(s, KvRole.PRODUCER, "prefill-0", "inc", tp=2, pp=1, model="m")
+    rec = vllm_record(s, KvRole.PRODUCER, LocalEngine("prefill-0", "127.0.0.1", 5700, 2, 1, "inc"), "m")
     assert (rec.role, rec.url, rec.side_channel_port) == (FleetRole.PREFILL, "http://127.0.0.1:8100", 5700)
     assert [(c.tp_rank, c.port) for c in rec.side_channels] == [(0, 5700), (1, 5701)]
     with pytest.raises(ConfigError):
-        vllm_record(s, KvRole.BOTH, "e", "i", 1, 1, "m")
+        vllm_record(s, KvRole.BOTH, _local("e"), "m")
     for bad in ({"discovery": "etcd://h:1"}, {"discovery": "zk://h:1", "discovery_url": "http://x:1"}):
         with pytest.raises(ConfigError):
             settings_from_extra(bad)
-    assert start_registration(settings_from_extra({}), KvRole.PRODUCER, "e", "i", 1, 1, "m") is None
+    assert start_registration(settings_from_extra({}), KvRole.PRODUCER, lambda: _local("e"), "m") is None
 
 
 def test_discovery_vllm_engine_registers_for_a_vllm_router(tmp_path: Path) -> None:
     with EtcdServer(tmp_path / "etcd") as etcd:
         extra = {"discovery": etcd.url, "discovery_url": "http://127.0.0.1:8101", "side_channel_port": 5710}
-        reg = start_registration(settings_from_extra(extra), KvRole.PRODUCER, "prefill-v", "inc-1", 1, 1, "m")
+        local = LocalEngine("prefill-v", "127.0.0.1", 5710, 1, 1, "inc-1")
+        reg = start_registration(settings_from_extra(extra), KvRole.PRODUCER, lambda: local, "m")
         assert reg is not None
         try:
             asyncio.run(asyncio.wait_for(_router_sees(etcd.url), 20))

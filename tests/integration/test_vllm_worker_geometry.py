@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -60,14 +61,16 @@ def _transfer(
     d_tp: int = 1,
     mode: str = "push",
     dtype: str = "float16",
+    p_hosts: tuple[str, ...] = (),
 ) -> None:
-    """P prefills ``P_BLOCKS``, D loads into its own blocks; D's KV compared word for word with P's."""
+    """P prefills ``P_BLOCKS``, D loads into its own blocks; D's KV compared word for word with P's.
+    ``p_hosts``: each P rank's host (its worker's ``KVWIRE_SIDE_CHANNEL_HOST``), as on a multi-node P."""
     n = next(_case)
     seed = 300 + n
     d_blocks = [33, 2, 3, 10, 11][: -(-N // d_model.block_size)]
     p = VllmEngine(
         KvRole.PRODUCER, pool.p[: p_tp * p_pp], engine_id=f"P{n}", model=p_model, mode=mode, dtype=dtype,
-        pp_size=p_pp, device=DEVICE,
+        pp_size=p_pp, device=DEVICE, hosts=p_hosts,
     )  # fmt: skip
     try:
         d = VllmEngine(
@@ -82,11 +85,16 @@ def _transfer(
     except BaseException:
         p.close()
         raise
+    silent = []  # each P rank not on 127.0.0.1: its port there accepts and never answers
     try:
+        for r, host in enumerate(p_hosts):
+            if host != "127.0.0.1":
+                silent.append(socket.create_server(("127.0.0.1", p.port + r)))
         p.call_all("fill", block_ids=P_BLOCKS, num_tokens=N, seed=seed, noise_seed=seed + 1)
         delay, params = p.sched.finished("req-p", {"do_remote_decode": True}, P_BLOCKS, N, False)
         assert delay and params is not None
         assert (params["remote_tp_size"], params["remote_pp_size"]) == (p_tp, p_pp)
+        assert params.get("remote_hosts", []) == [h for h in p_hosts if len(set(p_hosts)) > 1]
         assert d.sched.matched_tokens("req-d", params, N, 0) == (N, True)
         d.sched.allocated("req-d", d_blocks, N, N)
         run_steps([p, d], lambda: "req-d" in d.reported.recving and "req-p" in p.reported.sending)
@@ -99,6 +107,8 @@ def _transfer(
             "bytes landed outside the request's blocks"
         )
     finally:
+        for sock in silent:
+            sock.close()
         p.close()
         d.close()
 
@@ -137,6 +147,16 @@ def test_pipeline_parallel_p_into_d_without_pp(pool: Pool, d_tp: int, mode: str)
     """P runs two PP stages (layers 0-1 and 2 of 3, vLLM's split), one worker each; D has no PP: each
     stage writes its layers, D is READY only once both stages' done arrived."""
     _transfer(pool, P_MODEL, P_MODEL, p_pp=2, d_tp=d_tp, mode=mode)
+
+
+@pytest.mark.parametrize(("d_tp", "mode"), [(1, "push"), (2, "pull")])
+def test_pipeline_stages_of_p_on_two_hosts(pool: Pool, d_tp: int, mode: str) -> None:
+    """A multi-node P: stage 1's worker runs on a second host (127.0.0.2, from its environment's
+    KVWIRE_SIDE_CHANNEL_HOST; vLLM starts every node from one kv_transfer_config). On the first host,
+    stage 1's port belongs to a listener that accepts and never answers: D reaches each rank only at the
+    host P's answer names for it (``remote_hosts``, learnt from the workers as vLLM gathers their
+    handshake metadata). Before, every rank bound side_channel_host: stage 1 could not start there."""
+    _transfer(pool, P_MODEL, P_MODEL, p_pp=2, d_tp=d_tp, mode=mode, p_hosts=("127.0.0.1", "127.0.0.2"))
 
 
 def test_block_size_mismatch_with_p_larger_fails_the_load_and_frees_both(pool: Pool) -> None:

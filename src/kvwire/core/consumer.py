@@ -159,7 +159,7 @@ class ConsumerCore(CoreBase):
             StartHandshake(
                 token,
                 part.key,
-                remote.host,
+                remote.host_of(link.src),
                 remote.port_of(link.src),
                 link.src,
                 self.peer_mode,

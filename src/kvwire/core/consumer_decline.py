@@ -63,8 +63,8 @@ class Declines:
                 continue
             token = new_token()
             self._flights[token] = (inp.transfer_id, key, remote)
-            port = remote.port_of(src)
-            out.append(StartHandshake(token, key, remote.host, port, src, self._mode, remote.engine_id))
+            host, port = remote.host_of(src), remote.port_of(src)
+            out.append(StartHandshake(token, key, host, port, src, self._mode, remote.engine_id))
         return out
 
     def told(self, transfer_id: str) -> bool:

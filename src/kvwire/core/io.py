@@ -131,10 +131,17 @@ class RemoteEngine(msgspec.Struct, frozen=True):
     # The P life that prefilled (kv_transfer_params' remote_incarnation; None: not checked). Another life
     # at that address holds none of this request's KV: D fails the request rather than read its blocks.
     incarnation: str | None = None
+    # P's ranks on several hosts (multi-node PP: kv_transfer_params' remote_hosts): rank (pp, tp) at
+    # ``hosts[pp * tp_size + tp]``. Empty: every rank at ``host``.
+    hosts: tuple[str, ...] = ()
 
     def port_of(self, rank: tuple[int, int]) -> int:
         """The side-channel port that serves P rank (pp, tp)."""
         return self.port + rank[0] * self.tp_size + rank[1] if self.rank_ports else self.port
+
+    def host_of(self, rank: tuple[int, int]) -> str:
+        """The host of P rank (pp, tp)'s side channel."""
+        return self.hosts[rank[0] * self.tp_size + rank[1]] if self.hosts else self.host
 
 
 class Decline(msgspec.Struct, frozen=True):

@@ -135,6 +135,7 @@ def remote_engine(params: KvTransferParams | None, *, rank_ports: bool = False) 
         block_ids=params.remote_block_ids or (),
         rank_ports=rank_ports,
         incarnation=params.remote_incarnation,
+        hosts=params.rank_hosts(),
     )
 
 

@@ -47,7 +47,19 @@ def health_info(rec: EngineRecord) -> HealthInfo:
         authenticated=rec.authenticated,
         compat=rec.compat,
         kv_tokens=rec.kv_blocks * rec.block_size,
+        side_channel_hosts=rank_hosts(rec),
     )
+
+
+def rank_hosts(rec: EngineRecord) -> tuple[str, ...]:
+    """Each rank's host (rank (pp, tp) at ``pp * tp_size + tp``) when the record lists every rank and
+    they are not all at ``side_channel_host``; () otherwise (one host, or a record listing no ranks)."""
+    hosts = {(c.pp_rank, c.tp_rank): c.host for c in rec.side_channels}
+    ranks = [(p, t) for p in range(rec.pp_size) for t in range(rec.tp_size)]
+    if set(hosts) != set(ranks):
+        return ()
+    out = tuple(hosts[r] for r in ranks)
+    return out if any(h != rec.side_channel_host for h in out) else ()
 
 
 class FleetDiscovery:

@@ -67,6 +67,9 @@ class HealthInfo:
     # equal ones can exchange KV: a rolling upgrade's two generations are paired within each.
     compat: str = ""
     kv_tokens: int = 0  # the KV cache's size in tokens, when the engine says (sizes the prefix index)
+    # Each rank's side-channel host, rank (pp, tp) at pp * tp_size + tp, when the ranks are on several
+    # hosts (a multi-node vLLM engine's record); () when all are at side_channel_host.
+    side_channel_hosts: tuple[str, ...] = ()
 
     @classmethod
     def parse(cls, body: Mapping[str, Any]) -> HealthInfo:

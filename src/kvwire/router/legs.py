@@ -92,6 +92,7 @@ def decode_body(base: Mapping[str, Any], transfer_id: str, p: HealthInfo) -> dic
         remote_incarnation=p.incarnation or None,  # the life the router saw: a restart since is refused
         remote_host=p.side_channel_host,
         remote_port=p.side_channel_port,
+        remote_hosts=p.side_channel_hosts or None,
         remote_tp_size=p.tp_size,
         remote_pp_size=p.pp_size,
     )
@@ -116,6 +117,7 @@ def pull_params(p_url: str, prefilled: Mapping[str, Any]) -> dict[str, Any]:
         remote_incarnation=kv.remote_incarnation,
         remote_host=kv.remote_host,
         remote_port=kv.remote_port,
+        remote_hosts=kv.remote_hosts,
         remote_tp_size=kv.remote_tp_size,
         remote_pp_size=kv.remote_pp_size,
     )

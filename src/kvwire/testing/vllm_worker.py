@@ -27,7 +27,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvwire.integrations.vllm.params import KvRole, Op, settings_from_extra
+from kvwire.config import ENV_SIDE_CHANNEL_HOST
+from kvwire.integrations.vllm.params import KvRole, Op, RankChannel, settings_from_extra
 from kvwire.integrations.vllm.scheduler import LocalEngine, SchedulerSide
 from kvwire.integrations.vllm.worker import Finished, RankPlace, WorkerSide
 from kvwire.kv.mapping import layer_window
@@ -175,8 +176,14 @@ class _Rank:
         num_blocks: int,
         dtype: str,
         device: str = "cpu",
+        host: str | None = None,
     ) -> dict[str, Any]:
         self.close_engine()
+        # This rank's node address, as a multi-node engine's worker has it in its environment.
+        if host is None:
+            os.environ.pop(ENV_SIDE_CHANNEL_HOST, None)
+        else:
+            os.environ[ENV_SIDE_CHANNEL_HOST] = host
         rp = RankPlace(**place)
         self.model = Model(rp.num_layers, rp.kv_heads, rp.head_dim, rp.block_size, num_blocks, rp.kv_tiles)
         self.heads = self.model.heads(rp.tp_size, rp.tp_rank)
@@ -198,6 +205,7 @@ class _Rank:
             "storages": len(storages),
             "block_len": side.kv.block_len if side.kv is not None else 0,
             "pid": os.getpid(),
+            "channel": msgspec.to_builtins(side.channel()),
         }
 
     def fill(self, block_ids: list[int], num_tokens: int, seed: int, noise_seed: int | None = None) -> None:
@@ -354,7 +362,10 @@ class VllmEngine:
         extra: dict[str, Any] | None = None,
         device: str = "cpu",
         pp_size: int = 1,
+        hosts: Sequence[str | None] = (),
     ) -> None:
+        """``hosts``: each rank's ``KVWIRE_SIDE_CHANNEL_HOST`` (a multi-node engine; None or not given:
+        unset, the settings' host)."""
         self.role = role
         self.workers = list(workers)
         self.pp_size = pp_size
@@ -385,8 +396,15 @@ class VllmEngine:
                 num_blocks=model.num_blocks,
                 dtype=dtype,
                 device=device,
+                host=hosts[r] if r < len(hosts) else None,
             )
         self.infos: list[dict[str, Any]] = [w.recv("engine") for w in self.workers]
+        # As vLLM's engine core at start: every worker's handshake metadata to the scheduler side.
+        channels = {
+            (r // self.tp_size, r % self.tp_size): msgspec.convert(info["channel"], RankChannel)
+            for r, info in enumerate(self.infos)
+        }
+        self.sched.set_channels(channels)
 
     def call_all(self, cmd: str, **kwargs: Any) -> list[Any]:
         for w in self.workers:

@@ -34,9 +34,11 @@ from kvwire.integrations.vllm.layerwise import StreamPlanner
 from kvwire.integrations.vllm.params import (
     KvRole,
     Op,
+    RankChannel,
     check_deployment,
     for_dp_engine,
     incarnation_of,
+    rank_host,
     settings_from_extra,
 )
 from kvwire.integrations.vllm.prom import KvwirePromMetrics, KvwireStats
@@ -139,12 +141,11 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             if settings.layerwise and kv_role.produces:
                 self._streams = StreamPlanner(block_size)
-            local = LocalEngine(
-                engine_id, settings.side_channel_host, settings.side_channel_port, tp, pp, incarnation
-            )
-            self._sched = SchedulerSide(kv_role, settings, local, block_size)
+            host, port = rank_host(settings), settings.side_channel_port
+            local = LocalEngine(engine_id, host, port, tp, pp, incarnation)
+            sched = self._sched = SchedulerSide(kv_role, settings, local, block_size)
             model = settings.model_id or vllm_model_id(mc)
-            self._fleet = start_registration(settings, kv_role, engine_id, incarnation, tp, pp, model)
+            self._fleet = start_registration(settings, kv_role, lambda: sched.local, model)
             return
         tp_rank, pp_rank = _tp_pp_rank()
         if _cpu_backend():
@@ -264,6 +265,15 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and self._sched.has_pending_sends()
 
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """Every worker's side channel, gathered by vLLM at start (``get_handshake_metadata``): where
+        each rank of a multi-node engine listens, named in P's answers."""
+        if self._sched is not None:
+            self._sched.set_channels({k: v for k, v in metadata.items() if isinstance(v, RankChannel)})
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        self.set_xfer_handshake_metadata_pp_aware({(0, tp): m for tp, m in metadata.items()})
+
     # -- worker side -----------------------------------------------------------------------------------
     def _w(self) -> WorkerSide:
         assert self._worker is not None, "a worker-side method was called on the scheduler"
@@ -271,6 +281,9 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._w().register(kv_caches)
+
+    def get_handshake_metadata(self) -> RankChannel | None:
+        return self._worker.channel() if self._worker is not None else None
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -15,34 +15,40 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 
 from kvwire.discovery.record import EngineRecord, FleetRole, SideChannel
 from kvwire.discovery.registrar import Registrar
 from kvwire.discovery.source import open_store
 from kvwire.errors import ConfigError
 from kvwire.integrations.vllm.params import KvRole, Settings
+from kvwire.integrations.vllm.scheduler import LocalEngine
 
 _CLOSE_TIMEOUT_S = 5.0
 
 
-def vllm_record(settings: Settings, kv_role: KvRole, engine_id: str, incarnation: str, tp: int, pp: int,
-                model: str) -> EngineRecord:  # fmt: skip
-    """The record of a vLLM engine (``ConfigError`` when its settings cannot make one)."""
+def vllm_record(settings: Settings, kv_role: KvRole, local: LocalEngine, model: str) -> EngineRecord:
+    """The record of a vLLM engine (``ConfigError`` when its settings cannot make one): each rank's side
+    channel at its own host once the workers said where they are (a multi-node engine)."""
     if kv_role is KvRole.BOTH or not settings.discovery_url:
         raise ConfigError(
             "kv_connector_extra_config discovery: needs discovery_url (this server's http://HOST:PORT) and "
             "kv_role kv_producer or kv_consumer"
         )
     role = FleetRole.PREFILL if kv_role is KvRole.PRODUCER else FleetRole.DECODE
-    host = settings.side_channel_host
-    ranks = tuple(SideChannel(p, t, host, settings.rank_port(p, t, tp)) for p in range(pp) for t in range(tp))
+    tp, pp = local.tp_size, local.pp_size
+    ranks = tuple(
+        SideChannel(p, t, local.rank_host(p, t), settings.rank_port(p, t, tp))
+        for p in range(pp)
+        for t in range(tp)
+    )
     return EngineRecord(
         role=role,
-        engine_id=engine_id,
-        incarnation=incarnation,
+        engine_id=local.engine_id,
+        incarnation=local.incarnation or "",
         model=model,
         url=settings.discovery_url.rstrip("/"),
-        side_channel_host=host,
+        side_channel_host=local.host,
         side_channel_port=settings.side_channel_port,
         side_channels=ranks,
         tp_size=tp,
@@ -55,9 +61,9 @@ def vllm_record(settings: Settings, kv_role: KvRole, engine_id: str, incarnation
 class BackgroundRegistrar:
     """A ``Registrar`` on its own thread and event loop (the scheduler process runs no loop of ours)."""
 
-    def __init__(self, target: str, record: EngineRecord, ttl_s: int) -> None:
+    def __init__(self, target: str, record: Callable[[], EngineRecord], ttl_s: int) -> None:
         self.client = open_store(target)
-        self.registrar = Registrar(self.client, lambda: record, ttl_s)
+        self.registrar = Registrar(self.client, record, ttl_s)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._ready = threading.Event()
@@ -86,10 +92,14 @@ class BackgroundRegistrar:
 
 
 def start_registration(
-    settings: Settings, kv_role: KvRole, engine_id: str, incarnation: str, tp: int, pp: int, model: str
+    settings: Settings, kv_role: KvRole, local: Callable[[], LocalEngine], model: str
 ) -> BackgroundRegistrar | None:
-    """Register this engine when its settings ask for it (``discovery``); None otherwise."""
+    """Register this engine when its settings ask for it (``discovery``); None otherwise. ``local`` is
+    read at every renewal: the ranks' hosts arrive after the start (vLLM gathers them from the workers),
+    and a changed record is written again."""
     if not settings.discovery:
         return None
-    record = vllm_record(settings, kv_role, engine_id, incarnation, tp, pp, model)
-    return BackgroundRegistrar(settings.discovery, record, settings.discovery_ttl_s).start()
+    vllm_record(settings, kv_role, local(), model)  # refused now, in the engine's start, not in the thread
+    return BackgroundRegistrar(
+        settings.discovery, lambda: vllm_record(settings, kv_role, local(), model), settings.discovery_ttl_s
+    ).start()

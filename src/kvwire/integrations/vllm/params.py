@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from kvwire.config import env_config
+from kvwire.config import ENV_SIDE_CHANNEL_HOST, env_config
 from kvwire.core.config import ConnectorConfig
 from kvwire.errors import ConfigError
 from kvwire.kv_params import KvTransferParams, parse_kv_params
@@ -157,13 +157,7 @@ def settings_from_extra(extra: Mapping[str, Any] | None) -> Settings:
     s.connector_config()  # validate the knobs now, in the engine's start-up, not at the first request
     if not 0 < s.side_channel_port < 65536:
         raise ConfigError(f"kv_connector_extra_config: side_channel_port {s.side_channel_port} out of range")
-    where, override = "kv_connector_extra_config side_channel_host", 'set "insecure": true'
-    if s.side_channel_host in ("0.0.0.0", "::", ""):
-        raise ConfigError(
-            f"{where} {s.side_channel_host!r}: it is also the address D is told to dial (D would dial "
-            "itself): set this host's address that D reaches"
-        )
-    check_exposure(s.side_channel_host, secret(), s.insecure, where, override)
+    _check_host(s.side_channel_host, "kv_connector_extra_config side_channel_host", s.insecure)
     if s.discovery is not None:
         from kvwire.discovery.source import check_target  # a source's client: loaded only when asked for
 
@@ -173,6 +167,35 @@ def settings_from_extra(extra: Mapping[str, Any] | None) -> Settings:
                 "kv_connector_extra_config: discovery needs discovery_url and discovery_ttl_s >= 1"
             )
     return s
+
+
+def _check_host(host: str, where: str, insecure: bool) -> None:
+    if host in ("0.0.0.0", "::", ""):
+        raise ConfigError(
+            f"{where} {host!r}: it is also the address D is told to dial (D would dial itself): set this "
+            "host's address that D reaches"
+        )
+    check_exposure(host, secret(), insecure, where, 'set "insecure": true')
+
+
+def rank_host(s: Settings, environ: Mapping[str, str] | None = None) -> str:
+    """The host this process's side channels bind and advertise: ``KVWIRE_SIDE_CHANNEL_HOST`` when set,
+    else ``side_channel_host``. vLLM starts every node of a multi-node engine from one
+    ``kv_transfer_config``, so a node's own address comes from its environment (vLLM's NIXL connector
+    reads ``VLLM_NIXL_SIDE_CHANNEL_HOST`` the same way); ``ConfigError`` for an address D cannot dial."""
+    host = env_config(environ).side_channel_host
+    if host is None:
+        return s.side_channel_host
+    _check_host(host, ENV_SIDE_CHANNEL_HOST, s.insecure)
+    return host
+
+
+class RankChannel(msgspec.Struct, frozen=True):
+    """Where one worker's side channel listens, as it tells its scheduler (vLLM's handshake metadata,
+    gathered from every worker at start): the scheduler names each rank's host in P's answer."""
+
+    host: str
+    port: int
 
 
 def secret() -> bytes | None:

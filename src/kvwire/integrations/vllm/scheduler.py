@@ -18,14 +18,15 @@ Block ownership follows vLLM's contract, with kvwire's fence on top:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvwire.errors import InvalidRequest
+from kvwire.errors import ConfigError, InvalidRequest
 from kvwire.integrations.api import remote_engine
-from kvwire.integrations.vllm.params import KvRole, Op, OpKind, Settings, parse_params
+from kvwire.integrations.vllm.params import KvRole, Op, OpKind, RankChannel, Settings, parse_params
 from kvwire.integrations.vllm.stats import REJECTED, payload
 from kvwire.kv_params import KvTransferParams
 from kvwire.protocol.messages import TransferMode
@@ -46,6 +47,12 @@ class LocalEngine:
     tp_size: int
     pp_size: int
     incarnation: str | None = None  # this start's (P's answer names it: D refuses another life's blocks)
+    # Each rank's host (index pp * tp_size + tp) when they are not all ``host`` (a multi-node engine):
+    # learnt from the workers at start (``SchedulerSide.set_channels``), named in P's answer.
+    hosts: tuple[str, ...] = ()
+
+    def rank_host(self, pp_rank: int, tp_rank: int) -> str:
+        return self.hosts[pp_rank * self.tp_size + tp_rank] if self.hosts else self.host
 
 
 @dataclass(slots=True)
@@ -71,6 +78,29 @@ class SchedulerSide:
         self._ops: list[Op] = []
         self.rejected = 0  # requests whose kv_transfer_params were malformed (served locally instead)
         self._rejected_told = 0  # ...of which step_stats has reported
+
+    def set_channels(self, channels: Mapping[tuple[int, int], RankChannel]) -> None:
+        """Every worker's side channel, keyed (pp_rank, tp_rank), as vLLM gathers them at start: the
+        hosts P's answers name. ``ConfigError`` when a rank is missing or listens on another port than
+        the one D will dial (the nodes were started with different side_channel_port)."""
+        local, hosts = self.local, []
+        for pp in range(local.pp_size):
+            for tp in range(local.tp_size):
+                ch = channels.get((pp, tp))
+                if ch is None:
+                    raise ConfigError(f"kvwire: rank pp{pp}/tp{tp} reported no side channel")
+                port = self.settings.rank_port(pp, tp, local.tp_size)
+                if ch.port != port:
+                    raise ConfigError(
+                        f"kvwire: rank pp{pp}/tp{tp} listens on port {ch.port}, not {port} "
+                        f"(side_channel_port {self.settings.side_channel_port} + its rank): start every node "
+                        "with the same kv_connector_extra_config"
+                    )
+                hosts.append(ch.host)
+        spread = tuple(hosts) if any(h != local.host for h in hosts) else ()
+        where = ", ".join(f"{h}:{local.port + r}" for r, h in enumerate(hosts))  # ports checked above
+        log.info("kvwire: %s's rank side channels: %s", local.engine_id, where)
+        self.local = dataclasses.replace(local, hosts=spread)
 
     # -- D ---------------------------------------------------------------------------------------------
     def matched_tokens(
@@ -225,6 +255,7 @@ class SchedulerSide:
             remote_incarnation=self.local.incarnation,
             remote_host=self.local.host,
             remote_port=self.local.port,
+            remote_hosts=self.local.hosts or None,
             remote_tp_size=self.local.tp_size,
             remote_pp_size=self.local.pp_size,
             remote_block_ids=tuple(block_ids) if pull else None,

@@ -34,7 +34,7 @@ from kvwire.integrations.api import (
 )
 from kvwire.integrations.vllm.layerwise import LayerStreamer
 from kvwire.integrations.vllm.memory import kv_from_vllm
-from kvwire.integrations.vllm.params import KvRole, Op, OpKind, Settings, secret
+from kvwire.integrations.vllm.params import KvRole, Op, OpKind, RankChannel, Settings, rank_host, secret
 from kvwire.integrations.vllm.stats import StepStats
 from kvwire.kv.regions import ExternalKV
 from kvwire.transport.base import Agent
@@ -77,6 +77,8 @@ class WorkerSide:
         self.role = role
         self.settings = settings
         self.place = place
+        # This node's address: KVWIRE_SIDE_CHANNEL_HOST on a multi-node engine.
+        self.host = rank_host(settings)
         self.kv: ExternalKV | None = None
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
@@ -135,12 +137,18 @@ class WorkerSide:
             p.incarnation,
             [((p.pp_rank, p.tp_rank), kv)],
             s.handshake_timeout_s,
-            advertise_host=s.side_channel_host,
+            advertise_host=self.host,
         )
         self._agents += agents
         port = s.rank_port(p.pp_rank, p.tp_rank, p.tp_size) + offset
-        at = Endpoint(s.side_channel_host, port, None, secret())
+        at = Endpoint(self.host, port, None, secret())
         return start_connector(cls, info, ranks, s.connector_config(), at, on_event=self._news.set)
+
+    def channel(self) -> RankChannel:
+        """Where this rank's (producer's) side channel listens: vLLM's handshake metadata, which the
+        scheduler gathers from every worker (``SchedulerSide.set_channels``)."""
+        p = self.place
+        return RankChannel(self.host, self.settings.rank_port(p.pp_rank, p.tp_rank, p.tp_size))
 
     # -- per step --------------------------------------------------------------------------------------
     def bind(self, ops: Iterable[Op]) -> None:

@@ -62,7 +62,14 @@ def _static_info(url: str, role: Role) -> HealthInfo:
         tp, pp = int(q.get("tp", 1)), int(q.get("pp", 1))
     except ValueError:
         raise ConfigError(f"engine {base}: tp and pp in the URL must be integers") from None
-    return HealthInfo(role.value, q.get("engine_id", base), "", host, port, tp, pp, "", Load())
+    hosts = tuple(q["side_channel_hosts"].split(",")) if "side_channel_hosts" in q else ()
+    if hosts and (len(hosts) != tp * pp or not all(hosts)):
+        raise ConfigError(
+            f"engine {base}: side_channel_hosts={q['side_channel_hosts']!r} must name one host per rank "
+            f"({tp * pp} for tp {tp} pp {pp}), comma-separated, rank (pp, tp) at pp * tp + tp"
+        )
+    info = HealthInfo(role.value, q.get("engine_id", base), "", host, port, tp, pp, "", Load())
+    return dataclasses.replace(info, side_channel_hosts=hosts) if any(h != host for h in hosts) else info
 
 
 DIALECT = VllmDialect()
