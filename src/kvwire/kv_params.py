@@ -21,7 +21,7 @@ from kvwire.errors import InvalidRequest
 from kvwire.protocol.messages import HostText, IdText, Port
 
 FIELD = "kv_transfer_params"  # the request body's key, and the parameter an error names
-# remote_hosts' bound: TP is at most 8 (kv/mapping.py) and PP at most the model's layers.
+# remote_hosts' bound: TP is at most 64 (kv/mapping.py), PP at most the model's layers.
 MAX_RANK_HOSTS = 2048
 
 

@@ -79,7 +79,7 @@ def test_a_p_rank_no_d_rank_reads_is_told_by_one_d_rank() -> None:
 def test_every_p_rank_has_a_d_rank_and_both_sides_agree(spec: KVSpec) -> None:
     """For every TP pair: each P rank registers with at least one D rank, every pair that moves heads
     registers, and P's view (``expected_d_ranks``) is D's (``tp_sources``) transposed."""
-    for p_tp, d_tp in itertools.product((1, 2, 4, 8), repeat=2):
+    for p_tp, d_tp in itertools.product((1, 2, 4, 8, 16, 64), repeat=2):
         d_view = {(src, d) for d in range(d_tp) for src in tp_sources(spec, p_tp, d_tp, d)}
         p_view = {(r, d) for r in range(p_tp) for d in expected_d_ranks(spec, p_tp, d_tp, r)}
         assert d_view == p_view
@@ -91,7 +91,7 @@ def test_tp_divisibility_and_range_errors() -> None:
     with pytest.raises(LayoutError):
         tp_peers(LLAMA, 3, 1, 0)
     with pytest.raises(LayoutError):
-        tp_peers(LLAMA, 16, 1, 0)
+        tp_peers(LLAMA, 128, 1, 0)  # past MAX_TP (64)
     with pytest.raises(LayoutError):
         tp_peers(LLAMA, 2, 2, 2)
 

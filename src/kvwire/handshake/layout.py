@@ -72,7 +72,7 @@ def _region(r: RegionMsg) -> RegionInfo:
 
 def _check_geometry(engine: EngineInfo, local: LocalRank, md: Metadata, layout: RankLayout) -> None:
     spec = engine.spec
-    # Raises LayoutError when the two TP sizes cannot be mapped (head divisibility, 1..8).
+    # Raises LayoutError when the two TP sizes cannot be mapped (head divisibility, 1..MAX_TP).
     tp_map(spec, md.tp_size, engine.tp_size)
     window = layer_window(spec.num_layers, md.pp_size, md.pp_rank)
     if layout.layers != window:

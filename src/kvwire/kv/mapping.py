@@ -37,6 +37,10 @@ from kvwire.kv.cache import RegionInfo
 from kvwire.kv.regions import CacheMemory
 from kvwire.kv.spec import KVSpec, RegionKind
 
+# The largest TP size either side may have: two 8-GPU nodes' TP 16 (an MLA model's prefill, say) and
+# beyond, bounded because a request names P's (its maps are built per request and cached).
+MAX_TP = 64
+
 
 def layer_window(num_layers: int, pp_size: int, pp_rank: int) -> range:
     """The layers PP stage ``pp_rank`` of ``pp_size`` holds.
@@ -77,8 +81,8 @@ def _rank_heads(spec: KVSpec, tp: int, rank: int) -> range:
 def tp_map(spec: KVSpec, src_tp: int, dst_tp: int) -> tuple[HeadSlice, ...]:
     """Every head slice between P's ``src_tp`` ranks and D's ``dst_tp`` ranks (see the module doc)."""
     for tp in (src_tp, dst_tp):
-        if not 1 <= tp <= 8:
-            raise LayoutError(f"TP size {tp} outside 1..8")
+        if not 1 <= tp <= MAX_TP:
+            raise LayoutError(f"TP size {tp} outside 1..{MAX_TP}")
     src_heads = [_rank_heads(spec, src_tp, r) for r in range(src_tp)]  # raises on bad divisibility
     slices: list[HeadSlice] = []
     for d in range(dst_tp):

@@ -47,6 +47,16 @@ from kvwire.testing.sim.engines import SimEngine
 from kvwire.testing.sim.net import Faults, World
 
 SPEC = KVSpec(num_layers=4, kv_heads=4, head_dim=4, dtype="float8", block_size=4)
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The simulated engines' parallelism: each P's (tp, pp), each D's tp (D runs no PP)."""
+
+    ps: tuple[tuple[int, int], ...] = ((1, 1), (2, 2))
+    ds: tuple[int, ...] = (1, 2)
+
+
 MAX_TOKENS = 48
 CONFIG = ConnectorConfig(
     kv_lease_duration_s=10.0,
@@ -169,6 +179,7 @@ class Simulation:
         meter_cores: bool = False,
         layerwise: bool = False,
         spec: KVSpec = SPEC,
+        shapes: Shapes = Shapes(),
     ) -> None:
         if layerwise and mode is not TransferMode.PUSH:
             raise ValueError("layer-wise transfer is a push mode")
@@ -185,8 +196,8 @@ class Simulation:
         self.outcomes: Counter[str] = Counter()
         self.open_sides = 0  # request sides (P, D) not ended yet
         self.engines: list[SimEngine] = []
-        self.ps = [self._engine("P0", 1, 1, producer=True), self._engine("P1", 2, 2, producer=True)]
-        self.ds = [self._engine("D0", 1, 1, producer=False), self._engine("D1", 2, 1, producer=False)]
+        self.ps = [self._engine(f"P{i}", tp, pp, producer=True) for i, (tp, pp) in enumerate(shapes.ps)]
+        self.ds = [self._engine(f"D{i}", tp, 1, producer=False) for i, tp in enumerate(shapes.ds)]
 
     def _engine(self, name: str, tp: int, pp: int, *, producer: bool) -> SimEngine:
         push = self.mode is TransferMode.PUSH
@@ -547,15 +558,16 @@ def simulate(
     meter_cores: bool = False,
     layerwise: bool = False,
     spec: KVSpec = SPEC,
+    shapes: Shapes = Shapes(),
 ) -> Report:
     """Run ``requests`` simulated requests under ``faults`` (default: ``Faults.chaos()``); with
     ``stop_at_first``, stop at the first violation (a planted bug's hunt); with ``meter_cores``, also
     measure the CPU inside the cores' ``handle`` (a timer call per input: the run itself gets slower).
     ``spec``: the model's KV geometry (one KV head: every head replicated on P's TP-2 engine, so D reads
-    from one rank and tells the other, ``kv.mapping.tp_contacts``)."""
+    from one rank and tells the other, ``kv.mapping.tp_contacts``); ``shapes``: the engines' TP and PP."""
     started, cpu_started = time.perf_counter(), time.process_time()
     faults = Faults.chaos() if faults is None else faults
-    sim = Simulation(seed, faults, mode, plant, meter_cores, layerwise, spec)
+    sim = Simulation(seed, faults, mode, plant, meter_cores, layerwise, spec, shapes)
     kvwire_log = logging.getLogger("kvwire")
     level = kvwire_log.level
     kvwire_log.setLevel(logging.ERROR)  # the cores' warnings (peers declared dead...) are expected here
