@@ -1,6 +1,9 @@
 """A small etcd v3 client over etcd's JSON gateway (``/v3/...`` on the client port), on aiohttp; plain
 HTTP (``etcd://``) or TLS (``etcds://``, with the CA that signed etcd's certificate and, for an etcd run
-with ``--client-cert-auth``, this client's certificate and key: ``?ca=PATH&cert=PATH&key=PATH``).
+with ``--client-cert-auth``, this client's certificate and key: ``?ca=PATH&cert=PATH&key=PATH``). An etcd
+with authentication on takes a user (``etcd://USER@HOST:PORT``) whose password is in
+``KVWIRE_ETCD_PASSWORD``: the client authenticates for a token and sends it with every call, and
+authenticates again when etcd says the token expired or predates a change of users or roles.
 
 Why not a gRPC client (``aetcd``, ``etcd3aio``): they bring ``grpcio`` and ``protobuf``, which a vLLM
 process already pins to its own versions (the connector runs inside vLLM), and their reconnect behaviour is
@@ -17,8 +20,8 @@ import json
 import os
 import ssl
 import urllib.parse
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -28,12 +31,17 @@ from kvwire.discovery.source import WatchIdle as SourceWatchIdle
 from kvwire.errors import ConfigError
 
 DEFAULT_PREFIX = "/kvwire"
+ENV_PASSWORD = "KVWIRE_ETCD_PASSWORD"
 # A watch line is one JSON object per event batch; a fleet's records are a few hundred bytes each.
 _MAX_LINE = 4 << 20
 
 
 class EtcdUnavailable(SourceUnavailable):
     """etcd did not answer, or answered with an error (the caller keeps its last state and retries)."""
+
+
+class EtcdAuthFailed(EtcdUnavailable):
+    """etcd refused the user's password (or knows no such user); retried like any refusal, and logged."""
 
 
 class WatchIdle(EtcdUnavailable, SourceWatchIdle):
@@ -70,6 +78,8 @@ class EtcdTarget:
     port: int
     prefix: str = DEFAULT_PREFIX
     tls: EtcdTls | None = None
+    user: str | None = None  # etcd's authentication (password: KVWIRE_ETCD_PASSWORD)
+    password: str | None = field(default=None, repr=False)
 
     @property
     def _netloc(self) -> str:
@@ -81,26 +91,20 @@ class EtcdTarget:
         return f"{'https' if self.tls else 'http'}://{self._netloc}"
 
     def __str__(self) -> str:
+        who = f"{urllib.parse.quote(self.user, safe='')}@" if self.user else ""
         if self.tls is None:
-            return f"etcd://{self._netloc}{self.prefix}"
-        return f"etcds://{self._netloc}{self.prefix}{self.tls.query()}"
+            return f"etcd://{who}{self._netloc}{self.prefix}"
+        return f"etcds://{who}{self._netloc}{self.prefix}{self.tls.query()}"
 
 
-def parse_target(text: str) -> EtcdTarget:
-    """``etcd://HOST:PORT[/prefix]`` (``ConfigError`` otherwise). Errors never echo credentials."""
+def parse_target(text: str, environ: Mapping[str, str] | None = None) -> EtcdTarget:
+    """``etcd://[USER@]HOST:PORT[/prefix]`` (``ConfigError`` otherwise), USER's password from
+    ``KVWIRE_ETCD_PASSWORD`` in ``environ`` (the process's by default). Errors never echo credentials."""
     shown = redact(text)
     parts = urllib.parse.urlsplit(text)
     if parts.scheme not in ("etcd", "etcds") or not parts.netloc:
         raise ConfigError(f"--discovery {shown!r}: expected etcd://HOST:PORT[/prefix] (etcds:// for TLS)")
-    if "@" in parts.netloc:
-        # This client speaks plain HTTP to etcd's gateway without authentication: taking the user and
-        # password and dropping them (as before) left every call refused by an etcd with auth on, and put
-        # the password in the start-up log.
-        raise ConfigError(
-            f"--discovery {shown!r}: credentials in the URL are not supported (kvwire's etcd client has no "
-            "password authentication): use TLS client certificates (etcds://HOST:PORT?ca=CA&cert=CERT&"
-            "key=KEY with etcd's --client-cert-auth), or a network only the fleet reaches (docs/fleet.md)"
-        )
+    user, password = _credentials(shown, parts, os.environ if environ is None else environ)
     if "," in parts.netloc:
         raise ConfigError(
             f"--discovery {shown!r}: one etcd endpoint only: for a multi-member etcd, give the address "
@@ -120,7 +124,31 @@ def parse_target(text: str) -> EtcdTarget:
     tls = _tls(shown, parts) if parts.scheme == "etcds" else None
     if tls is None and parts.query:
         raise ConfigError(f"--discovery {shown!r}: query parameters (ca, cert, key) are for etcds:// (TLS)")
-    return EtcdTarget(parts.hostname, port, prefix, tls)
+    return EtcdTarget(parts.hostname, port, prefix, tls, user, password)
+
+
+def _credentials(
+    shown: str, parts: urllib.parse.SplitResult, environ: Mapping[str, str]
+) -> tuple[str | None, str | None]:
+    """The user of ``etcd://USER@...`` and its password (``KVWIRE_ETCD_PASSWORD``); a password in the
+    URL is refused: it would show in process lists, shell history and every log that prints the URL."""
+    if "@" not in parts.netloc:
+        return None, None
+    userinfo = parts.netloc.rpartition("@")[0]
+    if ":" in userinfo:
+        raise ConfigError(
+            f"--discovery {shown!r}: a password in the URL is refused (it shows in process lists and logs): "
+            f"give etcd://USER@HOST:PORT and the password in {ENV_PASSWORD}"
+        )
+    user = urllib.parse.unquote(userinfo)
+    password = environ.get(ENV_PASSWORD)
+    if not user or not password:
+        raise ConfigError(
+            f"--discovery {shown!r}: etcd user {user!r} needs its password in {ENV_PASSWORD} (set, not empty)"
+            if user
+            else f"--discovery {shown!r}: an empty user before '@'"
+        )
+    return user, password
 
 
 def _tls(shown: str, parts: urllib.parse.SplitResult) -> EtcdTls:
@@ -173,6 +201,8 @@ class EtcdClient:
         self.watch_idle_s = watch_idle_s
         self._session: aiohttp.ClientSession | None = None
         self._ssl = target.tls.context() if target.tls is not None else None
+        self._token: str | None = None  # etcd's auth token for target.user, once authenticated
+        self.authentications = 0
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -185,20 +215,57 @@ class EtcdClient:
             await self._session.close()
 
     async def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """One unary gateway call, e.g. ``call("/v3/kv/put", {...})``."""
+        """One unary gateway call, e.g. ``call("/v3/kv/put", {...})``; with a user, with its token (taken
+        again, and the call made once more, when etcd says the token expired or is stale)."""
+        status, raw = await self._post(path, body, await self._auth())
+        if self.target.user is not None and _stale_token(status, raw):
+            self._token = None
+            status, raw = await self._post(path, body, await self._auth())
+        if status != 200:
+            raise EtcdUnavailable(f"etcd {path}: HTTP {status}: {raw[:200]!r}{self._hint(status)}")
         try:
-            async with asyncio.timeout(self.timeout_s):
-                url = self.target.base_url + path
-                async with self._http().post(url, data=json.dumps(body)) as resp:
-                    raw = await resp.read()
-                    if resp.status != 200:
-                        raise EtcdUnavailable(f"etcd {path}: HTTP {resp.status}: {raw[:200]!r}")
             out = json.loads(raw)
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
-            raise EtcdUnavailable(f"etcd at {self.target.base_url}: {type(exc).__name__} {exc}") from exc
+        except ValueError as exc:
+            raise EtcdUnavailable(f"etcd {path}: not JSON: {exc}") from exc
         if not isinstance(out, dict):
             raise EtcdUnavailable(f"etcd {path}: not a JSON object")
         return out.get("result", out) if path == "/v3/lease/keepalive" else out
+
+    async def _post(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[int, bytes]:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                url = self.target.base_url + path
+                async with self._http().post(url, data=json.dumps(body), headers=headers) as resp:
+                    return resp.status, await resp.read()
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise EtcdUnavailable(f"etcd at {self.target.base_url}: {type(exc).__name__} {exc}") from exc
+
+    async def _auth(self) -> dict[str, str]:
+        """The headers of an authenticated call (none without a user): authenticates when no token is held."""
+        user, password = self.target.user, self.target.password
+        if user is None or password is None:
+            return {}
+        if self._token is None:
+            status, raw = await self._post("/v3/auth/authenticate", {"name": user, "password": password}, {})
+            try:
+                token = json.loads(raw).get("token") if status == 200 else None
+            except (ValueError, AttributeError):
+                token = None
+            if not isinstance(token, str) or not token:
+                raise EtcdAuthFailed(
+                    f"etcd at {self.target.base_url} refused user {user!r} (HTTP {status}: {raw[:160]!r}): "
+                    f"check the user and {ENV_PASSWORD}, and that etcd has authentication on"
+                )
+            self._token = token
+            self.authentications += 1
+        return {"Authorization": self._token}
+
+    def _hint(self, status: int) -> str:
+        if status == 403 and self.target.user is not None:
+            p = self.target.prefix
+            return (f" (etcd user {self.target.user!r} may not use the prefix: grant its role readwrite on "
+                    f"keys {p!r} to {prefix_end(p)!r}, docs/fleet.md)")  # fmt: skip
+        return ""
 
     async def grant(self, ttl_s: int) -> tuple[int, int]:
         """A new lease: its id and the TTL etcd granted (at least its minimum TTL, whatever was asked)."""
@@ -251,9 +318,10 @@ class EtcdClient:
         }
         url = self.target.base_url + "/v3/watch"
         timeout = aiohttp.ClientTimeout(total=None, connect=self.timeout_s, sock_connect=self.timeout_s)
+        headers = await self._auth()
         try:
             async with self._http().post(
-                url, data=json.dumps({"create_request": create}), timeout=timeout
+                url, data=json.dumps({"create_request": create}), timeout=timeout, headers=headers
             ) as resp:
                 if resp.status != 200:
                     raise EtcdUnavailable(f"etcd watch: HTTP {resp.status}")
@@ -267,12 +335,25 @@ class EtcdClient:
                         raise EtcdUnavailable("etcd closed the watch stream")
                     if len(line) > _MAX_LINE:
                         raise EtcdUnavailable("etcd watch: line too long")
-                    for event in _events(json.loads(line)):
+                    try:
+                        events = _events(json.loads(line))
+                    except EtcdUnavailable:
+                        # A stale token cancels the watch at once (permission denied): take a new one
+                        # for the listing the caller makes next.
+                        self._token = None
+                        raise
+                    for event in events:
                         yield event
         except (aiohttp.ClientError, OSError, ValueError) as exc:
             raise EtcdUnavailable(
                 f"etcd watch at {self.target.base_url}: {type(exc).__name__} {exc}"
             ) from exc
+
+
+def _stale_token(status: int, raw: bytes) -> bool:
+    """etcd's answer to a token it no longer takes: expired or unknown (401), or issued before a change of
+    users or roles (400, "revision of auth store is old"); etcd's own clients authenticate again on both."""
+    return status == 401 or (status == 400 and b"revision of auth store is old" in raw)
 
 
 def _events(message: Any) -> list[WatchEvent]:

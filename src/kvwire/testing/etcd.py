@@ -6,6 +6,7 @@ restarts it (what the "etcd goes away and comes back" cases need); ``kill()`` is
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import os
 import shutil
@@ -21,7 +22,7 @@ from types import TracebackType
 
 import httpx
 
-from kvwire.discovery.etcd import EtcdTls
+from kvwire.discovery.etcd import EtcdTls, prefix_end
 from kvwire.discovery.record import EngineRecord, FleetRole, RecordLoad
 from kvwire.testing.procs import free_port
 from kvwire.testing.tls import CertFiles
@@ -52,6 +53,7 @@ class EtcdServer:
         self.peer_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = data_dir / "etcd.log"
+        self._root: tuple[str, str] | None = None  # (user, password) once enable_auth ran
 
     @property
     def url(self) -> str:
@@ -118,6 +120,33 @@ class EtcdServer:
             self._health_tls = EtcdTls(str(t.ca), str(t.client_cert), str(t.client_key)).context()
         return httpx.get(self.client_url + "/health", timeout=1.0, verify=self._health_tls)
 
+    def enable_auth(self, users: Mapping[str, tuple[str, str | None]], root_password: str = "root") -> None:
+        """Turn etcd's authentication on: a ``root`` user, and each of ``users`` (name -> (password,
+        prefix)) with a role that may read and write the keys under its prefix (None: no permission)."""
+        for name, (password, prefix) in {"root": (root_password, None), **users}.items():
+            self.admin("/v3/auth/user/add", {"name": name, "password": password})
+            role = "root" if name == "root" else f"role-{name}"
+            self.admin("/v3/auth/role/add", {"name": role})
+            self.admin("/v3/auth/user/grant", {"user": name, "role": role})
+            if prefix is not None:
+                perm = {"permType": "READWRITE", "key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}
+                self.admin("/v3/auth/role/grant", {"name": role, "perm": perm})
+        self.admin("/v3/auth/enable", {})
+        self._root = ("root", root_password)
+
+    def admin(self, path: str, body: Mapping[str, object]) -> dict[str, object]:
+        """One gateway call as ``root`` once authentication is on (before it: unauthenticated)."""
+        headers = {}
+        if self._root is not None:
+            name, password = self._root
+            login = {"name": name, "password": password}
+            auth = httpx.post(self.client_url + "/v3/auth/authenticate", json=login, timeout=5.0)
+            headers["Authorization"] = auth.json()["token"]
+        resp = httpx.post(self.client_url + path, json=dict(body), headers=headers, timeout=5.0)
+        resp.raise_for_status()
+        out: dict[str, object] = resp.json()
+        return out
+
     def log_tail(self) -> str:
         with contextlib.suppress(OSError):
             return self.log_path.read_text(errors="replace")[-2000:]
@@ -144,6 +173,10 @@ class EtcdServer:
         self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
 
 
 def engine_record(
