@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
 import pytest
 
 from kvwire.config import ENV_SIDE_CHANNEL_HOST
@@ -18,6 +19,7 @@ from kvwire.integrations.api import remote_engine
 from kvwire.integrations.vllm.discovery import vllm_record
 from kvwire.integrations.vllm.params import KvRole, RankChannel, rank_host, settings_from_extra
 from kvwire.integrations.vllm.scheduler import LocalEngine, SchedulerSide
+from kvwire.integrations.vllm.worker import RankPlace, WorkerSide
 from kvwire.kv_params import parse_kv_params
 from kvwire.router import dialects
 from kvwire.router.fleet import health_info
@@ -27,8 +29,11 @@ from kvwire.router.policy import Role
 HOSTS = ["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"]  # tp 2, pp 2: stage 1 on the second node
 
 
+SETTINGS = {"side_channel_port": 5700, "insecure": True, "side_channel_host": "10.0.0.1"}
+
+
 def _sched(mode: str = "push") -> SchedulerSide:
-    settings = settings_from_extra({"mode": mode, "side_channel_port": 5700, "insecure": True})
+    settings = settings_from_extra(SETTINGS | {"mode": mode})
     local = LocalEngine("P", "10.0.0.1", 5700, tp_size=2, pp_size=2, incarnation="i1")
     return SchedulerSide(KvRole.PRODUCER, settings, local, 16)
 
@@ -59,13 +64,34 @@ def test_one_host_adds_nothing_to_the_answer() -> None:
     assert remote_engine(parse_kv_params(raw)).host_of((1, 1)) == "10.0.0.1"
 
 
-def test_a_missing_rank_or_another_port_stops_the_engine_at_start() -> None:
-    channels = _channels(HOSTS)
-    del channels[(1, 1)]
-    with pytest.raises(ConfigError, match="pp1/tp1 reported no side channel"):
-        _sched().set_channels(channels)
+def test_a_rank_that_reports_nothing_is_at_side_channel_host_and_another_port_stops_the_engine() -> None:
+    # Only ranks whose node set KVWIRE_SIDE_CHANNEL_HOST report (the head node here sets none).
+    channels = {k: v for k, v in _channels(HOSTS).items() if v.host != "10.0.0.1"}
+    sched = _sched()
+    sched.set_channels(channels)
+    assert sched.local.hosts == tuple(HOSTS)
     with pytest.raises(ConfigError, match="same kv_connector_extra_config"):
         _sched().set_channels(_channels(HOSTS, port=5800))
+
+
+def test_a_worker_reports_its_channel_only_when_its_node_set_an_address(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without KVWIRE_SIDE_CHANNEL_HOST a worker reports nothing (vLLM's MultiConnector hands one
+    sub-connector's metadata to all of them: kvwire's beside NIXL's made NIXL refuse to start)."""
+    place = RankPlace("P", "i", "m", tp_size=2, tp_rank=1, pp_size=2, pp_rank=1, num_layers=4, kv_heads=2,
+                      head_dim=8, block_size=16)  # fmt: skip
+    settings = settings_from_extra(
+        {"side_channel_port": 5700, "insecure": True, "side_channel_host": "10.0.0.1"}
+    )
+    monkeypatch.delenv(ENV_SIDE_CHANNEL_HOST, raising=False)
+    assert WorkerSide(KvRole.PRODUCER, settings, place).channel() is None
+    monkeypatch.setenv(ENV_SIDE_CHANNEL_HOST, "10.0.0.2")
+    assert WorkerSide(KvRole.PRODUCER, settings, place).channel() == RankChannel("10.0.0.2", 5703)
+    # Metadata that is not kvwire's (another sub-connector's) names no host: every rank at the one host.
+    sched = _sched()
+    sched.set_channels({})
+    assert sched.local.hosts == ()
 
 
 def test_remote_hosts_must_name_one_host_per_rank() -> None:
@@ -121,6 +147,12 @@ def test_a_record_that_lists_not_every_rank_names_no_hosts() -> None:
     rec = EngineRecord(FleetRole.PREFILL, "P", "i", "m", "http://p:1", "10.0.0.1", 5700,
                        side_channels=ranks, tp_size=2, pp_size=2, updated=time.time())  # fmt: skip
     assert health_info(rec).side_channel_hosts == ()
+    # Sizes any writer under the prefix may set: looked at only once the ranks listed match them (a
+    # 170-byte record with tp and pp of 10**6 held the router's loop building 10**12 pairs).
+    huge = msgspec.structs.replace(rec, tp_size=10**6, pp_size=10**6)
+    started = time.perf_counter()
+    assert health_info(huge).side_channel_hosts == ()
+    assert time.perf_counter() - started < 0.5
 
 
 def test_pull_legs_carry_ps_hosts_and_a_static_router_takes_them_from_the_url() -> None:
@@ -132,5 +164,10 @@ def test_pull_legs_carry_ps_hosts_and_a_static_router_takes_them_from_the_url() 
     url = "http://p:1#engine_id=P&side_channel=a:5700&pp=2&side_channel_hosts=a,b"
     info = vllm.static_info(url, Role.PREFILL)
     assert info is not None and info.side_channel_hosts == ("a", "b")
-    with pytest.raises(ConfigError, match="one host per rank"):
-        vllm.static_info("http://p:1#engine_id=P&side_channel=a:5700&pp=2&side_channel_hosts=a", Role.PREFILL)
+    for bad in ("a", "a,a:5701", "a,0.0.0.0", "a, b", "a,"):
+        with pytest.raises(ConfigError, match="one host per rank"):
+            vllm.static_info(
+                f"http://p:1#engine_id=P&side_channel=a:5700&pp=2&side_channel_hosts={bad}", Role.PREFILL
+            )
+    assert vllm.static_info("http://p:1#engine_id=P&side_channel=a:5700&pp=2&side_channel_hosts=a,fd00::2",
+                            Role.PREFILL).side_channel_hosts == ("a", "fd00::2")  # fmt: skip

@@ -15,7 +15,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kvwire.config import RouterConfig
+from kvwire.config import EngineKind, RouterConfig
 from kvwire.discovery.etcd import EtcdTarget, EtcdUnavailable
 from kvwire.discovery.record import EngineRecord, FleetRole
 from kvwire.discovery.registrar import Registrar
@@ -345,3 +345,35 @@ async def test_a_put_cut_by_the_renewal_deadline_is_written_at_the_next_renewal(
     await until(lambda: getattr(store, "written_under", 0) == 2, "the record under the new lease", 10.0)
     await registrar.close()
     assert store.grants == 2 and store.written_under == 2  # the record is under the live lease
+
+
+async def test_a_pull_d_leg_names_the_hosts_ps_answer_names_not_a_stale_records() -> None:
+    # The router knew P as two PP stages on two hosts (its URL fragment, or a record); P, restarted with
+    # one stage, answers with no remote_hosts. D's leg must carry P's answer alone: the router's two
+    # hosts beside P's pp 1 made D refuse the params and prefill locally.
+    p_base, d = (f"http://127.0.0.1:{free_port()}" for _ in range(2))
+    p = f"{p_base}#engine_id=P&side_channel=127.0.0.1:5600&pp=2&side_channel_hosts=10.0.0.1,10.0.0.2"
+    d_legs: list[dict[str, Any]] = []
+
+    async def handle(seen: Seen) -> tuple[int, Any]:
+        if seen.path == "/v1/models":
+            return 200, {"data": [{"id": "kvwire"}]}
+        if seen.path == "/health":
+            return 200, {}
+        if seen.url == p_base:
+            params = {"do_remote_prefill": True, "transfer_id": "t", "remote_engine_id": "P",
+                      "remote_host": "127.0.0.1", "remote_port": 5600, "remote_tp_size": 1,
+                      "remote_pp_size": 1, "remote_block_ids": [1, 2]}  # fmt: skip
+            return 200, {"choices": [{"index": 0, "text": "a"}], "kv_transfer_params": params}
+        d_legs.append(seen.json()["kv_transfer_params"])
+        return 200, {"choices": [{"index": 0, "text": "a", "finish_reason": "length"}]}
+
+    router = Router(RouterConfig((p,), (d,), mode=TransferMode.PULL, engines=EngineKind("vllm")))
+    apps = [(scripted_app(handle), int(u.rsplit(":", 1)[1])) for u in (p_base, d)]
+    async with serving_here(apps):
+        await router.registry.check_all()
+        resp = await router.serve(_ask(stream=False), ApiKind.COMPLETION)
+        assert resp.status_code == 200
+    await router.close()
+    assert len(d_legs) == 1 and "remote_hosts" not in d_legs[0]
+    assert (d_legs[0]["remote_pp_size"], d_legs[0]["remote_block_ids"]) == (1, [1, 2])

@@ -251,7 +251,9 @@ class Router:
             if cfg.mode is TransferMode.PULL:
                 # D reads P's blocks, so it needs their ids: P answers first (vLLM's order).
                 prefilled = await self._prefill_first(p_url, legs[0], tokens)
-                legs[1]["kv_transfer_params"].update(pull_params(p_url, prefilled))
+                d_params = legs[1]["kv_transfer_params"]
+                d_params.pop("remote_hosts", None)  # P's answer says where its ranks are (absent: one host)
+                d_params.update(pull_params(p_url, prefilled))
             if req.stream:
                 streaming = True
                 return await self._stream(req, rid, p_url, d_url, legs, start, prefilled), None

@@ -54,6 +54,8 @@ def health_info(rec: EngineRecord) -> HealthInfo:
 def rank_hosts(rec: EngineRecord) -> tuple[str, ...]:
     """Each rank's host (rank (pp, tp) at ``pp * tp_size + tp``) when the record lists every rank and
     they are not all at ``side_channel_host``; () otherwise (one host, or a record listing no ranks)."""
+    if len(rec.side_channels) != rec.tp_size * rec.pp_size:  # first: the sizes come from any record
+        return ()
     hosts = {(c.pp_rank, c.tp_rank): c.host for c in rec.side_channels}
     ranks = [(p, t) for p in range(rec.pp_size) for t in range(rec.tp_size)]
     if set(hosts) != set(ranks):

@@ -205,7 +205,7 @@ class _Rank:
             "storages": len(storages),
             "block_len": side.kv.block_len if side.kv is not None else 0,
             "pid": os.getpid(),
-            "channel": msgspec.to_builtins(side.channel()),
+            "channel": msgspec.to_builtins(side.channel()),  # None: at side_channel_host
         }
 
     def fill(self, block_ids: list[int], num_tokens: int, seed: int, noise_seed: int | None = None) -> None:
@@ -403,6 +403,7 @@ class VllmEngine:
         channels = {
             (r // self.tp_size, r % self.tp_size): msgspec.convert(info["channel"], RankChannel)
             for r, info in enumerate(self.infos)
+            if info["channel"] is not None
         }
         self.sched.set_channels(channels)
 

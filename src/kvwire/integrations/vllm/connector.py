@@ -14,6 +14,7 @@ worker moves its own rank's KV with kvwire (``worker.WorkerSide``). This module 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -27,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvwire.config import env_config
 from kvwire.errors import ConfigError, KvwireError, LayoutError
 from kvwire.integrations.vllm.cpu_tiles import allow_amx_tiles
-from kvwire.integrations.vllm.discovery import BackgroundRegistrar, start_registration
+from kvwire.integrations.vllm.discovery import BackgroundRegistrar, start_registration, vllm_record
 from kvwire.integrations.vllm.hma import kv_groups
 from kvwire.integrations.vllm.identity import vllm_model_id
 from kvwire.integrations.vllm.layerwise import StreamPlanner
@@ -137,6 +138,7 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._fleet: BackgroundRegistrar | None = None
+        self._register: Callable[[], BackgroundRegistrar | None] | None = None  # until it ran
         self._streams: StreamPlanner | None = None  # layerwise push: which P requests stream this step
         if role == KVConnectorRole.SCHEDULER:
             if settings.layerwise and kv_role.produces:
@@ -145,7 +147,11 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             local = LocalEngine(engine_id, host, port, tp, pp, incarnation)
             sched = self._sched = SchedulerSide(kv_role, settings, local, block_size)
             model = settings.model_id or vllm_model_id(mc)
-            self._fleet = start_registration(settings, kv_role, lambda: sched.local, model)
+            # Registered once vLLM handed over the workers' side channels (a multi-node engine's record
+            # names each rank's host from the first put); checked now, in the engine's start.
+            self._register = lambda: start_registration(settings, kv_role, lambda: sched.local, model)
+            if settings.discovery:
+                vllm_record(settings, kv_role, local, model)
             return
         tp_rank, pp_rank = _tp_pp_rank()
         if _cpu_backend():
@@ -227,6 +233,7 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._s().allocated(request.request_id, ids, n, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvwireMetadata:
+        self._start_fleet()  # a vLLM that never handed over the workers' metadata: register at the first step
         idle = int(getattr(scheduler_output, "total_num_scheduled_tokens", 1)) == 0
         ops = self._s().take_ops()
         if self._streams is not None:
@@ -269,7 +276,14 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         """Every worker's side channel, gathered by vLLM at start (``get_handshake_metadata``): where
         each rank of a multi-node engine listens, named in P's answers."""
         if self._sched is not None:
+            # Inside vLLM's MultiConnector the metadata may be another sub-connector's: not ours, ignored.
             self._sched.set_channels({k: v for k, v in metadata.items() if isinstance(v, RankChannel)})
+            self._start_fleet()
+
+    def _start_fleet(self) -> None:
+        if self._register is not None:
+            register, self._register = self._register, None
+            self._fleet = register()
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         self.set_xfer_handshake_metadata_pp_aware({(0, tp): m for tp, m in metadata.items()})

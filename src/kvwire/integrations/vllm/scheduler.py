@@ -80,15 +80,17 @@ class SchedulerSide:
         self._rejected_told = 0  # ...of which step_stats has reported
 
     def set_channels(self, channels: Mapping[tuple[int, int], RankChannel]) -> None:
-        """Every worker's side channel, keyed (pp_rank, tp_rank), as vLLM gathers them at start: the
-        hosts P's answers name. ``ConfigError`` when a rank is missing or listens on another port than
-        the one D will dial (the nodes were started with different side_channel_port)."""
+        """The workers' side channels, keyed (pp_rank, tp_rank), as vLLM gathers them at start: the
+        hosts P's answers name. A rank that reported none listens at ``side_channel_host`` (its node set
+        no address of its own). ``ConfigError`` when a rank listens on another port than the one D will
+        dial (the nodes were started with different side_channel_port)."""
         local, hosts = self.local, []
         for pp in range(local.pp_size):
             for tp in range(local.tp_size):
                 ch = channels.get((pp, tp))
                 if ch is None:
-                    raise ConfigError(f"kvwire: rank pp{pp}/tp{tp} reported no side channel")
+                    hosts.append(self.settings.side_channel_host)
+                    continue
                 port = self.settings.rank_port(pp, tp, local.tp_size)
                 if ch.port != port:
                     raise ConfigError(

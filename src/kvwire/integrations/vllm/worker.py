@@ -144,9 +144,13 @@ class WorkerSide:
         at = Endpoint(self.host, port, None, secret())
         return start_connector(cls, info, ranks, s.connector_config(), at, on_event=self._news.set)
 
-    def channel(self) -> RankChannel:
-        """Where this rank's (producer's) side channel listens: vLLM's handshake metadata, which the
-        scheduler gathers from every worker (``SchedulerSide.set_channels``)."""
+    def channel(self) -> RankChannel | None:
+        """Where this rank's (producer's) side channel listens, when its node set its own address
+        (``KVWIRE_SIDE_CHANNEL_HOST``): vLLM's handshake metadata, which the scheduler gathers from every
+        worker (``SchedulerSide.set_channels``). None otherwise: the rank is at ``side_channel_host``, and
+        vLLM's MultiConnector, which hands one sub-connector's metadata to all of them, is left alone."""
+        if self.host == self.settings.side_channel_host:
+            return None
         p = self.place
         return RankChannel(self.host, self.settings.rank_port(p.pp_rank, p.tp_rank, p.tp_size))
 

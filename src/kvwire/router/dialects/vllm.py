@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import urllib.parse
 
 from kvwire.errors import ConfigError
@@ -63,13 +64,26 @@ def _static_info(url: str, role: Role) -> HealthInfo:
     except ValueError:
         raise ConfigError(f"engine {base}: tp and pp in the URL must be integers") from None
     hosts = tuple(q["side_channel_hosts"].split(",")) if "side_channel_hosts" in q else ()
-    if hosts and (len(hosts) != tp * pp or not all(hosts)):
+    if hosts and (len(hosts) != tp * pp or not all(_dialable(h) for h in hosts)):
         raise ConfigError(
             f"engine {base}: side_channel_hosts={q['side_channel_hosts']!r} must name one host per rank "
-            f"({tp * pp} for tp {tp} pp {pp}), comma-separated, rank (pp, tp) at pp * tp + tp"
+            f"({tp * pp} for tp {tp} pp {pp}), comma-separated, rank (pp, tp) at pp * tp_size + tp; each a "
+            "name or address D dials (no port, no 0.0.0.0)"
         )
     info = HealthInfo(role.value, q.get("engine_id", base), "", host, port, tp, pp, "", Load())
     return dataclasses.replace(info, side_channel_hosts=hosts) if any(h != host for h in hosts) else info
+
+
+def _dialable(host: str) -> bool:
+    """A host D can dial: not empty, no space, not a wildcard, no port (a ':' only in an IPv6 address)."""
+    if not host or host != host.strip() or " " in host or host in ("0.0.0.0", "::"):
+        return False
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            return False
+    return True
 
 
 DIALECT = VllmDialect()
