@@ -34,6 +34,9 @@ DEFAULT_BACKEND = Backend("nixl")
 
 
 ENV_SECRET = "KVWIRE_SECRET"
+# A second secret an engine accepts (never signs with): rotating KVWIRE_SECRET over a live fleet in two
+# rolls (docs/configuration.md, "Rotating KVWIRE_SECRET").
+ENV_SECRET_ACCEPT = "KVWIRE_SECRET_ACCEPT"
 ENV_SIDE_CHANNEL_HOST = "KVWIRE_SIDE_CHANNEL_HOST"
 ENV_LOG_LEVEL = "KVWIRE_LOG_LEVEL"
 _LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -44,6 +47,7 @@ class EnvConfig:
     secret: bytes | None = None
     side_channel_host: str | None = None
     log_level: str = "info"
+    accept_secret: bytes | None = None  # KVWIRE_SECRET_ACCEPT
 
 
 def process_environ() -> Mapping[str, str]:
@@ -58,7 +62,18 @@ def env_config(environ: Mapping[str, str] | None = None) -> EnvConfig:
     level = (env.get(ENV_LOG_LEVEL) or "info").lower()
     if level not in _LOG_LEVELS:
         raise ConfigError(f"{ENV_LOG_LEVEL}={level!r}: expected one of {', '.join(_LOG_LEVELS)}")
-    return EnvConfig(secret=secret.encode() if secret else None, side_channel_host=host, log_level=level)
+    accept = env.get(ENV_SECRET_ACCEPT) or None
+    if accept and not secret:
+        raise ConfigError(
+            f"{ENV_SECRET_ACCEPT} is set but {ENV_SECRET} is not: an engine accepts a second secret only "
+            f"beside its own (rotation: set {ENV_SECRET} to the secret it signs with)"
+        )
+    return EnvConfig(
+        secret=secret.encode() if secret else None,
+        side_channel_host=host,
+        log_level=level,
+        accept_secret=accept.encode() if accept and accept != secret else None,
+    )
 
 
 def normalize_url(url: str) -> str:

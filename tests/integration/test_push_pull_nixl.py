@@ -45,17 +45,19 @@ class Engines:
         d_tp: int = 1,
         mode: str = "push",
         secret: bytes | None = None,
+        keys: tuple[dict[str, bytes], dict[str, bytes]] | None = None,
     ) -> None:
+        """``keys``: P's and D's own ``secret`` / ``accept_secret`` (else both ``secret``)."""
         self.p, self.d = hosts
         n = next(_case)
         common: dict[str, Any] = {
             "spec": SPEC_KW | {"layout": SPEC.layout},
             "num_blocks": NUM_BLOCKS,
             "mode": mode,
-            "secret": secret,
         }
-        self.p_info = self.p.call("engine", role="p", engine_id=f"P{n}", tp=p_tp, pp=p_pp, **common)
-        self.d_info = self.d.call("engine", role="d", engine_id=f"D{n}", tp=d_tp, pp=1, **common)
+        p_keys, d_keys = keys or ({"secret": secret} if secret else {}, {"secret": secret} if secret else {})
+        self.p_info = self.p.call("engine", role="p", engine_id=f"P{n}", tp=p_tp, pp=p_pp, **common, **p_keys)
+        self.d_info = self.d.call("engine", role="d", engine_id=f"D{n}", tp=d_tp, pp=1, **common, **d_keys)
         self.p_tp, self.p_pp = p_tp, p_pp
 
     def remote(self, block_ids: list[int] | None = None) -> dict[str, Any]:
@@ -162,19 +164,58 @@ def test_pull_bytes_equal(hosts: tuple[ConnectorWorker, ConnectorWorker]) -> Non
         eng.close()
 
 
+OLD, NEW = b"rotation-old-0123456789abcdef012345", b"rotation-new-0123456789abcdef012345"
+
+
 @pytest.mark.parametrize("mode", ["push", "pull"])
-def test_with_a_secret_every_notification_is_sealed_and_taken(
-    hosts: tuple[ConnectorWorker, ConnectorWorker], mode: str
+@pytest.mark.parametrize(
+    ("p_keys", "d_keys"),
+    [
+        # One secret on both sides: sealed replies open, tagged notifications (sent, and attached to the
+        # WRITE) are taken on both sides.
+        ({"secret": OLD}, {"secret": OLD}),
+        # The first roll: each engine in turn takes the new secret too, still signing with the old.
+        ({"secret": OLD}, {"secret": OLD, "accept_secret": NEW}),
+        # The second roll: each engine in turn signs with the new one, still taking the old.
+        ({"secret": OLD, "accept_secret": NEW}, {"secret": NEW, "accept_secret": OLD}),
+        ({"secret": NEW, "accept_secret": OLD}, {"secret": OLD, "accept_secret": NEW}),
+        # The last roll: the old one dropped.
+        ({"secret": NEW}, {"secret": NEW, "accept_secret": OLD}),
+    ],
+    ids=["one-secret", "roll1", "roll2-d-first", "roll2-p-first", "roll3"],
+)
+def test_the_secret_rotates_in_rolls_with_every_pair_moving_exact_bytes(
+    hosts: tuple[ConnectorWorker, ConnectorWorker],
+    mode: str,
+    p_keys: dict[str, bytes],
+    d_keys: dict[str, bytes],
 ) -> None:
-    """Over real NIXL, with KVWIRE_SECRET: sealed replies open, tagged notifications (sent, and attached to
-    the WRITE) are taken on both sides, and the bytes arrive exact."""
-    eng = Engines(hosts, p_tp=2, mode=mode, secret=b"nixl-secret-0123456789abcdef0123")
+    """KVWIRE_SECRET_ACCEPT: every pair of engines a rolling rotation puts side by side authenticates
+    (requests signed under either secret verify, replies are sealed under the requester's, tagged
+    notifications open under either) and moves exact bytes, with no notification dropped."""
+    eng = Engines(hosts, p_tp=2, mode=mode, keys=(p_keys, d_keys))
     try:
         p_blocks, d_blocks = [1, 2, 7], [9, 3, 4]
-        kv = eng.request("sealed", p_blocks, d_blocks, 40, pull=mode == "pull")
+        kv = eng.request("rot", p_blocks, d_blocks, 40, pull=mode == "pull")
         eng.check(d_blocks, kv)
         for host in (eng.p, eng.d):
             assert host.call("stats")["dropped"].get("unauthenticated", 0) == 0
+    finally:
+        eng.close()
+
+
+def test_switching_the_secret_without_accepting_the_other_fails_the_pair(
+    hosts: tuple[ConnectorWorker, ConnectorWorker],
+) -> None:
+    """Why two rolls: a D that signs with the new secret beside a P that knows only the old one is
+    refused (the load fails, typed), so a one-step switch fails every request across the two generations."""
+    eng = Engines(hosts, keys=({"secret": OLD}, {"secret": NEW}))
+    try:
+        eng.p.call("fill", block_ids=[1, 2], num_tokens=20, seed=3)
+        remote = eng.remote()
+        eng.d.call("allocate", tid="split", block_ids=[3, 4], num_tokens=20, cached=0, remote=remote)
+        eng.p.call("finish", tid="split", block_ids=[1, 2], num_tokens=20)
+        assert eng.d.call("wait", tid="split")[0] == "failed:unauthorized"
     finally:
         eng.close()
 

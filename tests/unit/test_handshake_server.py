@@ -8,7 +8,8 @@ from collections.abc import Awaitable, Callable
 import msgspec
 import pytest
 
-from kvwire.errors import AuthError
+from kvwire.config import env_config
+from kvwire.errors import AuthError, ConfigError
 from kvwire.handshake.manager import HandshakeManager
 from kvwire.handshake.server import SideChannelServer
 from kvwire.kv.spec import KVSpec
@@ -25,7 +26,7 @@ from kvwire.protocol.messages import (
     SideMessage,
     TransferMode,
 )
-from kvwire.protocol.seal import ReplySeal
+from kvwire.protocol.seal import NotifGate, ReplySeal
 from kvwire.testing.handshake_env import build_registered_engine
 from kvwire.transport.base import PeerMode
 from kvwire.transport.inproc import InprocFabric
@@ -407,3 +408,50 @@ def test_a_request_that_trickles_is_closed_after_the_short_deadline(later: bool)
             writer.close()
 
     run(body)
+
+
+def test_an_accepted_second_secret_verifies_and_seals_under_the_requesters_secret() -> None:
+    """KVWIRE_SECRET_ACCEPT: a request signed with the accepted secret verifies, and its reply is sealed
+    under that secret (the one the requester holds), not under the server's own; a third secret is
+    refused as before."""
+    new = b"rotated-secret-0123456789abcdef01"
+
+    async def body() -> None:
+        fabric = InprocFabric()
+        info, ranks = build_registered_engine("P", SPEC, 16, fabric.create_agent, tp_size=1, pp_size=1)
+        async with SideChannelServer(info, ranks, secret=SECRET, accept_secret=new) as server:
+            me = f"127.0.0.1:{server.port}"
+            for key in (SECRET, new):
+                req = sign(GetMetadata(pp_rank=0, tp_rank=0), key, target=me)
+                replies, _ = await exchange(server.port, encode_frame(req))
+                assert isinstance(replies[0], Sealed)
+                assert isinstance(decode_side(ReplySeal(key).open(replies[0], req)), Metadata)
+                other = new if key == SECRET else SECRET
+                with pytest.raises(AuthError):
+                    ReplySeal(other).open(replies[0], req)
+            third = sign(GetMetadata(pp_rank=0, tp_rank=0), b"third-secret-0123456789abcdef0123", target=me)
+            replies, _ = await exchange(server.port, encode_frame(third))
+            assert isinstance(replies[0], ErrorReply) and replies[0].code is ErrorCode.UNAUTHORIZED
+
+    run(body)
+
+
+def test_notifications_are_tagged_with_the_own_secret_and_taken_under_either() -> None:
+    new = b"rotated-secret-0123456789abcdef01"
+    rotating, old_only, new_only = NotifGate(SECRET, new), NotifGate(SECRET), NotifGate(new)
+    sealed = rotating.outgoing("a", "b", b"hello")
+    assert old_only.incoming("a", "b", sealed) == b"hello"  # signs with its own (the old) secret only
+    with pytest.raises(AuthError):
+        new_only.incoming("a", "b", sealed)
+    assert rotating.incoming("a", "b", new_only.outgoing("a", "b", b"hi")) == b"hi"
+    with pytest.raises(AuthError):  # a third secret, or a tag made for another receiver: refused
+        rotating.incoming("a", "c", new_only.outgoing("a", "b", b"hi"))
+
+
+def test_the_accepted_secret_needs_an_own_one() -> None:
+    with pytest.raises(ConfigError, match="KVWIRE_SECRET_ACCEPT is set but KVWIRE_SECRET is not"):
+        env_config({"KVWIRE_SECRET_ACCEPT": "x" * 32})
+    env = env_config({"KVWIRE_SECRET": "a" * 32, "KVWIRE_SECRET_ACCEPT": "a" * 32})
+    assert env.accept_secret is None  # the same secret twice: nothing more to accept
+    env = env_config({"KVWIRE_SECRET": "a" * 32, "KVWIRE_SECRET_ACCEPT": "b" * 32})
+    assert (env.secret, env.accept_secret) == (b"a" * 32, b"b" * 32)

@@ -110,6 +110,7 @@ class ConnectorBase(Generic[E]):
         clock: Callable[[], float] = time.monotonic,
         warm_up: bool = True,
         advertise_host: str | None = None,
+        accept_secret: bytes | None = None,
     ) -> None:
         self.engine = engine
         self.config = config or ConnectorConfig()
@@ -119,8 +120,9 @@ class ConnectorBase(Generic[E]):
         self._bind_host = host
         self._port = port
         self._secret = secret
+        self._accept_secret = accept_secret  # taken, never used to sign (KVWIRE_SECRET_ACCEPT)
         # With a secret every notification is sealed to its receiver, and only sealed ones are taken.
-        self._gate = NotifGate(secret)
+        self._gate = NotifGate(secret, accept_secret)
         self._clock = clock
         layouts = {
             key: RankLayout.from_cache(r.cache, pp_size=engine.pp_size, pp_rank=key[0])
@@ -228,6 +230,7 @@ class ConnectorBase(Generic[E]):
             on_report=self._on_report if self.takes_reports else None,
             on_claim=self._on_claim if self.takes_claims else None,
             clock=self._clock,
+            accept_secret=self._accept_secret,
         )
         self._port = self._bg.run(self._server.start(), _START_TIMEOUT_S)
         self.core.port = self._port

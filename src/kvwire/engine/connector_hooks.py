@@ -103,6 +103,7 @@ class ConnectorSettings:
     port: int = 0
     advertise_host: str | None = None  # KVWIRE_SIDE_CHANNEL_HOST: what peers dial, when host is 0.0.0.0
     secret: bytes | None = None
+    accept_secret: bytes | None = None  # KVWIRE_SECRET_ACCEPT
     config: ConnectorConfig = field(default_factory=ConnectorConfig)
 
 
@@ -125,7 +126,7 @@ def attach_connector(engine: Engine, s: ConnectorSettings) -> ProducerHooks | Co
     )
     try:
         config = dataclasses.replace(s.config, mode=s.mode)
-        at = Endpoint(s.host, s.port, s.advertise_host, s.secret)
+        at = Endpoint(s.host, s.port, s.advertise_host, s.secret, s.accept_secret)
         cls: type[Producer] | type[Consumer] = Producer if role is Role.PREFILL else Consumer
         connector: Producer | Consumer = start_connector(cls, info, ranks, config, at)
     except BaseException:

@@ -91,6 +91,7 @@ def build_server(values: dict[str, Any], role: Role, env: EnvConfig) -> EngineSe
             advertise_host=env.side_channel_host,
             port=values["side_channel_port"],
             secret=env.secret,
+            accept_secret=env.accept_secret,
             config=connector_config(values, mode),
         )
         try:

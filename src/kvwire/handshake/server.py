@@ -28,7 +28,7 @@ from typing import TypeVar
 
 from kvwire.errors import AuthError, ConfigError, KvwireError, ProtocolError, VersionMismatch
 from kvwire.handshake.types import EngineInfo, LocalRank
-from kvwire.protocol.auth import ReplayGuard, SignedRequest, verify
+from kvwire.protocol.auth import ReplayGuard, SignedRequest, signed_with, verify
 from kvwire.protocol.codec import (
     FRAME_HEADER_BYTES,
     decode_side,
@@ -158,6 +158,7 @@ class SideChannelServer:
         on_report: Callable[[ReportFailed], None] | None = None,
         on_claim: Callable[[Claim], ClaimVerdict] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        accept_secret: bytes | None = None,
     ) -> None:
         self._ranks = {(r.pp_rank, r.tp_rank): r for r in ranks}
         # Takes an authenticated ``report_failed`` (D's connector; runs on the server's loop). None: this
@@ -173,8 +174,12 @@ class SideChannelServer:
         self._host = host
         self._port = port
         self._secret = secret or None
+        # A second secret taken too (KVWIRE_SECRET_ACCEPT: the cluster's secret being rotated); a reply
+        # is sealed under the one that signed its request.
+        self._also = (accept_secret or None) if self._secret else None
         self._replays = ReplayGuard() if self._secret else None
         self._seal = ReplySeal(self._secret) if self._secret else None
+        self._also_seal = ReplySeal(self._also) if self._also else None
         self._idle_timeout_s = idle_timeout_s
         self._first_timeout_s = min(first_request_timeout_s, idle_timeout_s)
         self._max_requests = max_requests_per_conn
@@ -426,11 +431,14 @@ class SideChannelServer:
             return reply
         if isinstance(reply, ErrorReply) and reply.code is ErrorCode.UNAUTHORIZED:
             return reply
-        return self._seal.seal(encode_body(reply), req)
+        seal = self._seal
+        if self._also_seal is not None and self._secret and signed_with(req, self._secret) is None:
+            seal = self._also_seal  # verified, not by our signing secret: by the accepted one
+        return seal.seal(encode_body(reply), req)
 
     def _unauthorized(self, req: SignedRequest) -> ErrorReply | None:
         try:
-            verify(req, self._secret, is_mine=self._is_mine)
+            verify(req, self._secret, is_mine=self._is_mine, also=self._also)
             if self._replays is not None:
                 self._replays.check(req)
         except AuthError as exc:

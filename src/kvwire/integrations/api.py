@@ -59,6 +59,7 @@ class Endpoint:
     port: int = 0
     advertise_host: str | None = None  # KVWIRE_SIDE_CHANNEL_HOST: what peers dial, when host is 0.0.0.0
     secret: bytes | None = None
+    accept_secret: bytes | None = None  # KVWIRE_SECRET_ACCEPT: a second secret taken, never signed with
 
 
 def open_ranks(
@@ -112,6 +113,7 @@ def start_connector(
         port=at.port,
         secret=at.secret,
         advertise_host=at.advertise_host,
+        accept_secret=at.accept_secret,
     )
     if on_event is not None:
         connector.on_event(on_event)

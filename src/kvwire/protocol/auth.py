@@ -110,9 +110,11 @@ def verify(
     *,
     is_mine: Callable[[str], bool] | None = None,
     now_ms: int | None = None,
+    also: bytes | None = None,
 ) -> None:
     """Accept ``req`` or raise ``AuthError``. Without a secret (``None`` or empty) every request passes.
-    ``is_mine(target)``: whether the request was meant for this server (None: not checked)."""
+    ``is_mine(target)``: whether the request was meant for this server (None: not checked). ``also``: a
+    second secret accepted (``KVWIRE_SECRET_ACCEPT``, while the cluster's secret is rotated)."""
     if not secret:
         return
     if req.auth is None or req.nonce is None or req.target is None or req.ts_ms is None:
@@ -121,7 +123,7 @@ def verify(
         )
     if len(req.nonce) != NONCE_BYTES:
         raise AuthError(f"nonce must be {NONCE_BYTES} bytes, got {len(req.nonce)}")
-    if not hmac.compare_digest(req.auth, _mac(req, secret)):
+    if signed_with(req, secret, also) is None:
         raise AuthError("bad request signature")
     if is_mine is not None and not is_mine(req.target):
         raise AuthError(f"request was signed for {req.target}, not for this side channel (relayed?)")
@@ -130,6 +132,15 @@ def verify(
         raise AuthError(
             f"request made {(now - req.ts_ms) / 1e3:.0f} s from now: stale or replayed, or clocks differ"
         )
+
+
+def signed_with(req: SignedRequest, secret: bytes, also: bytes | None = None) -> bytes | None:
+    """Which of ``secret`` and ``also`` made ``req``'s signature (None: neither): the reply is sealed
+    under that one, the only one the requester is sure to hold."""
+    for key in (secret, also):
+        if key and req.auth is not None and hmac.compare_digest(req.auth, _mac(req, key)):
+            return key
+    return None
 
 
 class ReplayGuard:

@@ -118,8 +118,10 @@ def open_unsealed(sender: str, data: bytes) -> bytes:
 class NotifGate:
     """What a connector applies to every notification, with or without a secret."""
 
-    def __init__(self, secret: bytes | None) -> None:
+    def __init__(self, secret: bytes | None, accept_secret: bytes | None = None) -> None:
         self._seal = NotifSeal(secret) if secret else None
+        # KVWIRE_SECRET_ACCEPT (the cluster's secret being rotated): its tags are taken too, never made.
+        self._also = NotifSeal(accept_secret) if secret and accept_secret else None
 
     def outgoing(self, sender: str, receiver: str, data: bytes) -> bytes:
         return data if self._seal is None else self._seal.seal(sender, receiver, data)
@@ -128,4 +130,9 @@ class NotifGate:
         """The notification ``sender`` sent, or ``AuthError`` when this side cannot authenticate it."""
         if self._seal is None:
             return open_unsealed(sender, data)
-        return self._seal.open(sender, receiver, data)
+        try:
+            return self._seal.open(sender, receiver, data)
+        except AuthError:
+            if self._also is None:
+                raise
+            return self._also.open(sender, receiver, data)

@@ -52,6 +52,7 @@ class _Host:
         mode: str,
         backend: str = "nixl",
         secret: bytes | None = None,
+        accept_secret: bytes | None = None,
     ) -> dict[str, Any]:
         self.close_engine()
         kv = KVSpec(**spec)
@@ -61,7 +62,7 @@ class _Host:
         )
         cfg = ConnectorConfig(mode=tmode)
         cls = Producer if role == "p" else Consumer
-        self.conn = cls(self.setup.engine, self.setup.ranks, cfg, secret=secret)
+        self.conn = cls(self.setup.engine, self.setup.ranks, cfg, secret=secret, accept_secret=accept_secret)
         port = self.conn.start()
         return {"port": port, "engine_id": engine_id, "agents": [r.agent.name for r in self.setup.ranks]}
 

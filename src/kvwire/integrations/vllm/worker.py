@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvwire.config import env_config
 from kvwire.connector import (
     Consumer,
     ConsumerEvent,
@@ -34,7 +35,7 @@ from kvwire.integrations.api import (
 )
 from kvwire.integrations.vllm.layerwise import LayerStreamer
 from kvwire.integrations.vllm.memory import kv_from_vllm
-from kvwire.integrations.vllm.params import KvRole, Op, OpKind, RankChannel, Settings, rank_host, secret
+from kvwire.integrations.vllm.params import KvRole, Op, OpKind, RankChannel, Settings, rank_host
 from kvwire.integrations.vllm.stats import StepStats
 from kvwire.kv.regions import ExternalKV
 from kvwire.transport.base import Agent
@@ -141,7 +142,8 @@ class WorkerSide:
         )
         self._agents += agents
         port = s.rank_port(p.pp_rank, p.tp_rank, p.tp_size) + offset
-        at = Endpoint(self.host, port, None, secret())
+        env = env_config()
+        at = Endpoint(self.host, port, None, env.secret, env.accept_secret)
         return start_connector(cls, info, ranks, s.connector_config(), at, on_event=self._news.set)
 
     def channel(self) -> RankChannel | None:
