@@ -21,8 +21,13 @@ from kvwire.errors import InvalidRequest
 from kvwire.protocol.messages import HostText, IdText, Port
 
 FIELD = "kv_transfer_params"  # the request body's key, and the parameter an error names
-# remote_hosts' bound: TP is at most 64 (kv/mapping.py), PP at most the model's layers.
-MAX_RANK_HOSTS = 2048
+# P's geometry a request may name: TP as kvwire maps (kv.mapping.MAX_TP), and ranks in all, each one a
+# handshake D makes for the request: a hostile TP 64 x PP 61 cost D 3,904 handshakes for one request
+# (512: TP 8 x PP 61, the most one could name before TP went past 8, 488).
+MAX_REMOTE_TP = 64
+MAX_REMOTE_RANKS = 512
+_Tp = Annotated[int, msgspec.Meta(ge=1, le=MAX_REMOTE_TP)]
+_Pp = Annotated[int, msgspec.Meta(ge=1, le=MAX_REMOTE_RANKS)]
 
 
 class KvTransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -42,9 +47,9 @@ class KvTransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
     remote_port: Port | None = None
     # P's ranks on several hosts (multi-node PP): rank (pp, tp)'s host at index pp * remote_tp_size + tp,
     # one per rank. Not given: every rank at remote_host (one host).
-    remote_hosts: Annotated[tuple[HostText, ...], msgspec.Meta(max_length=MAX_RANK_HOSTS)] | None = None
-    remote_tp_size: int | None = None  # P's parallelism; not given: 1
-    remote_pp_size: int | None = None
+    remote_hosts: Annotated[tuple[HostText, ...], msgspec.Meta(max_length=MAX_REMOTE_RANKS)] | None = None
+    remote_tp_size: _Tp | None = None  # P's parallelism; not given: 1
+    remote_pp_size: _Pp | None = None
     remote_block_ids: tuple[int, ...] | None = None  # pull mode: P's blocks of the prompt, in token order
     num_tokens: int | None = None  # P's answer (reference engine): the prompt's tokens
 
@@ -80,8 +85,14 @@ class KvTransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
 
     def rank_hosts(self) -> tuple[str, ...]:
         """``remote_hosts`` checked against P's rank count (``()`` when not given); ``InvalidRequest`` when
-        it names another count of ranks."""
+        it names another count of ranks, or P has more than ``MAX_REMOTE_RANKS``."""
         hosts = self.remote_hosts or ()
+        if self.tp_size * self.pp_size > MAX_REMOTE_RANKS:
+            raise InvalidRequest(
+                f"{FIELD}: P of remote_tp_size {self.tp_size} x remote_pp_size {self.pp_size} ranks: at most "
+                f"{MAX_REMOTE_RANKS} ranks",
+                FIELD,
+            )
         if hosts and len(hosts) != self.tp_size * self.pp_size:
             raise InvalidRequest(
                 f"{FIELD} remote_hosts names {len(hosts)} hosts for P's {self.tp_size * self.pp_size} ranks "

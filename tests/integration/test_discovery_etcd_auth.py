@@ -7,15 +7,21 @@ naming the fix. Run them with ``-k "etcd or discovery"``."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterator
 
 import pytest
 
+from kvwire.config import EngineKind
 from kvwire.discovery.etcd import ENV_PASSWORD, EtcdAuthFailed, EtcdClient, EtcdUnavailable, parse_target
 from kvwire.discovery.record import FleetRole, engine_key
 from kvwire.discovery.registrar import Registrar
+from kvwire.discovery.source import check_target
 from kvwire.discovery.watcher import FleetWatcher
 from kvwire.errors import ConfigError
+from kvwire.router.engines import EngineRegistry
+from kvwire.router.fleet import FleetDiscovery
+from kvwire.router.http import EngineClient
 from kvwire.testing.clock import until
 from kvwire.testing.etcd import EtcdServer, FleetView, engine_record
 
@@ -96,7 +102,9 @@ def test_a_wrong_password_or_a_foreign_prefix_is_refused_naming_the_fix(etcd: Et
                 await wrong.put("/auth/x", b"1")
             with pytest.raises(EtcdUnavailable, match=r"HTTP 403.*grant its role readwrite on keys '/auth'"):
                 await stranger.put("/auth/x", b"1")
-            with pytest.raises(EtcdUnavailable, match=r"HTTP 400.*user name is empty"):
+            with pytest.raises(
+                EtcdUnavailable, match=rf"HTTP 400.*user name is empty.*USER@.*{ENV_PASSWORD}"
+            ):
                 await anonymous.put("/auth/x", b"1")
         finally:
             for c in (wrong, stranger, anonymous):
@@ -105,13 +113,43 @@ def test_a_wrong_password_or_a_foreign_prefix_is_refused_naming_the_fix(etcd: Et
     asyncio.run(asyncio.wait_for(body(), 20))
 
 
-def test_credentials_are_checked_at_start() -> None:
+def test_a_router_refused_by_etcd_says_why(
+    etcd: EtcdServer, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A router that never got its first listing logged nothing of the cause (a wrong password retried
+    in silence); it now says it once per cause, and its summary carries it."""
+    monkeypatch.setenv(ENV_PASSWORD, "not-it")
+
+    async def body() -> None:
+        registry = EngineRegistry(EngineClient(1.0, 1.0, None), [], [], 1.0, EngineKind("kvwire"))
+        fleet = FleetDiscovery(_target(etcd, "fleet"), registry)
+        fleet.watcher.retry_s = 0.05
+        with caplog.at_level(logging.WARNING, logger="kvwire"):
+            await fleet.start(first_view_s=0.5)
+            await until(lambda: fleet.watcher.last_error != "", "the first refusal")
+            await asyncio.sleep(0.3)  # several retries: still one line for the one cause
+        await fleet.close()
+        lines = [r.getMessage() for r in caplog.records if "refused user 'fleet'" in r.getMessage()]
+        assert len(lines) == 2  # the watcher's, and the start-up's "no answer yet (...)"
+        assert ENV_PASSWORD in lines[0] and "not-it" not in " ".join(lines)
+        assert "refused user 'fleet'" in str(fleet.summary()["last_error"])
+
+    asyncio.run(asyncio.wait_for(body(), 20))
+
+
+def test_credentials_are_checked_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match=f"password in the URL is refused.*{ENV_PASSWORD}") as bad:
         parse_target("etcd://fleet:secret@127.0.0.1:2379", {ENV_PASSWORD: "x"})
     assert "secret" not in str(bad.value)
-    with pytest.raises(ConfigError, match=f"user 'fleet' needs its password in {ENV_PASSWORD}"):
-        parse_target("etcd://fleet@127.0.0.1:2379", {})
-    with pytest.raises(ConfigError, match=f"needs its password in {ENV_PASSWORD}"):
-        parse_target("etcd://fleet@127.0.0.1:2379", {ENV_PASSWORD: ""})
+    # A process that only parses the settings (vLLM's workers) needs no password; one that makes a
+    # client (a registering engine, a router) does, at start.
+    for env in ({}, {ENV_PASSWORD: ""}):
+        target = parse_target("etcd://fleet@127.0.0.1:2379", env)
+        with pytest.raises(ConfigError, match=f"user 'fleet' needs its password in {ENV_PASSWORD}"):
+            EtcdClient(target)
+    monkeypatch.delenv(ENV_PASSWORD, raising=False)
+    check_target("etcd://fleet@127.0.0.1:2379")
+    with pytest.raises(ConfigError, match=ENV_PASSWORD):
+        check_target("etcd://fleet@127.0.0.1:2379", client=True)
     t = parse_target("etcds://a%40b@127.0.0.1:2379/p", {ENV_PASSWORD: "pw"})
     assert (t.user, t.password, t.prefix) == ("a@b", "pw", "/p")

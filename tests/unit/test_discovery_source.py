@@ -65,7 +65,7 @@ def test_etcd_targets_kvwire_cannot_honour_are_refused_by_cause(
 ) -> None:
     monkeypatch.delenv("KVWIRE_ETCD_PASSWORD", raising=False)
     with pytest.raises(ConfigError, match=why) as exc:
-        source.check_target(url)
+        source.check_target(url, client=True)
     assert "pw" not in str(exc.value)
 
 

@@ -20,7 +20,8 @@ from kvwire.integrations.vllm.discovery import vllm_record
 from kvwire.integrations.vllm.params import KvRole, RankChannel, rank_host, settings_from_extra
 from kvwire.integrations.vllm.scheduler import LocalEngine, SchedulerSide
 from kvwire.integrations.vllm.worker import RankPlace, WorkerSide
-from kvwire.kv_params import parse_kv_params
+from kvwire.kv.mapping import MAX_TP
+from kvwire.kv_params import MAX_REMOTE_TP, parse_kv_params
 from kvwire.router import dialects
 from kvwire.router.fleet import health_info
 from kvwire.router.legs import decode_body, pull_params
@@ -101,6 +102,13 @@ def test_remote_hosts_must_name_one_host_per_rank() -> None:
         remote_engine(parse_kv_params(base | {"remote_hosts": ["a", "b", "c"]}))
     with pytest.raises(InvalidRequest):  # bounded before anything is built from it
         parse_kv_params(base | {"remote_hosts": ["a"] * 5000})
+    # P's geometry is bounded too: each rank is a handshake D makes for the request.
+    assert MAX_REMOTE_TP == MAX_TP
+    with pytest.raises(InvalidRequest):
+        parse_kv_params(base | {"remote_tp_size": MAX_TP + 1})
+    with pytest.raises(InvalidRequest, match="at most 512 ranks"):
+        remote_engine(parse_kv_params(base | {"remote_tp_size": 64, "remote_pp_size": 9}))
+    assert remote_engine(parse_kv_params(base | {"remote_tp_size": 64, "remote_pp_size": 8})).tp_size == 64
     with pytest.raises(InvalidRequest):
         parse_kv_params(base | {"remote_hosts": ["a", ""]})
     # Refused in vLLM's scheduler too: the request is served locally, counted, nothing crashes.

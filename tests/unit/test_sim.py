@@ -63,6 +63,15 @@ def test_tp_16_on_p_across_two_nodes_keeps_every_invariant_under_chaos(mode: str
     assert report.outcomes["d_ready"] > 600  # transfers complete, not merely fail cleanly
 
 
+def test_one_core_holding_every_rank_of_a_tp_64_pp_5_p_serves_every_request() -> None:
+    """kvwire's own engine runs all its ranks in one core: 320 P ranks, each pairing with D, held 320
+    registrations per request, past the 256 of max_registrations_per_request: every request failed as
+    overloaded. The core's bound now covers what its own ranks take."""
+    spec = dataclasses.replace(SPEC, kv_heads=64, num_layers=5)
+    report = simulate(10, 1, faults=Faults(), spec=spec, shapes=Shapes(ps=((64, 5),), ds=(1,)))
+    assert report.violations == [] and report.outcomes == {"p_sent": 10, "d_ready": 10}
+
+
 def test_a_seed_replays_exactly() -> None:
     a, b = simulate(800, 5), simulate(800, 5)
     assert (a.violations, a.outcomes, a.faults, a.simulated_seconds) == (

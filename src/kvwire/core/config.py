@@ -66,8 +66,8 @@ class ConnectorConfig:
     # 30 MB once decoded, so the count alone bounded nothing in bytes. 4M ids: 64 registrations of a
     # 1M-token prompt at 16 tokens a block at once.
     max_early_block_ids: int = 1 << 22
-    # P: registrations (and remembered cancels) one request holds at most (one per (P rank, D rank) pair
-    # of the core's ranks: a vLLM rank pairs with at most D's tp, 64), and the table in all, tombstones
+    # P: registrations (and remembered cancels) one request holds at most, per 8 ranks a core holds (one
+    # per (P rank, D rank) pair: a vLLM rank pairs with at most D's tp, 64), and the table in all, tombstones
     # included (the oldest tombstones holding some make room first): a push_reg or a cancel for a request
     # P holds or ended was bounded by nothing, each a handshake or an ack and a record.
     max_registrations_per_request: int = 256

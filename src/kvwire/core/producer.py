@@ -66,6 +66,10 @@ class ProducerCore(CoreBase):
         # tombstones holding any, oldest first (entries of forgotten ones are skipped); D's block ids the
         # registrations hold (``max_block_ids``).
         self._records = 0
+        # Per request: the setting per 8 ranks this core holds (a vLLM worker holds one): a core holding
+        # every rank of a wide P (kvwire's engine at TP 64, PP 5: 320 ranks, a registration each from one
+        # D rank) failed every request as overloaded under the setting alone.
+        self._per_request = self.config.max_registrations_per_request * -(-len(self.layouts) // 8)
         self._tomb_records = 0
         self._record_tombs: collections.deque[Request] = collections.deque()
         self._ids = 0
@@ -203,7 +207,7 @@ class ProducerCore(CoreBase):
 
     def _no_room(self, req: Request | None) -> bool:
         """No record (a registration, a remembered cancel) may join ``req`` (None: a new request)."""
-        full = req is not None and records_of(req) >= self.config.max_registrations_per_request
+        full = req is not None and records_of(req) >= self._per_request
         return full or self._records_full()
 
     def _drop_ids(self, reg: Reg) -> None:

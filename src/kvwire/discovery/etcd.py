@@ -141,14 +141,11 @@ def _credentials(
             f"give etcd://USER@HOST:PORT and the password in {ENV_PASSWORD}"
         )
     user = urllib.parse.unquote(userinfo)
-    password = environ.get(ENV_PASSWORD)
-    if not user or not password:
-        raise ConfigError(
-            f"--discovery {shown!r}: etcd user {user!r} needs its password in {ENV_PASSWORD} (set, not empty)"
-            if user
-            else f"--discovery {shown!r}: an empty user before '@'"
-        )
-    return user, password
+    if not user:
+        raise ConfigError(f"--discovery {shown!r}: an empty user before '@'")
+    # Checked when a client is made (``EtcdClient``), not here: vLLM's workers parse the same settings
+    # and never talk to etcd, so a worker node needs no password.
+    return user, environ.get(ENV_PASSWORD) or None
 
 
 def _tls(shown: str, parts: urllib.parse.SplitResult) -> EtcdTls:
@@ -199,6 +196,11 @@ class EtcdClient:
         self.timeout_s = timeout_s
         # A watch line (event or progress notification) at least this often, or the stream counts as lost.
         self.watch_idle_s = watch_idle_s
+        if target.user is not None and not target.password:
+            raise ConfigError(
+                f"--discovery {target}: etcd user {target.user!r} needs its password in {ENV_PASSWORD} "
+                "(set, not empty)"
+            )
         self._session: aiohttp.ClientSession | None = None
         self._ssl = target.tls.context() if target.tls is not None else None
         self._token: str | None = None  # etcd's auth token for target.user, once authenticated
@@ -222,7 +224,7 @@ class EtcdClient:
             self._token = None
             status, raw = await self._post(path, body, await self._auth())
         if status != 200:
-            raise EtcdUnavailable(f"etcd {path}: HTTP {status}: {raw[:200]!r}{self._hint(status)}")
+            raise EtcdUnavailable(f"etcd {path}: HTTP {status}: {raw[:200]!r}{self._hint(status, raw)}")
         try:
             out = json.loads(raw)
         except ValueError as exc:
@@ -260,7 +262,10 @@ class EtcdClient:
             self.authentications += 1
         return {"Authorization": self._token}
 
-    def _hint(self, status: int) -> str:
+    def _hint(self, status: int, raw: bytes = b"") -> str:
+        if status == 400 and b"user name is empty" in raw:
+            return (f" (etcd has authentication on: give --discovery etcd://USER@{self.target.host}:"
+                    f"{self.target.port} and the password in {ENV_PASSWORD}, docs/fleet.md)")  # fmt: skip
         if status == 403 and self.target.user is not None:
             p = self.target.prefix
             return (f" (etcd user {self.target.user!r} may not use the prefix: grant its role readwrite on "

@@ -169,7 +169,7 @@ class Registrar:
             except (SourceUnavailable, TimeoutError) as exc:
                 if not failures:
                     log.warning(
-                        "etcd unreachable, serving on and retrying: %s",
+                        "etcd call failed (unreachable or refused), serving on and retrying: %s",
                         str(exc) or "no answer within the interval",
                     )
                 failures += 1

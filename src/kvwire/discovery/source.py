@@ -126,9 +126,14 @@ def _source(text: str) -> Source:
     return source
 
 
-def check_target(text: str) -> None:
-    """``ConfigError`` when ``text`` is no source's URL (start-up checks it before anything listens)."""
-    _source(text).parse_target(text)
+def check_target(text: str, *, client: bool = False) -> None:
+    """``ConfigError`` when ``text`` is no source's URL (start-up checks it before anything listens);
+    with ``client``, also when this process could not make its client (credentials from the environment:
+    a process that registers or watches checks them, one that only parses the settings does not)."""
+    source = _source(text)
+    source.parse_target(text)
+    if client:
+        source.open_store(text, 1.0)  # no I/O until its first call
 
 
 def open_store(text: str, timeout_s: float = 2.0) -> Store:

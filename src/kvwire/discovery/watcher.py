@@ -43,6 +43,7 @@ class FleetWatcher:
         self.synced = asyncio.Event()  # the view follows etcd now (cleared while etcd is away)
         self._stop = asyncio.Event()
         self._listed = False
+        self.last_error = ""  # why etcd last failed us ("" once it answers): said in logs and summaries
 
     @property
     def prefix(self) -> str:
@@ -87,6 +88,7 @@ class FleetWatcher:
             self._set(key, raw)
         self.on_change(dict(self.records))
         self.synced.set()
+        self.last_error = ""
         return revision
 
     async def _follow(self) -> None:
@@ -109,6 +111,9 @@ class FleetWatcher:
                     log.warning(
                         "etcd watch lost, keeping the last view of %d engines: %s", len(self.records), exc
                     )
+                elif str(exc) != self.last_error:  # never synced, or still away: once per new cause
+                    log.warning("etcd at %s does not answer: %s", self.client.target, exc)
+                self.last_error = str(exc)
                 self.synced.clear()
             except Exception:  # a bug in applying the view must not freeze it for good: log, list again
                 log.exception("applying the fleet view failed")

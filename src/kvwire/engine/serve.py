@@ -122,7 +122,8 @@ def build_server(values: dict[str, Any], role: Role, env: EnvConfig) -> EngineSe
 def start(values: dict[str, Any], role: Role, env: EnvConfig) -> Started:
     check_exposure(values["host"], env.secret, values["insecure"])
     if values.get("discovery"):
-        check_target(values["discovery"])  # a bad --discovery ends start-up before anything listens
+        # A bad --discovery (or its missing password) ends start-up before anything listens.
+        check_target(values["discovery"], client=True)
     check_fleet_options(values)
     if role is not Role.COLOCATED:
         connector_config(values, TransferMode(values["mode"]))  # refuse bad knobs before building anything

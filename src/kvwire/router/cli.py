@@ -92,7 +92,7 @@ def config_from_values(values: dict[str, Any]) -> RouterConfig:
                 "or --discovery etcd://HOST:PORT to find its engines there"
             )
     if values["discovery"]:
-        check_target(values["discovery"])
+        check_target(values["discovery"], client=True)
     return RouterConfig(
         prefill_urls=split_urls(values["prefill"] or []),
         decode_urls=split_urls(values["decode"] or []),

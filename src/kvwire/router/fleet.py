@@ -85,7 +85,8 @@ class FleetDiscovery:
         try:
             await asyncio.wait_for(self.watcher.synced.wait(), timeout=first_view_s)
         except TimeoutError:
-            log.warning("no answer from %s yet: starting without its engines", self.client.target)
+            why = f" ({self.watcher.last_error})" if self.watcher.last_error else ""
+            log.warning("no answer from %s yet%s: starting without its engines", self.client.target, why)
 
     def gauges(self, registry: CollectorRegistry, model: str) -> None:
         """``kvwire_router_discovery_*`` on the router's ``/metrics`` (read from the watcher at scrape)."""
@@ -117,6 +118,7 @@ class FleetDiscovery:
             "engines": len(self.watcher.records),
             "resyncs": self.watcher.resyncs,
             "rejected": self.watcher.rejected,
+            "last_error": self.watcher.last_error,
         }
 
     async def close(self) -> None:

@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvwire.config import env_config
+from kvwire.discovery.source import check_target
 from kvwire.errors import ConfigError, KvwireError, LayoutError
 from kvwire.integrations.vllm.cpu_tiles import allow_amx_tiles
 from kvwire.integrations.vllm.discovery import BackgroundRegistrar, start_registration, vllm_record
@@ -152,6 +153,7 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._register = lambda: start_registration(settings, kv_role, lambda: sched.local, model)
             if settings.discovery:
                 vllm_record(settings, kv_role, local, model)
+                check_target(settings.discovery, client=True)  # this process registers: its credentials
             return
         tp_rank, pp_rank = _tp_pp_rank()
         if _cpu_backend():
