@@ -159,9 +159,13 @@ def test_token_and_block_errors() -> None:
 
 
 def test_block_size_ratio_rules() -> None:
-    src, dst = _layouts(LLAMA, src_bs=32)
-    with pytest.raises(LayoutError, match="multiple"):
-        plan_transfer(LLAMA, src, dst, range(32), range(64), num_tokens=1024)
+    src, dst = _layouts(LLAMA, src_bs=24)
+    with pytest.raises(LayoutError, match="one must divide the other"):
+        plan_transfer(LLAMA, src, dst, range(43), range(64), num_tokens=1024)
+    src, dst = _layouts(LLAMA, src_bs=32)  # P's larger: one descriptor per (D block, head) ...
+    plan = plan_transfer(LLAMA, src, dst, range(32), range(64), num_tokens=1024)
+    # ... except that a P block's last head ends where the next P block's first begins (D's blocks too).
+    assert plan.num_runs == 64 * 8 - 31 and plan.nbytes == 1024 * LLAMA.bytes_per_token()
     src, dst = _layouts(LLAMA, src_bs=8)  # HND: one descriptor per (P block, head) when sizes differ
     plan = plan_transfer(LLAMA, src, dst, range(128), range(64), num_tokens=1024)
     # ... except that the last head of a D block's last P block abuts the next D block's first one.

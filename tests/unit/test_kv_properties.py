@@ -62,8 +62,12 @@ def cases(draw: st.DrawFn, max_pp: int = 2) -> Case:
     kv_heads = 1 if mla else draw(st.sampled_from([1, 2, 3, 4, 6, 8]))
     tps = _valid_tps(kv_heads, mla)
     num_layers = draw(st.integers(1, 3))
-    src_bs = draw(st.sampled_from([1, 2, 4]))
-    dst_bs = src_bs * draw(st.sampled_from([1, 2, 3]))
+    src_bs = dst_bs = draw(st.sampled_from([1, 2, 4]))
+    factor = draw(st.sampled_from([1, 2, 3]))
+    if draw(st.booleans()):  # D's blocks larger, or P's (a chunk of the smaller size is the unit)
+        dst_bs *= factor
+    else:
+        src_bs *= factor
     spec = KVSpec(
         num_layers=num_layers,
         kv_heads=kv_heads,
@@ -137,8 +141,9 @@ def check(case: Case) -> None:
     rng = np.random.default_rng(case.seed)
     elem = spec.head_dim * spec.itemsize
     kinds = len(spec.kinds)
+    chunk = min(case.src_bs, spec.block_size)
+    t_end = -(-case.num_tokens // chunk) * chunk  # whole chunks move (the smaller block size)
     first_p, last_p = case.cached // case.src_bs, -(-case.num_tokens // case.src_bs)
-    t_end = last_p * case.src_bs  # whole P blocks move
     ref = rng.integers(0, 256, (spec.num_layers, kinds, t_end, spec.kv_heads, elem), dtype=np.uint8)
     tok = np.arange(t_end)
 
@@ -223,7 +228,7 @@ def check(case: Case) -> None:
         want = want_mask.slab.reshape(-1).view(np.uint8) != 0
         assert np.array_equal(writes == 1, want), "bytes written outside (or missing from) the target"
         assert np.array_equal(dst.slab.view(np.uint8), expected.slab.view(np.uint8))
-        if first_p < last_p:
+        if case.cached < case.num_tokens:
             # D pairs with every rank that writes, and with the replicas no D rank reads, which move nothing.
             sources = source_ranks(spec, case.src_tp, case.src_pp, layout)
             assert writers == [

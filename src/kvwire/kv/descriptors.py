@@ -9,13 +9,16 @@ Rules:
 * Tokens. ``src_blocks`` and ``dst_blocks`` are the request's blocks on each side in token order, both from
   token 0 (D's list includes its prefix-hit blocks); extra trailing blocks are ignored. Only tokens
   ``[num_cached_tokens, num_tokens)`` move, from P's blocks at the same token positions;
-  ``num_cached_tokens`` must be a multiple of D's block size. The unit of copy is a P block: the last one
-  moves whole, so D's positions past ``num_tokens`` inside the last P block receive P's (unused) bytes.
-* Block sizes. D's block size must be a multiple of P's (P block ``i`` lands in D block ``i // r`` at
-  token slot ``(i % r) * P's block size``). A fused K/V cache (vLLM >= 0.34) splits too: with ``[K|V]``
-  token rows a head's P block is one run of D's head rows; with a K tile then a V tile per head
-  (``spec.kv_tiles``, vLLM's CPU backend) each tile is planned as a head of its own, so a head's P block
-  is two runs (its K rows, its V rows).
+  ``num_cached_tokens`` must be a multiple of D's block size. The unit of copy is a chunk of the smaller
+  block size's tokens: the last one moves whole, so D's positions past ``num_tokens`` inside it receive
+  P's (unused) bytes.
+* Block sizes. One must divide the other. Chunk ``k`` is slot ``k % rp`` of P block ``k // rp`` and slot
+  ``k % rd`` of D block ``k // rd`` (``rp``, ``rd``: chunks per block; the smaller side's is 1): D's
+  blocks larger (P block ``i`` lands in a slot of D block ``i // r``), or P's (each of D's blocks takes
+  a slot of one P block; vLLM's NIXL connector supports both since vLLM 0.12). A fused K/V cache
+  (vLLM >= 0.34) splits too: with ``[K|V]`` token rows a head's chunk is one run of the other side's
+  head rows; with a K tile then a V tile per head (``spec.kv_tiles``, vLLM's CPU backend) each tile is
+  planned as a head of its own, so a head's chunk is two runs (its K rows, its V rows).
 * Layouts. Both sides use ``spec.layout``. HND (``[heads, tokens, head_dim]``): a head slice of a block is
   contiguous, so one descriptor per block (per head when block sizes differ). NHD
   (``[tokens, heads, head_dim]``): whole blocks are contiguous, but a head slice (TP sizes differ) is
@@ -130,6 +133,11 @@ class _Geometry:
     def dst_block_len(self) -> int:
         return self.dst_heads * self.dst_bs * self.elem
 
+    @property
+    def chunk(self) -> int:
+        """Tokens of the unit of copy: the smaller block size (one side's block, a slot of the other's)."""
+        return min(self.src_bs, self.dst_bs)
+
 
 def plan_transfer(
     spec: KVSpec,
@@ -186,22 +194,23 @@ def _plan(
     num_cached_tokens: int,
     only_layers: range | None,
 ) -> TransferPlan:
-    """``plan_transfer`` for one block list (one group), over ``only_layers`` when given."""
-    first_p, last_p, ratio = _token_range(src, dst, num_tokens, num_cached_tokens)
-    if len(src_blocks) < last_p:
-        raise BlockRangeError(f"{num_tokens} tokens need {last_p} P blocks, got {len(src_blocks)}")
+    """``plan_transfer`` for one block list (one group), over ``only_layers`` when given. The unit is a
+    chunk of the smaller block size: chunk ``k`` is slot ``k % rp`` of P block ``k // rp`` and slot
+    ``k % rd`` of D block ``k // rd`` (one of ``rp``, ``rd`` is 1)."""
+    first, last, rp, rd = _token_range(src, dst, num_tokens, num_cached_tokens)
+    if len(src_blocks) < -(-num_tokens // src.block_size):
+        raise BlockRangeError(
+            f"{num_tokens} tokens need {-(-num_tokens // src.block_size)} P blocks, got {len(src_blocks)}"
+        )
     if len(dst_blocks) < -(-num_tokens // dst.block_size):
         raise BlockRangeError(
             f"{num_tokens} tokens need {-(-num_tokens // dst.block_size)} D blocks, got {len(dst_blocks)}"
         )
-    d_first, d_last = first_p // ratio, -(-last_p // ratio)
-    small = (
-        last_p - first_p <= _SMALL_BLOCKS
-        or (last_p - first_p) * _units_per_block(spec, src, dst) <= _SMALL_UNITS
-    )
+    s_first, s_last, d_first, d_last = first // rp, -(-last // rp), first // rd, -(-last // rd)
+    small = last - first <= _SMALL_BLOCKS or (last - first) * _units_per_block(spec, src, dst) <= _SMALL_UNITS
     # Validate the ids even when this rank pair moves nothing: a bad registration is refused by every rank.
     check = _block_ids_py if small else _block_ids
-    src_ids = check(src_blocks[first_p:last_p], src.num_blocks, "P")
+    src_used = check(src_blocks[s_first:s_last], src.num_blocks, "P")
     dst_used = check(dst_blocks[d_first:d_last], dst.num_blocks, "D")
     slices = _pair_slices(spec, src.tp_size, dst.tp_size, src.tp_rank, dst.tp_rank)
     layers = range(max(src.first_layer, dst.first_layer), min(src.layers.stop, dst.layers.stop))
@@ -209,38 +218,38 @@ def _plan(
         layers = range(
             max(layers.start, only_layers.start), max(layers.start, min(layers.stop, only_layers.stop))
         )
-    if not slices or not layers or first_p >= last_p:
+    if not slices or not layers or first >= last:
         return TransferPlan()
     geo = _geometry(spec, src, dst)
     if geo.tiles:
         slices = _tile_slices(slices)
     if small:
         # A few blocks: numpy's per-call overhead (dozens of tiny arrays) costs more than the Python loop.
-        src_py = cast("list[int]", src_ids)
-        dst_py = [cast("list[int]", dst_used)[i // ratio - d_first] for i in range(first_p, last_p)]
-        slots = [i % ratio for i in range(first_p, last_p)]
+        s_py, d_py = cast("list[int]", src_used), cast("list[int]", dst_used)
+        chunks = [
+            (s_py[k // rp - s_first], k % rp, d_py[k // rd - d_first], k % rd) for k in range(first, last)
+        ]
         rs: list[int] = []
-        rd: list[int] = []
+        rdst: list[int] = []
         rl: list[int] = []
         for s in slices:
-            _coalesce_py(*_units_py(geo, s, src_py, dst_py, slots), rs, rd, rl)
-        run_src, run_dst, run_len = (np.array(x, dtype=_I64) for x in (rs, rd, rl))
+            _coalesce_py(*_units_py(geo, s, chunks), rs, rdst, rl)
+        run_src, run_dst, run_len = (np.array(x, dtype=_I64) for x in (rs, rdst, rl))
         return _build_plan(spec, src, dst, layers, geo, run_src, run_dst, run_len, sum(rl))
-    src_arr, dst_used_arr = cast(np.ndarray, src_ids), cast(np.ndarray, dst_used)
-    p_index = np.arange(first_p, last_p, dtype=_I64)
-    dst_ids = dst_used_arr[p_index // ratio - d_first]
-    slot = p_index % ratio
-    runs = [_coalesce(*_units(geo, s, src_arr, dst_ids, slot)) for s in slices]
+    k = np.arange(first, last, dtype=_I64)
+    src_ids = cast(np.ndarray, src_used)[k // rp - s_first]
+    dst_ids = cast(np.ndarray, dst_used)[k // rd - d_first]
+    runs = [_coalesce(*_units(geo, s, src_ids, k % rp, dst_ids, k % rd)) for s in slices]
     run_src, run_dst, run_len = (np.concatenate([r[i] for r in runs]) for i in range(3))
     return _build_plan(spec, src, dst, layers, geo, run_src, run_dst, run_len, None)
 
 
 def _units_per_block(spec: KVSpec, src: RankLayout, dst: RankLayout) -> int:
-    """Units per P block and head slice (``_units``): one where a slice is contiguous in a block on both
+    """Units per chunk and head slice (``_units``): one where a slice is contiguous in a block on both
     sides (HND with equal block sizes, NHD moving whole blocks), else one per head (HND) or token (NHD)."""
     if spec.layout is Layout.HND:
         return 1 if src.block_size == dst.block_size else spec.heads_per_rank(max(src.tp_size, dst.tp_size))
-    return 1 if src.tp_size == dst.tp_size else src.block_size
+    return 1 if src.tp_size == dst.tp_size else min(src.block_size, dst.block_size)
 
 
 @functools.lru_cache(maxsize=256)
@@ -285,18 +294,17 @@ def _geometry(spec: KVSpec, src: RankLayout, dst: RankLayout) -> _Geometry:
     return _geometry_of(spec, src.tp_size, src.block_size, dst.tp_size, dst.block_size)
 
 
-def _token_range(src: RankLayout, dst: RankLayout, num_tokens: int, cached: int) -> tuple[int, int, int]:
-    """(first P block index moved, end P block index, D/P block-size ratio)."""
-    if dst.block_size % src.block_size:
-        raise LayoutError(
-            f"D's block size {dst.block_size} must be a multiple of P's {src.block_size} "
-            "(P's blocks larger than D's are not supported)"
-        )
+def _token_range(src: RankLayout, dst: RankLayout, num_tokens: int, cached: int) -> tuple[int, int, int, int]:
+    """(first chunk moved, end chunk, chunks per P block, chunks per D block): a chunk is the smaller
+    block size's tokens, so one side's blocks are its chunks and the other's hold several."""
+    small, large = sorted((src.block_size, dst.block_size))
+    if large % small:
+        raise LayoutError(f"block sizes P {src.block_size} and D {dst.block_size}: one must divide the other")
     if num_tokens <= 0 or not 0 <= cached <= num_tokens:
         raise LayoutError(f"bad token counts: num_tokens={num_tokens}, num_cached_tokens={cached}")
     if cached % dst.block_size:
         raise LayoutError(f"num_cached_tokens={cached} is not a multiple of D's block size {dst.block_size}")
-    return cached // src.block_size, -(-num_tokens // src.block_size), dst.block_size // src.block_size
+    return cached // small, -(-num_tokens // small), src.block_size // small, dst.block_size // small
 
 
 def _block_ids(ids: Sequence[int], num_blocks: int, side: str) -> np.ndarray:
@@ -323,29 +331,27 @@ def _block_ids_py(ids: Sequence[int], num_blocks: int, side: str) -> list[int]:
 
 
 def _units_py(
-    geo: _Geometry, s: HeadSlice, src_ids: list[int], dst_ids: list[int], slots: list[int]
+    geo: _Geometry, s: HeadSlice, chunks: list[tuple[int, int, int, int]]
 ) -> tuple[list[int], list[int], int]:
-    """``_units`` in pure Python, for a few blocks (same pieces, same order)."""
-    e, bp = geo.elem, geo.src_bs
+    """``_units`` in pure Python, for a few chunks ``(P block, P slot, D block, D slot)`` (same pieces,
+    same order)."""
+    e, c, bs, bd = geo.elem, geo.chunk, geo.src_bs, geo.dst_bs
     sbl, dbl = geo.src_block_len, geo.dst_block_len
-    pairs = list(zip(src_ids, dst_ids, slots, strict=True))
     if geo.layout is Layout.HND:
-        if geo.src_bs == geo.dst_bs:
-            so, do = s.src_head * bp * e, s.dst_head * bp * e
-            return [a * sbl + so for a in src_ids], [b * dbl + do for b in dst_ids], s.num_heads * bp * e
-        hs = [(s.src_head + k) * bp * e for k in range(s.num_heads)]
-        hd = [(s.dst_head + k) * geo.dst_bs * e for k in range(s.num_heads)]
-        src_off = [a * sbl + h for a, _, _ in pairs for h in hs]
-        dst_off = [b * dbl + sl * bp * e + h for _, b, sl in pairs for h in hd]
-        return src_off, dst_off, bp * e
-    if s.num_heads == geo.src_heads == geo.dst_heads:
-        row = bp * geo.dst_heads * e
-        return [a * sbl for a in src_ids], [b * dbl + sl * row for _, b, sl in pairs], bp * geo.src_heads * e
-    ts = [(o * geo.src_heads + s.src_head) * e for o in range(bp)]
-    src_off = [a * sbl + t for a, _, _ in pairs for t in ts]
-    dst_off = [
-        b * dbl + ((sl * bp + o) * geo.dst_heads + s.dst_head) * e for _, b, sl in pairs for o in range(bp)
-    ]
+        if bs == bd:
+            so, do = s.src_head * bs * e, s.dst_head * bd * e
+            src = [a * sbl + so for a, _, _, _ in chunks]
+            return src, [b * dbl + do for _, _, b, _ in chunks], s.num_heads * bs * e
+        ks = range(s.num_heads)
+        src_off = [a * sbl + (s.src_head + k) * bs * e + sp * c * e for a, sp, _, _ in chunks for k in ks]
+        dst_off = [b * dbl + (s.dst_head + k) * bd * e + sd * c * e for _, _, b, sd in chunks for k in ks]
+        return src_off, dst_off, c * e
+    sh, dh = geo.src_heads, geo.dst_heads
+    if s.num_heads == sh == dh:
+        src = [a * sbl + sp * c * sh * e for a, sp, _, _ in chunks]
+        return src, [b * dbl + sd * c * dh * e for _, _, b, sd in chunks], c * sh * e
+    src_off = [a * sbl + ((sp * c + o) * sh + s.src_head) * e for a, sp, _, _ in chunks for o in range(c)]
+    dst_off = [b * dbl + ((sd * c + o) * dh + s.dst_head) * e for _, _, b, sd in chunks for o in range(c)]
     return src_off, dst_off, s.num_heads * e
 
 
@@ -364,26 +370,34 @@ def _coalesce_py(
 
 
 def _units(
-    geo: _Geometry, s: HeadSlice, src_ids: np.ndarray, dst_ids: np.ndarray, slot: np.ndarray
+    geo: _Geometry,
+    s: HeadSlice,
+    src_ids: np.ndarray,
+    src_slot: np.ndarray,
+    dst_ids: np.ndarray,
+    dst_slot: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """Region-relative (src offsets, dst offsets, unit length) of the smallest pieces contiguous on both
-    sides, in copy order (P block, then head or token)."""
-    e, bp = geo.elem, geo.src_bs
+    sides, in copy order (chunk, then head or token); chunk ``i`` is at slot ``src_slot[i]`` of P block
+    ``src_ids[i]`` and slot ``dst_slot[i]`` of D block ``dst_ids[i]``."""
+    e, c, bs, bd = geo.elem, geo.chunk, geo.src_bs, geo.dst_bs
     src_base = src_ids * geo.src_block_len
     dst_base = dst_ids * geo.dst_block_len
     if geo.layout is Layout.HND:
-        if geo.src_bs == geo.dst_bs:  # the slice's heads are adjacent on both sides: one piece per block
-            return src_base + s.src_head * bp * e, dst_base + s.dst_head * bp * e, s.num_heads * bp * e
+        if bs == bd:  # the slice's heads are adjacent on both sides: one piece per block
+            return src_base + s.src_head * bs * e, dst_base + s.dst_head * bd * e, s.num_heads * bs * e
         k = np.arange(s.num_heads, dtype=_I64)
-        src_off = src_base[:, None] + (s.src_head + k)[None, :] * bp * e
-        dst_off = (dst_base + slot * bp * e)[:, None] + (s.dst_head + k)[None, :] * geo.dst_bs * e
-        return src_off.reshape(-1), dst_off.reshape(-1), bp * e
-    if s.num_heads == geo.src_heads == geo.dst_heads:  # NHD, whole blocks: token rows are contiguous
-        return src_base, dst_base + slot * bp * geo.dst_heads * e, bp * geo.src_heads * e
-    o = np.arange(bp, dtype=_I64)
-    src_off = src_base[:, None] + (o * geo.src_heads + s.src_head)[None, :] * e
-    dst_tok = slot[:, None] * bp + o[None, :]
-    dst_off = dst_base[:, None] + (dst_tok * geo.dst_heads + s.dst_head) * e
+        src_off = (src_base + src_slot * c * e)[:, None] + (s.src_head + k)[None, :] * bs * e
+        dst_off = (dst_base + dst_slot * c * e)[:, None] + (s.dst_head + k)[None, :] * bd * e
+        return src_off.reshape(-1), dst_off.reshape(-1), c * e
+    sh, dh = geo.src_heads, geo.dst_heads
+    if s.num_heads == sh == dh:  # NHD, whole blocks: token rows are contiguous
+        return src_base + src_slot * c * sh * e, dst_base + dst_slot * c * dh * e, c * sh * e
+    o = np.arange(c, dtype=_I64)
+    src_tok = src_slot[:, None] * c + o[None, :]
+    dst_tok = dst_slot[:, None] * c + o[None, :]
+    src_off = src_base[:, None] + (src_tok * sh + s.src_head) * e
+    dst_off = dst_base[:, None] + (dst_tok * dh + s.dst_head) * e
     return src_off.reshape(-1), dst_off.reshape(-1), s.num_heads * e
 
 
