@@ -35,7 +35,7 @@ DEFAULT_BACKEND = Backend("nixl")
 
 ENV_SECRET = "KVWIRE_SECRET"
 # A second secret an engine accepts (never signs with): rotating KVWIRE_SECRET over a live fleet in two
-# rolls (docs/configuration.md, "Rotating KVWIRE_SECRET").
+# three rolls (docs/configuration.md, "Rotating KVWIRE_SECRET").
 ENV_SECRET_ACCEPT = "KVWIRE_SECRET_ACCEPT"
 ENV_SIDE_CHANNEL_HOST = "KVWIRE_SIDE_CHANNEL_HOST"
 ENV_LOG_LEVEL = "KVWIRE_LOG_LEVEL"

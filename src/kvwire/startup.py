@@ -67,18 +67,26 @@ MIN_SECRET_BYTES = 32
 
 
 def check_exposure(
-    host: str, secret: bytes | None, insecure: bool, where: str = "--host", override: str = "pass --insecure"
+    host: str,
+    secret: bytes | None,
+    insecure: bool,
+    where: str = "--host",
+    override: str = "pass --insecure",
+    accept: bytes | None = None,
 ) -> None:
     """Without a shared secret the side channel answers anyone with the cache's region map, and a peer
-    holding that map can write into D's KV: such an engine binds a loopback address only, unless told."""
-    if secret is not None and len(secret) < MIN_SECRET_BYTES:
-        # Not refused (tests and loopback demos use short ones), but said at start: one captured signed
-        # request is enough to guess a short secret offline.
-        log.warning(
-            "KVWIRE_SECRET is %d bytes: use at least %d random ones (e.g. `openssl rand -hex 32`)",
-            len(secret),
-            MIN_SECRET_BYTES,
-        )
+    holding that map can write into D's KV: such an engine binds a loopback address only, unless told.
+    ``accept``: ``KVWIRE_SECRET_ACCEPT``, trusted as fully as the secret (its length is checked alike)."""
+    for name, key in (("KVWIRE_SECRET", secret), ("KVWIRE_SECRET_ACCEPT", accept)):
+        if key is not None and len(key) < MIN_SECRET_BYTES:
+            # Not refused (tests and loopback demos use short ones), but said at start: one captured signed
+            # request is enough to guess a short secret offline.
+            log.warning(
+                "%s is %d bytes: use at least %d random ones (e.g. `openssl rand -hex 32`)",
+                name,
+                len(key),
+                MIN_SECRET_BYTES,
+            )
     if secret is None and not insecure and not is_loopback(host):
         raise ConfigError(
             f"{where} {host} without KVWIRE_SECRET would let anyone who reaches it read the KV layout and "

@@ -207,7 +207,7 @@ def test_the_secret_rotates_in_rolls_with_every_pair_moving_exact_bytes(
 def test_switching_the_secret_without_accepting_the_other_fails_the_pair(
     hosts: tuple[ConnectorWorker, ConnectorWorker],
 ) -> None:
-    """Why two rolls: a D that signs with the new secret beside a P that knows only the old one is
+    """Why more than one roll: a D that signs with the new secret beside a P that knows only the old one is
     refused (the load fails, typed), so a one-step switch fails every request across the two generations."""
     eng = Engines(hosts, keys=({"secret": OLD}, {"secret": NEW}))
     try:

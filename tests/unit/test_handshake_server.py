@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 
 import msgspec
@@ -27,6 +28,7 @@ from kvwire.protocol.messages import (
     TransferMode,
 )
 from kvwire.protocol.seal import NotifGate, ReplySeal
+from kvwire.startup import check_exposure
 from kvwire.testing.handshake_env import build_registered_engine
 from kvwire.transport.base import PeerMode
 from kvwire.transport.inproc import InprocFabric
@@ -455,3 +457,9 @@ def test_the_accepted_secret_needs_an_own_one() -> None:
     assert env.accept_secret is None  # the same secret twice: nothing more to accept
     env = env_config({"KVWIRE_SECRET": "a" * 32, "KVWIRE_SECRET_ACCEPT": "b" * 32})
     assert (env.secret, env.accept_secret) == (b"a" * 32, b"b" * 32)
+
+
+def test_a_short_accepted_secret_is_warned_of_like_a_short_secret(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvwire"):
+        check_exposure("127.0.0.1", b"s" * 32, False, accept=b"abc")
+    assert [r.getMessage()[:33] for r in caplog.records] == ["KVWIRE_SECRET_ACCEPT is 3 bytes: "]

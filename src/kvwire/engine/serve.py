@@ -120,7 +120,7 @@ def build_server(values: dict[str, Any], role: Role, env: EnvConfig) -> EngineSe
 
 
 def start(values: dict[str, Any], role: Role, env: EnvConfig) -> Started:
-    check_exposure(values["host"], env.secret, values["insecure"])
+    check_exposure(values["host"], env.secret, values["insecure"], accept=env.accept_secret)
     if values.get("discovery"):
         # A bad --discovery (or its missing password) ends start-up before anything listens.
         check_target(values["discovery"], client=True)

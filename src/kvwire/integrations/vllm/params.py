@@ -175,7 +175,8 @@ def _check_host(host: str, where: str, insecure: bool) -> None:
             f"{where} {host!r}: it is also the address D is told to dial (D would dial itself): set this "
             "host's address that D reaches"
         )
-    check_exposure(host, secret(), insecure, where, 'set "insecure": true')
+    env = env_config()
+    check_exposure(host, env.secret, insecure, where, 'set "insecure": true', accept=env.accept_secret)
 
 
 def rank_host(s: Settings, environ: Mapping[str, str] | None = None) -> str:
@@ -196,10 +197,6 @@ class RankChannel(msgspec.Struct, frozen=True):
 
     host: str
     port: int
-
-
-def secret() -> bytes | None:
-    return env_config().secret
 
 
 def incarnation_of(engine_id: str, instance_id: str) -> str:
