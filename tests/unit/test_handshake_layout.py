@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 import pytest
 
@@ -98,3 +100,18 @@ def test_mla_cache_has_one_region_per_layer() -> None:
     assert isinstance(md.kv, KVInfo) and md.kv.mla
     layout = validate_layout(*local(tp_size=1, spec=spec), md)
     assert len(layout.regions) == 2
+
+
+def test_a_hybrid_model_with_other_block_sizes_is_refused_at_the_handshake() -> None:
+    """Either side larger is mapped for one KV cache group, but a hybrid model's groups are planned in
+    one block size: refused at the handshake, naming the fix, not every request at planning."""
+    hybrid = KVSpec(num_layers=4, kv_heads=4, head_dim=8, block_size=4, layer_groups=(0, 1, 0, 1),
+                    group_windows=(0, 8))  # fmt: skip
+    md = reply(tp_size=1, pp_size=1, pp_rank=0, spec=dataclasses.replace(hybrid, block_size=8))
+    with pytest.raises(IncompatiblePeer, match="same --block-size"):
+        validate_layout(*local(spec=hybrid), md)
+    layout = validate_layout(*local(spec=hybrid), reply(tp_size=1, pp_size=1, pp_rank=0, spec=hybrid))
+    assert layout.block_size == 4
+    # P's blocks larger than D's, one group: mapped.
+    wide = reply(tp_size=1, pp_size=1, pp_rank=0, spec=dataclasses.replace(SPEC, block_size=8))
+    assert validate_layout(*local(), wide).block_size == 8

@@ -7,10 +7,12 @@ any of P's blocks in remote_block_ids; and with several D ranks reading one P ra
 from __future__ import annotations
 
 import asyncio
+import time
 
 import msgspec
 import pytest
 
+from kvwire.connector import ConnectorConfig, ConsumerEventKind
 from kvwire.connector.sidecalls import claim_until_finished
 from kvwire.core.base import DropReason, Refused
 from kvwire.core.events import ProducerOutcome
@@ -27,7 +29,17 @@ from kvwire.core.io import (
 from kvwire.core.types import PeerAddress
 from kvwire.handshake.server import ClaimVerdict
 from kvwire.kv.spec import KVSpec
-from kvwire.protocol.messages import Claim, Done, ErrorCode, ErrorReply, Failed, FailReason, Granted
+from kvwire.protocol.messages import (
+    Claim,
+    Done,
+    ErrorCode,
+    ErrorReply,
+    Failed,
+    FailReason,
+    Granted,
+    TransferMode,
+)
+from kvwire.testing.connector_env import Pair
 from kvwire.testing.core_harness import events, one, protocol
 from kvwire.testing.cores_env import BLOCKS, CFG, FAILED, PULL, READY, RELEASED, TID, TOKENS, D, P, ev, freed
 from kvwire.testing.handshake_env import manager_pair
@@ -206,3 +218,20 @@ def test_d_asks_again_while_p_has_not_finished_the_request_yet() -> None:
     assert asyncio.run(run(2.0)) == Granted(lease_ms=30_000) and answers == []
     late = asyncio.run(run(0.1))  # never finished within the budget: the refusal stands
     assert isinstance(late, ErrorReply) and late.code is ErrorCode.NOT_YET
+
+
+def test_a_read_d_cannot_plan_tells_p_at_once() -> None:
+    """D refuses to read (P's block ids out of P's cache, or a geometry it cannot map): it never claims,
+    and was never telling P, which held the prompt's blocks to its lease (30 s) for every such request."""
+    cfg = ConnectorConfig(mode=TransferMode.PULL, kv_lease_duration_s=30.0)
+    pair = Pair(KVSpec(num_layers=2, kv_heads=2, head_dim=8, block_size=4), mode=TransferMode.PULL,
+                num_blocks=40, config=cfg)  # fmt: skip
+    try:
+        pair.producer.request_finished("unplanned", [1, 2, 3], 10)
+        pair.consumer.request_allocated("unplanned", [10, 11, 12], 10, 0, pair.remote((1, 2, 500)))
+        assert next(e.kind for e in pair.d_event("unplanned")) is ConsumerEventKind.FAILED
+        started = time.monotonic()
+        assert pair.p_event("unplanned").outcome is ProducerOutcome.FAILED
+        assert time.monotonic() - started < 5.0  # the lease is 30 s
+    finally:
+        pair.close()

@@ -47,6 +47,9 @@ class PullConsumerCore(ConsumerCore):
         except (BlockRangeError, LayoutError) as exc:
             self._log_info("%s cannot read from %s: %s", req.transfer_id, peer.agent_name, exc)
             self._fail(req, part, CT.HANDSHAKE_FAILED, FailReason.BAD_REGISTRATION)
+            # P holds the prompt's blocks for this request though nothing will be claimed: told now, it
+            # frees them at once rather than at its lease (a link never claimed is not told at the end).
+            self._tell(req, part, link, FailReason.BAD_REGISTRATION)
             return
         if plan.empty:
             link.read_done = True

@@ -89,3 +89,9 @@ def _check_geometry(engine: EngineInfo, local: LocalRank, md: Metadata, layout: 
     small, large = sorted((layout.block_size, local.cache.spec.block_size))
     if large % small:
         raise LayoutError(f"block sizes {layout.block_size} and {local.cache.spec.block_size} do not divide")
+    if spec.layer_groups and small != large:
+        # Each group's blocks are planned against the other side's in token order (kv/groups.py): one size.
+        raise LayoutError(
+            f"a hybrid model's KV cache groups need one block size on P and D, got {layout.block_size} and "
+            f"{local.cache.spec.block_size}: start both with the same --block-size"
+        )
