@@ -235,3 +235,27 @@ def test_a_read_d_cannot_plan_tells_p_at_once() -> None:
         assert time.monotonic() - started < 5.0  # the lease is 30 s
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize("secret", [None, b"claims-secret-0123456789abcdef0123"], ids=["plain", "secret"])
+def test_a_burst_of_pull_loads_claims_on_a_few_kept_connections(secret: bytes | None) -> None:
+    """Each claim opened its own connection: 50 loads allocated at once on one D opened 50 to one P rank,
+    past the side channel's 32 per peer address, and 14 failed handshake_failed (300 at once: 185).
+    Claims now queue for two kept connections per P address; the server's bound of requests per
+    connection (64) closes them along the way, and the claims go on on new ones."""
+    n = 200
+    cfg = ConnectorConfig(mode=TransferMode.PULL)
+    pair = Pair(KVSpec(num_layers=2, kv_heads=2, head_dim=8, block_size=4), mode=TransferMode.PULL,
+                num_blocks=n + 8, config=cfg, secret=secret)  # fmt: skip
+    try:
+        for i in range(n):
+            pair.producer.request_finished(f"b{i}", [1 + i], 4)
+        for i in range(n):
+            pair.consumer.request_allocated(f"b{i}", [1 + i], 4, 0, pair.remote((1 + i,)))
+        finals = [pair.d_event(f"b{i}")[-1].kind for i in range(n)]
+        assert finals == [ConsumerEventKind.READY] * n
+        lines = pair.consumer._claim_lines
+        assert lines is not None and 4 <= lines.opened <= 2 * (n // 64 + 2)  # reconnected, never 200
+        assert pair.producer._server is not None and pair.producer._server.stats.refused_connections == 0
+    finally:
+        pair.close()

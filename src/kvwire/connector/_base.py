@@ -68,6 +68,7 @@ from kvwire.errors import (
     ProtocolError,
     TransportError,
 )
+from kvwire.handshake.lines import ClaimLines
 from kvwire.handshake.loop import BackgroundLoop
 from kvwire.handshake.manager import HandshakeManager, warm_up
 from kvwire.handshake.server import ClaimVerdict, ServerStats, SideChannelServer
@@ -152,6 +153,7 @@ class ConnectorBase(Generic[E]):
     def _init_ticker(self) -> None:
         self._ticker: concurrent.futures.Future[None] | None = None
         self._tasks: set[asyncio.Future[Any]] = set()
+        self._claim_lines: ClaimLines | None = None  # D, pull: kept connections for claims (sidecalls)
         # The next tick: a TimerHandle (waiting out an interval), a Handle (woken), None (ticking, stopped).
         self._next: asyncio.Handle | None = None
         self._woken = False
@@ -298,6 +300,8 @@ class ConnectorBase(Generic[E]):
         for mgr in self.managers.values():
             with contextlib.suppress(Exception):
                 await mgr.close()
+        if self._claim_lines is not None:
+            await self._claim_lines.close()
         if self._server is not None:
             await self._server.close()
 

@@ -14,6 +14,7 @@ from kvwire.core.io import AnswerClaim, ClaimAnswered, ClaimArrived, HandshakeDo
 from kvwire.core.types import PeerAddress, PeerRank
 from kvwire.errors import KvwireError, NobodyListens
 from kvwire.handshake.client import send_claim
+from kvwire.handshake.lines import ClaimLines
 from kvwire.handshake.server import ClaimVerdict
 from kvwire.protocol.messages import Claim, ErrorCode, ErrorReply, FailReason, Granted
 
@@ -64,8 +65,10 @@ def start_handshake(conn: ConnectorBase[Any], a: StartHandshake) -> None:
 def start_claim(conn: ConnectorBase[Any], a: SendClaim) -> None:
     """D: send the claim on P's side channel; P's answer (or why none came) returns as ``ClaimAnswered``."""
     addr = PeerAddress(a.host, a.port, a.remote[0], a.remote[1])
+    if conn._claim_lines is None:
+        conn._claim_lines = ClaimLines()
     task = asyncio.ensure_future(
-        claim_until_finished(addr, a.claim, conn.config.handshake_timeout_s, conn._secret)
+        claim_until_finished(addr, a.claim, conn.config.handshake_timeout_s, conn._secret, conn._claim_lines)
     )
 
     def finished(t: asyncio.Future[Granted | ErrorReply]) -> ClaimAnswered:
@@ -83,7 +86,7 @@ def start_claim(conn: ConnectorBase[Any], a: SendClaim) -> None:
 
 
 async def claim_until_finished(
-    addr: PeerAddress, claim: Claim, budget_s: float, secret: bytes | None
+    addr: PeerAddress, claim: Claim, budget_s: float, secret: bytes | None, lines: ClaimLines | None = None
 ) -> Granted | ErrorReply:
     """The claim, asked again while P answers ``not_yet`` (P's worker gets a request's end a step after
     P's answer left: with PP on P a later stage's even later), for up to ``budget_s`` in all. The core's
@@ -94,7 +97,7 @@ async def claim_until_finished(
         async with asyncio.timeout(budget_s):
             while True:
                 asking = True
-                reply = await send_claim(addr, claim, timeout_s=budget_s, secret=secret)
+                reply = await send_claim(addr, claim, timeout_s=budget_s, secret=secret, lines=lines)
                 asking = False
                 if not isinstance(reply, ErrorReply) or reply.code is not ErrorCode.NOT_YET:
                     return reply

@@ -20,6 +20,7 @@ import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvwire.errors import (
     AuthError,
@@ -35,6 +36,9 @@ from kvwire.errors import (
 )
 from kvwire.handshake import refusals
 from kvwire.handshake.types import PeerAddress
+
+if TYPE_CHECKING:
+    from kvwire.handshake.lines import ClaimLines
 from kvwire.protocol.auth import SignedRequest, sign
 from kvwire.protocol.codec import FRAME_HEADER_BYTES, decode_side, encode_frame, parse_frame_header
 from kvwire.protocol.compat import describe_mismatch, fields_of
@@ -149,7 +153,7 @@ def _stalled(late_s: float) -> str:
     )
 
 
-async def _roundtrip(
+async def roundtrip(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, addr: PeerAddress, msg: SideMessage
 ) -> SideMessage:
     """Send one frame and read the one that answers it; a reply that does not decode as ``HandshakeError``
@@ -176,7 +180,7 @@ async def _request(
     if secret:
         req = sign(req, secret, target=f"{addr.host}:{addr.port}")
     sent_wall, sent = time.time(), time.perf_counter()
-    reply = await _roundtrip(reader, writer, addr, req)
+    reply = await roundtrip(reader, writer, addr, req)
     rtt = time.perf_counter() - sent
     reply = opened_reply(reply, req, secret, addr)
     if isinstance(reply, ErrorReply):
@@ -194,7 +198,7 @@ async def send_report(
     if secret:
         report = sign(report, secret, target=f"{addr.host}:{addr.port}")
     async with _connection(addr, timeout_s) as (reader, writer):
-        reply = opened_reply(await _roundtrip(reader, writer, addr, report), report, secret, addr)
+        reply = opened_reply(await roundtrip(reader, writer, addr, report), report, secret, addr)
     if isinstance(reply, ErrorReply):
         raise _REFUSALS[reply.code](f"{addr} refused: {reply.code.value}: {reply.message}")
     if not isinstance(reply, Ack):
@@ -202,15 +206,25 @@ async def send_report(
 
 
 async def send_claim(
-    addr: PeerAddress, claim: Claim, *, timeout_s: float, secret: bytes | None = None
+    addr: PeerAddress,
+    claim: Claim,
+    *,
+    timeout_s: float,
+    secret: bytes | None = None,
+    lines: ClaimLines | None = None,
 ) -> Granted | ErrorReply:
     """Ask P (its rank in ``addr``) whether it still holds a pull request's blocks: its ``granted``, or
     its refusal as the ``ErrorReply`` (``gone``, ``bad_request``, ...); raises as ``fetch_metadata`` does
-    when no trusted answer comes (under a secret only a sealed ``granted`` is believed)."""
-    if secret:
-        claim = sign(claim, secret, target=f"{addr.host}:{addr.port}")
-    async with _connection(addr, timeout_s) as (reader, writer):
-        reply = opened_reply(await _roundtrip(reader, writer, addr, claim), claim, secret, addr)
+    when no trusted answer comes (under a secret only a sealed ``granted`` is believed). ``lines``: on
+    its kept connections (``handshake/lines.py``), else on a connection of its own."""
+    if lines is not None:
+        raw, sent = await lines.send(addr, claim, timeout_s=timeout_s, secret=secret)
+        reply = opened_reply(raw, sent, secret, addr)
+    else:
+        if secret:
+            claim = sign(claim, secret, target=f"{addr.host}:{addr.port}")
+        async with _connection(addr, timeout_s) as (reader, writer):
+            reply = opened_reply(await roundtrip(reader, writer, addr, claim), claim, secret, addr)
     if not isinstance(reply, Granted | ErrorReply):
         raise HandshakeError(f"{addr}: bad reply: {type(reply).__name__} answers no claim")
     return reply
