@@ -4,8 +4,10 @@ Each claim used to open its own TCP connection. A burst of pull requests then op
 to one P rank at once, past its side channel's budget per peer address (``max_connections_per_host``,
 32, without a secret), and the connections over it were refused: measured with 50 requests allocated at
 once on one D, 14 loads failed ``handshake_failed`` (300 at once: 185). Claims now queue for one of
-``per_address`` connections to each P address, kept open between claims (the side channel serves
-several requests per connection), which also saves a TCP connect per claim.
+``per_address`` connections to each P address; a connection is kept for the next claim only while one
+waits for it (the side channel serves several requests per connection), and closed when none does: a
+kept idle connection sat in CLOSE_WAIT once the server timed it out, and under a secret (authenticated
+connections are never evicted) D processes keeping theirs filled a P listener's 256.
 
 A kept connection the server closed meanwhile (its idle timeout, its requests-per-connection bound) is
 found closed on its next use: the claim is signed again (a new nonce: the server's replay guard took the
@@ -25,18 +27,15 @@ from kvwire.handshake.types import PeerAddress
 from kvwire.protocol.auth import sign
 from kvwire.protocol.messages import Claim, SideMessage
 
-# Connections kept per P address: a vLLM D runs one process per rank on one host, each with its own
-# lines, and without a secret the side channel takes at most 32 connections from one address.
-PER_ADDRESS = 2
-# Closed by this side once unused this long: the side channel closes idle ones after 10 s.
-IDLE_S = 5.0
+# Connections at once per P address: a vLLM D runs one process per rank on one host (8 ranks: 24), and
+# without a secret the side channel takes at most 32 connections from one address.
+PER_ADDRESS = 3
 
 
 @dataclass
 class _Line:
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
-    last_used: float
     uses: int = 0
 
     def close(self) -> None:
@@ -51,15 +50,15 @@ class _Line:
 class _Address:
     slots: asyncio.Semaphore
     idle: collections.deque[_Line] = field(default_factory=collections.deque)
+    wanted: int = 0  # claims waiting for a line or on one: a line is kept only while this is above 0
 
 
 class ClaimLines:
     """Claims sent on kept connections, at most ``per_address`` at once to one P address (the rest wait
     for a free one). One event loop's: create, use and close it on the connector's loop."""
 
-    def __init__(self, per_address: int = PER_ADDRESS, idle_s: float = IDLE_S) -> None:
+    def __init__(self, per_address: int = PER_ADDRESS) -> None:
         self._per_address = per_address
-        self._idle_s = idle_s
         self._addresses: dict[tuple[str, int], _Address] = {}
         self.opened = 0  # connections opened, in all (for tests and stats)
 
@@ -68,9 +67,11 @@ class ClaimLines:
     ) -> tuple[SideMessage, Claim]:
         """P's reply to ``claim`` and the claim as sent (signed: the reply's seal is bound to it), within
         ``timeout_s``, waiting for a line included; the network's failures as ``kvwire.errors``."""
-        entry = self._addresses.get((addr.host, addr.port))
+        key = (addr.host, addr.port)
+        entry = self._addresses.get(key)
         if entry is None:
-            entry = self._addresses[(addr.host, addr.port)] = _Address(asyncio.Semaphore(self._per_address))
+            entry = self._addresses[key] = _Address(asyncio.Semaphore(self._per_address))
+        entry.wanted += 1
         try:
             async with asyncio.timeout(timeout_s), entry.slots:
                 return await self._on_a_line(entry, addr, claim, secret)
@@ -80,15 +81,21 @@ class ClaimLines:
             raise NobodyListens(f"{addr}: {type(exc).__name__}: {exc}") from None
         except (OSError, asyncio.IncompleteReadError) as exc:
             raise PeerUnreachable(f"{addr}: {type(exc).__name__}: {exc}") from None
+        finally:
+            entry.wanted -= 1
+            if not entry.wanted:  # nobody left for the kept lines: closed, and the address forgotten
+                while entry.idle:
+                    entry.idle.pop().close()
+                if self._addresses.get(key) is entry:
+                    del self._addresses[key]
 
     async def _on_a_line(
         self, entry: _Address, addr: PeerAddress, claim: Claim, secret: bytes | None
     ) -> tuple[SideMessage, Claim]:
-        loop = asyncio.get_running_loop()
-        line = self._kept(entry, loop.time())
+        line = self._kept(entry)
         for fresh in (line is None, True):
             if line is None:
-                line = await self._open(addr, loop.time())
+                line = await self._open(addr)
             signed = sign(claim, secret, target=f"{addr.host}:{addr.port}") if secret else claim
             try:
                 reply = await roundtrip(line.reader, line.writer, addr, signed)
@@ -102,26 +109,25 @@ class ClaimLines:
                 line.close()  # a timeout mid-reply: its answer would come to the next claim
                 raise
             line.uses += 1
-            line.last_used = loop.time()
-            entry.idle.append(line)
+            entry.idle.append(line)  # for a claim waiting now; closed in ``send`` when none is
             return reply, signed
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _kept(self, entry: _Address, now: float) -> _Line | None:
+    def _kept(self, entry: _Address) -> _Line | None:
         while entry.idle:
-            line = entry.idle.pop()  # the most recently used: the least likely closed by the server
-            if not line.broken and now - line.last_used < self._idle_s:
+            line = entry.idle.pop()
+            if not line.broken:
                 return line
             line.close()
         return None
 
-    async def _open(self, addr: PeerAddress, now: float) -> _Line:
+    async def _open(self, addr: PeerAddress) -> _Line:
         try:
             reader, writer = await asyncio.open_connection(addr.host, addr.port)
         except ValueError as exc:  # a host no resolver takes
             raise PeerUnreachable(f"{addr}: bad host: {type(exc).__name__}: {exc}") from None
         self.opened += 1
-        return _Line(reader, writer, now)
+        return _Line(reader, writer)
 
     async def close(self) -> None:
         for entry in self._addresses.values():
