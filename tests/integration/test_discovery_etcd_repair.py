@@ -113,7 +113,8 @@ def test_two_engines_on_one_url_do_not_fight_and_the_survivor_returns(
         assert len(errors) == 1
         await second.close()  # revoked: the key goes
         await until(lambda: view.incarnations() == ["life-1"], "the first engine back", 3.0)
-        assert first.registered.is_set() and first.foreign_lease == 0
+        # The watch may show the put before the registrar has read etcd's answer to it: wait for both.
+        await until(lambda: first.registered.is_set() and first.foreign_lease == 0, "it registered", 3.0)
         await first.close()
         await stop(watcher, task)
 
