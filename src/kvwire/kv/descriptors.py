@@ -15,7 +15,7 @@ Rules:
 * Block sizes. One must divide the other. Chunk ``k`` is slot ``k % rp`` of P block ``k // rp`` and slot
   ``k % rd`` of D block ``k // rd`` (``rp``, ``rd``: chunks per block; the smaller side's is 1): D's
   blocks larger (P block ``i`` lands in a slot of D block ``i // r``), or P's (each of D's blocks takes
-  a slot of one P block; vLLM's NIXL connector supports both since vLLM 0.12). A fused K/V cache
+  a slot of one P block; vLLM's NIXL connector supports both, vLLM PR 26759). A fused K/V cache
   (vLLM >= 0.34) splits too: with ``[K|V]`` token rows a head's chunk is one run of the other side's
   head rows; with a K tile then a V tile per head (``spec.kv_tiles``, vLLM's CPU backend) each tile is
   planned as a head of its own, so a head's chunk is two runs (its K rows, its V rows).
