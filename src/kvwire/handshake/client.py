@@ -122,10 +122,7 @@ async def _connection(
     ended = math.inf  # when the body stopped (the timeout's cancel reached it), before the close
     try:
         async with asyncio.timeout_at(deadline):
-            try:
-                reader, writer = await asyncio.open_connection(addr.host, addr.port)
-            except ValueError as exc:  # a host no resolver takes (a NUL; a 64-character label: UnicodeError)
-                raise PeerUnreachable(f"{addr}: bad host: {type(exc).__name__}: {exc}") from None
+            reader, writer = await open_stream(addr)
             try:
                 yield reader, writer
             finally:
@@ -136,10 +133,24 @@ async def _connection(
     except TimeoutError:
         late = _stalled(min(ended, loop.time()) - deadline)
         raise HandshakeTimeout(f"{addr}: no answer within {timeout_s:.3g} s{late}") from None
-    except ConnectionRefusedError as exc:
-        raise NobodyListens(f"{addr}: {type(exc).__name__}: {exc}") from None
     except (OSError, asyncio.IncompleteReadError) as exc:
-        raise PeerUnreachable(f"{addr}: {type(exc).__name__}: {exc}") from None
+        raise network_error(addr, exc) from None
+
+
+async def open_stream(addr: PeerAddress) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A TCP connection to ``addr``'s side channel; a host no resolver takes (a NUL; a 64-character
+    label: UnicodeError) as ``PeerUnreachable``."""
+    try:
+        return await asyncio.open_connection(addr.host, addr.port)
+    except ValueError as exc:
+        raise PeerUnreachable(f"{addr}: bad host: {type(exc).__name__}: {exc}") from None
+
+
+def network_error(addr: PeerAddress, exc: OSError | asyncio.IncompleteReadError) -> HandshakeError:
+    """A connection's failure as ``kvwire.errors``: nobody listening (refused), else unreachable."""
+    if isinstance(exc, ConnectionRefusedError):
+        return NobodyListens(f"{addr}: {type(exc).__name__}: {exc}")
+    return PeerUnreachable(f"{addr}: {type(exc).__name__}: {exc}")
 
 
 def _stalled(late_s: float) -> str:

@@ -21,8 +21,8 @@ import collections
 import contextlib
 from dataclasses import dataclass, field
 
-from kvwire.errors import HandshakeTimeout, NobodyListens, PeerUnreachable
-from kvwire.handshake.client import roundtrip
+from kvwire.errors import HandshakeTimeout
+from kvwire.handshake.client import network_error, open_stream, roundtrip
 from kvwire.handshake.types import PeerAddress
 from kvwire.protocol.auth import sign
 from kvwire.protocol.messages import Claim, SideMessage
@@ -77,10 +77,8 @@ class ClaimLines:
                 return await self._on_a_line(entry, addr, claim, secret)
         except TimeoutError:
             raise HandshakeTimeout(f"{addr}: no answer to a claim within {timeout_s:.3g} s") from None
-        except ConnectionRefusedError as exc:
-            raise NobodyListens(f"{addr}: {type(exc).__name__}: {exc}") from None
         except (OSError, asyncio.IncompleteReadError) as exc:
-            raise PeerUnreachable(f"{addr}: {type(exc).__name__}: {exc}") from None
+            raise network_error(addr, exc) from None
         finally:
             entry.wanted -= 1
             if not entry.wanted:  # nobody left for the kept lines: closed, and the address forgotten
@@ -122,10 +120,7 @@ class ClaimLines:
         return None
 
     async def _open(self, addr: PeerAddress) -> _Line:
-        try:
-            reader, writer = await asyncio.open_connection(addr.host, addr.port)
-        except ValueError as exc:  # a host no resolver takes
-            raise PeerUnreachable(f"{addr}: bad host: {type(exc).__name__}: {exc}") from None
+        reader, writer = await open_stream(addr)
         self.opened += 1
         return _Line(reader, writer)
 
