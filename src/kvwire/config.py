@@ -130,6 +130,8 @@ LOCAL_PREFILL_MAX_TOKENS = 192
 EngineKind = NewType("EngineKind", str)
 
 
+# Bind addresses meaning every interface: no peer can dial them, so another address must be advertised.
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 _LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]", "0.0.0.0", "::", "[::]"})
 
 

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvwire.config import WILDCARD_HOSTS
 from kvwire.core.config import ConnectorConfig
 from kvwire.errors import ConfigError
 from kvwire.handshake.types import EngineInfo, LocalRank
 from kvwire.protocol.ranks import RankKey
 from kvwire.protocol.types import MemKind
-
-# Bind addresses meaning every interface: no peer can dial them, so another address must be advertised.
-_WILDCARDS = ("0.0.0.0", "::", "")
 
 
 def checked_setup(
@@ -40,7 +38,7 @@ def checked_setup(
             "still check every transfer)"
         )
     advertised = advertise_host or host
-    if advertised in _WILDCARDS:
+    if advertised in WILDCARD_HOSTS:
         raise ConfigError(
             f"side channel bound to {host!r} (every interface) but no address to advertise: set "
             "KVWIRE_SIDE_CHANNEL_HOST (or advertise_host) to the address peers should dial"

@@ -36,7 +36,6 @@ PER_ADDRESS = 3
 class _Line:
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
-    uses: int = 0
 
     def close(self) -> None:
         self.writer.close()
@@ -106,7 +105,6 @@ class ClaimLines:
             except BaseException:
                 line.close()  # a timeout mid-reply: its answer would come to the next claim
                 raise
-            line.uses += 1
             entry.idle.append(line)  # for a claim waiting now; closed in ``send`` when none is
             return reply, signed
         raise AssertionError("unreachable")  # pragma: no cover

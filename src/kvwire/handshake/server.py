@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from kvwire.config import WILDCARD_HOSTS
 from kvwire.errors import AuthError, ConfigError, KvwireError, ProtocolError, VersionMismatch
 from kvwire.handshake.types import EngineInfo, LocalRank
 from kvwire.protocol.auth import ReplayGuard, SignedRequest, signed_with, verify
@@ -418,7 +419,7 @@ class SideChannelServer:
         if port != str(self._port):
             return False
         # Bound to every interface: the requester may have dialled any of our addresses.
-        return self._host in ("0.0.0.0", "::", "") or host.strip("[]") == self._host
+        return self._host in WILDCARD_HOSTS or host.strip("[]") == self._host
 
     def sealed(self, req: SignedRequest, reply: _Reply) -> _Reply | Sealed:
         """With a secret, the reply to a verified request goes sealed (``protocol/seal.py``): readable only

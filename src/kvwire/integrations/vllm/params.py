@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from kvwire.config import ENV_SIDE_CHANNEL_HOST, env_config
+from kvwire.config import ENV_SIDE_CHANNEL_HOST, WILDCARD_HOSTS, env_config
 from kvwire.core.config import ConnectorConfig
 from kvwire.errors import ConfigError
 from kvwire.kv_params import KvTransferParams, parse_kv_params
@@ -170,7 +170,7 @@ def settings_from_extra(extra: Mapping[str, Any] | None) -> Settings:
 
 
 def _check_host(host: str, where: str, insecure: bool) -> None:
-    if host in ("0.0.0.0", "::", ""):
+    if host in WILDCARD_HOSTS:
         raise ConfigError(
             f"{where} {host!r}: it is also the address D is told to dial (D would dial itself): set this "
             "host's address that D reaches"

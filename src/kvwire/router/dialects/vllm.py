@@ -7,6 +7,7 @@ import dataclasses
 import ipaddress
 import urllib.parse
 
+from kvwire.config import WILDCARD_HOSTS
 from kvwire.errors import ConfigError
 from kvwire.router.dialects.base import Dialect
 from kvwire.router.health import HealthInfo, split_fragment
@@ -76,7 +77,7 @@ def _static_info(url: str, role: Role) -> HealthInfo:
 
 def _dialable(host: str) -> bool:
     """A host D can dial: not empty, no space, not a wildcard, no port (a ':' only in an IPv6 address)."""
-    if not host or host != host.strip() or " " in host or host in ("0.0.0.0", "::"):
+    if host in WILDCARD_HOSTS or host != host.strip() or " " in host:
         return False
     if ":" in host:
         try:
