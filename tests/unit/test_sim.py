@@ -140,6 +140,22 @@ def test_metering_the_cores_changes_nothing_and_counts_part_of_the_run(mode: str
     # The cores ran, and they are not the whole run.
     assert 0.0 < metered.core_cpu_seconds < metered.cpu_seconds
     assert metered.as_json()["core_us_per_request"] == round(metered.core_cpu_seconds / 600 * 1e6, 1)
+    # The breakdown by (core, input) kind adds up to the whole, and names the inputs each mode has.
+    assert sum(cpu for cpu, _ in metered.core_cpu_by.values()) == pytest.approx(metered.core_cpu_seconds)
+    kinds = set(metered.core_cpu_by)
+    if mode == "push":  # P plans and writes on Finished; D hears P's done
+        producer = "PushProducerCore"
+        expected = {(producer, "Finished"), (producer, "XferEnded"), ("PushConsumerCore", "NotifIn")}
+    else:  # D plans and reads once P's handshake is in; P judges claims
+        producer = "PullProducerCore"
+        expected = {(producer, "Finished"), (producer, "ClaimArrived"), ("PullConsumerCore", "XferEnded")}
+    assert expected <= kinds
+    assert ("HandshakeCore", "Lookup") in kinds
+    finished = metered.core_cpu_by[(producer, "Finished")][1]
+    assert 0.9 * 600 <= finished <= 600  # one per request P prefilled (a few are aborted before)
+    rows = metered.core_inputs()
+    assert [r["us_per_request"] for r in rows] == sorted((r["us_per_request"] for r in rows), reverse=True)
+    assert plain.core_cpu_by == {} and plain.core_inputs() == []
 
 
 @pytest.mark.parametrize("name", sorted(PLANTS))
@@ -186,6 +202,9 @@ def test_cli_meters_the_cores_on_request(tmp_path: Path) -> None:
     printed = re.search(r"^cores: .* (\d+) us per request", done.stdout, re.M)
     assert printed is not None, done.stdout
     assert float(printed.group(1)) == pytest.approx(report["core_us_per_request"], abs=1.0)
+    costliest = report["core_inputs"][0]
+    line = f"  {costliest['core']} {costliest['input']}: {costliest['us_per_request']} us per request"
+    assert line in done.stdout
 
 
 def test_cli_fails_and_prints_the_replay_line_on_a_planted_bug() -> None:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from kvwire.protocol.messages import TransferMode
 
+TOP_INPUTS = 8  # --meter-cores prints the costliest (core, input) kinds; the JSON has them all
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=10_000, help="simulated requests")
@@ -29,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--meter-cores",
         action="store_true",
-        help="also time the cores' handle (their share of the CPU; the run gets a little slower)",
+        help="also time the cores' handle, in all and by (core, input) kind (the run gets a little slower)",
     )
 
 
@@ -70,6 +72,11 @@ def run(args: argparse.Namespace) -> int:
             f"{report.core_us_per_request:.0f} us per request ({share:.0%} of the run; the rest is the "
             "simulator's network, memory and checks)"
         )
+        for row in report.core_inputs()[:TOP_INPUTS]:
+            print(
+                f"  {row['core']} {row['input']}: {row['us_per_request']} us per request "
+                f"({row['per_request']} per request, {row['us_each']} us each)"
+            )
     print("faults:", ", ".join(f"{k} {v}" for k, v in sorted(report.faults.items())) or "none")
     print("outcomes:", ", ".join(f"{k} {v}" for k, v in sorted(report.outcomes.items())))
     for v in report.violations[:20]:

@@ -45,6 +45,7 @@ from kvwire.protocol.ranks import RankKey
 from kvwire.testing.engines import gather_tokens, scatter_tokens
 from kvwire.testing.sim.engines import SimEngine
 from kvwire.testing.sim.net import Faults, World
+from kvwire.testing.sim.report import Report
 
 SPEC = KVSpec(num_layers=4, kv_heads=4, head_dim=4, dtype="float8", block_size=4)
 
@@ -78,62 +79,6 @@ class Plant:
 
     producer: CoreKind | None = None
     consumer: CoreKind | None = None
-
-
-@dataclass
-class Report:
-    requests: int
-    seed: int
-    mode: str
-    violations: list[str]
-    faults: dict[str, int]
-    outcomes: dict[str, int]
-    wall_seconds: float
-    simulated_seconds: float
-    # CPU time of this process during the run: on a shared machine the wall time includes other jobs'.
-    cpu_seconds: float = 0.0
-    # With ``meter_cores``: the part of ``cpu_seconds`` inside the cores' ``handle`` (None: not metered).
-    core_cpu_seconds: float | None = None
-    layerwise: bool = False  # push, layer by layer (``LayerwisePushProducerCore``)
-
-    @property
-    def requests_per_second(self) -> float:
-        """Simulated requests per second of wall time (issue 21's goal: >= 5,000 in one process)."""
-        return self.requests / self.wall_seconds if self.wall_seconds > 0 else 0.0
-
-    @property
-    def requests_per_cpu_second(self) -> float:
-        return self.requests / self.cpu_seconds if self.cpu_seconds > 0 else 0.0
-
-    def as_json(self) -> dict[str, object]:
-        return {
-            "requests": self.requests,
-            "seed": self.seed,
-            "mode": self.mode,
-            "layerwise": self.layerwise,
-            "violations": self.violations,
-            "faults": self.faults,
-            "outcomes": self.outcomes,
-            "wall_seconds": round(self.wall_seconds, 3),
-            "simulated_seconds": round(self.simulated_seconds, 3),
-            "cpu_seconds": round(self.cpu_seconds, 3),
-            "requests_per_second": round(self.requests_per_second, 1),
-            "requests_per_cpu_second": round(self.requests_per_cpu_second, 1),
-            **self._cores_json(),
-        }
-
-    @property
-    def core_us_per_request(self) -> float | None:
-        """The cores' CPU per simulated request (None: not metered)."""
-        return None if self.core_cpu_seconds is None else self.core_cpu_seconds / self.requests * 1e6
-
-    def _cores_json(self) -> dict[str, object]:
-        if self.core_cpu_seconds is None or self.core_us_per_request is None:
-            return {}
-        return {
-            "core_cpu_seconds": round(self.core_cpu_seconds, 3),
-            "core_us_per_request": round(self.core_us_per_request, 1),
-        }
 
 
 @dataclass
@@ -588,4 +533,5 @@ def simulate(
         cpu_seconds=time.process_time() - cpu_started,
         simulated_seconds=w.now,
         core_cpu_seconds=w.core_cpu_s if meter_cores else None,
+        core_cpu_by={k: (cpu, int(count)) for k, (cpu, count) in w.core_cpu_by.items()},
     )
