@@ -64,6 +64,9 @@ def _with_region(md: Metadata, i: int, **changes: object) -> Metadata:
         (lambda md: msgspec.structs.replace(md, kv=msgspec.structs.replace(md.kv, block_size=3)), "block"),
         (lambda md: msgspec.structs.replace(md, tp_size=3), "divisible"),
         (lambda md: msgspec.structs.replace(md, pp_rank=5), "range"),
+        (lambda md: _with_region(md, 0, base_addr=2**64 - 1), "do not fit a descriptor"),
+        (lambda md: _with_region(md, 0, base_addr=2**63 - 8), "do not fit a descriptor"),  # its blocks pass
+        (lambda md: _with_region(md, 0, device_id=2**63), "do not fit a descriptor"),
     ],
     ids=[
         "block-len",
@@ -79,6 +82,9 @@ def _with_region(md: Metadata, i: int, **changes: object) -> Metadata:
         "block-size-ratio",
         "tp-divisibility",
         "pp-rank",
+        "address-past-int64",  # planning raised OverflowError, uncounted, for every request to the peer
+        "blocks-past-int64",
+        "device-past-int64",
     ],
 )
 def test_bad_geometry_is_incompatible(mutate, match: str) -> None:  # type: ignore[no-untyped-def]

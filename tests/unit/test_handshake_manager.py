@@ -505,3 +505,16 @@ def test_a_host_no_resolver_takes_is_unreachable_not_an_untyped_error(host: str)
             )
 
     run(body)
+
+
+def test_a_port_past_65535_is_unreachable_not_an_overflow() -> None:
+    """A peer address past the last port (a rank's port computed from a hostile base) raised
+    ``OverflowError`` out of the fetch, past every handler that counts handshake failures."""
+
+    async def body() -> None:
+        with pytest.raises(PeerUnreachable, match="bad host or port: OverflowError"):
+            await fetch_metadata(
+                PeerAddress(HOST, 65536, 0, 1), notif_only=True, compat_hash="x", timeout_s=2.0
+            )
+
+    run(body)

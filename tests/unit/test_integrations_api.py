@@ -35,6 +35,19 @@ def test_remote_engine_reads_the_params_once_for_every_engine() -> None:
         api.remote_engine(KvTransferParams(do_remote_prefill=True, remote_engine_id="P"))
 
 
+def test_rank_ports_past_65535_are_refused_with_the_request() -> None:
+    """vLLM's ranks listen on port + rank: P named at 65535 with two ranks put rank 1 at 65536, and the
+    handshake raised ``OverflowError`` (not kvwire's, not counted) for every such request."""
+    last_fits = api.remote_engine(_params(remote_port=65534, remote_tp_size=2), rank_ports=True)
+    assert last_fits.port_of((0, 1)) == 65535
+    with pytest.raises(InvalidRequest, match="runs past port 65535"):
+        api.remote_engine(_params(remote_port=65535, remote_tp_size=2), rank_ports=True)
+    with pytest.raises(InvalidRequest, match="runs past port 65535"):
+        api.remote_engine(_params(remote_port=65530, remote_tp_size=2, remote_pp_size=4), rank_ports=True)
+    # One listener for every rank (kvwire's engines): 65535 is P's one port, fine.
+    assert api.remote_engine(_params(remote_port=65535, remote_tp_size=2)).port_of((0, 1)) == 65535
+
+
 def test_open_ranks_pairs_agents_with_caches_and_closes_on_failure(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -376,3 +376,17 @@ def test_p_never_dials_a_d_outside_allowed_peers_not_even_to_report() -> None:
         assert untouched_blocks_zero(pair.d.ranks, [])
     finally:
         pair.close()
+
+
+def test_a_report_naming_an_id_no_notification_may_carry_is_refused_not_acked() -> None:
+    """A report's ids are bounded as the notification's are: one with a 2,000-character transfer id was
+    acked, then dropped as malformed when D re-encoded it as the ``failed`` it stands for."""
+    pair = Pair(SPEC, config=CFG)
+    try:
+        with pytest.raises(HandshakeError, match=r"bad_request: .*length <= 1024 - at `\$.transfer_id`"):
+            _send(pair, _report(pair, "x" * 2000), None)
+        stats = pair.consumer.side_channel_stats
+        assert stats is not None and stats.replies["bad_request"] == 1 and stats.replies["ack"] == 0
+        assert sum(pair.consumer.stats.dropped_notifs.values()) == 0
+    finally:
+        pair.close()

@@ -10,6 +10,7 @@ import pytest
 from aiohttp import web
 
 from kvwire.router import http, legs
+from kvwire.router.engines import EngineRegistry
 from kvwire.router.http import EngineClient
 from kvwire.router.legs import _DRAIN_LIMIT, DecodeStream, LegError, post_completion
 from kvwire.router.openai_api import ErrorType
@@ -35,9 +36,12 @@ class Engine:
         self.events = [b'data: {"choices": [{"text": "a"}]}\n\n']
         self.tokens: list[str | None] = []  # the router token header of each leg
         self.done = b"data: [DONE]\n\n"  # how the body ends (b"": closed early, as a crashed handler)
+        self.raw: bytes | None = None  # the unary answer's bytes as they are, instead of JSON
 
     async def unary(self, request: web.Request) -> web.Response:
         """A JSON answer of ``self.size`` bytes."""
+        if self.raw is not None:
+            return web.Response(body=self.raw, content_type="application/json")
         pad = "x" * max(0, self.size - 20)
         return web.json_response({"choices": [], "pad": pad})
 
@@ -64,6 +68,7 @@ async def engine() -> AsyncIterator[tuple[Engine, str]]:
     app.router.add_post("/v1/completions", fake.handle)
     app.router.add_post("/unary/v1/completions", fake.unary)
     app.router.add_get("/health", fake.unary)
+    app.router.add_get("/unary/health", fake.unary)
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()
@@ -166,3 +171,28 @@ async def test_every_leg_carries_the_router_token(engine: tuple[Engine, str]) ->
         finally:
             await client.close()
     assert fake.tokens == ["t0k3n", None]
+
+
+async def test_json_nested_too_deep_is_the_engines_error_not_the_routers(engine: tuple[Engine, str]) -> None:
+    """``[[[...`` 50,000 deep (50 KB, under every size limit) made ``json`` raise ``RecursionError``, which
+    no handler of a leg or a health check caught: the router answered 500 instead of the engine's error,
+    a stream was cut without an error event, and a /health answer like it left its engine marked healthy."""
+    fake, url = engine
+    deep = b"[" * 50_000
+    fake.raw = deep
+    fake.events = [b"data: " + deep + b"\n\n"]
+    client = EngineClient(2.0, 5.0)
+    registry = EngineRegistry(client, [url + "/unary"], [], timeout_s=2.0)
+    state = registry.engines[Role.PREFILL][0]
+    state.healthy = True
+    try:
+        with pytest.raises(LegError, match="nested too deep") as exc:
+            await post_completion(client, Role.PREFILL, url + "/unary", {})
+        assert exc.value.kind is ErrorType.ENGINE_ERROR
+        with pytest.raises(LegError, match="bad SSE event") as exc:
+            await _stream_all(client, url)
+        assert exc.value.kind is ErrorType.ENGINE_ERROR and exc.value.role is Role.DECODE
+        await registry.check(state)  # raised RecursionError, the state untouched
+        assert not state.healthy and state.error == "answer is not JSON (nested too deep)"
+    finally:
+        await client.close()

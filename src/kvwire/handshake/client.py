@@ -139,11 +139,11 @@ async def _connection(
 
 async def open_stream(addr: PeerAddress) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """A TCP connection to ``addr``'s side channel; a host no resolver takes (a NUL; a 64-character
-    label: UnicodeError) as ``PeerUnreachable``."""
+    label: UnicodeError) or a port past 65535 (OverflowError) as ``PeerUnreachable``."""
     try:
         return await asyncio.open_connection(addr.host, addr.port)
-    except ValueError as exc:
-        raise PeerUnreachable(f"{addr}: bad host: {type(exc).__name__}: {exc}") from None
+    except (ValueError, OverflowError) as exc:
+        raise PeerUnreachable(f"{addr}: bad host or port: {type(exc).__name__}: {exc}") from None
 
 
 def network_error(addr: PeerAddress, exc: OSError | asyncio.IncompleteReadError) -> HandshakeError:

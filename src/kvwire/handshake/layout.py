@@ -15,6 +15,8 @@ from kvwire.kv.mapping import RankLayout, layer_window, tp_map
 from kvwire.kv.spec import RegionKind
 from kvwire.protocol.messages import Metadata, RegionMsg
 
+_MAX_DESC = 2**63 - 1  # a descriptor's fields are int64
+
 
 def validate_layout(engine: EngineInfo, local: LocalRank, md: Metadata) -> RankLayout:
     """The peer rank's RankLayout, or ``IncompatiblePeer`` naming what does not match."""
@@ -86,6 +88,13 @@ def _check_geometry(engine: EngineInfo, local: LocalRank, md: Metadata, layout: 
             raise LayoutError(f"region kind {r.kind.value} in a {'MLA' if spec.mla else 'K/V'} cache")
         if r.block_len != block_len:
             raise LayoutError(f"region {r.layer}/{r.kind.value}: block_len {r.block_len} != {block_len}")
+        if r.base_addr + r.num_blocks * r.block_len > _MAX_DESC or r.device_id > _MAX_DESC:
+            # Descriptors are int64 rows (NIXL's, and the planner's arrays): a region past them raised
+            # OverflowError out of every plan for the peer, uncounted (found by a review).
+            raise LayoutError(
+                f"region {r.layer}/{r.kind.value}: base_addr {r.base_addr} + {r.num_blocks} blocks or "
+                f"device_id {r.device_id} do not fit a descriptor (at most 2**63 - 1)"
+            )
     small, large = sorted((layout.block_size, local.cache.spec.block_size))
     if large % small:
         raise LayoutError(f"block sizes {layout.block_size} and {local.cache.spec.block_size} do not divide")

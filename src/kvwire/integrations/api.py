@@ -28,6 +28,7 @@ from kvwire.errors import InvalidRequest, TransportError
 from kvwire.handshake.types import EngineInfo, LocalRank
 from kvwire.kv.regions import CacheMemory
 from kvwire.kv_params import KvTransferParams
+from kvwire.protocol.messages import MAX_PORT
 from kvwire.transport.base import Agent, make_agent_name
 from kvwire.transport.registry import create_agent, lookup
 from kvwire.transport.ucx_env import limit_net_devices
@@ -128,6 +129,15 @@ def remote_engine(params: KvTransferParams | None, *, rank_ports: bool = False) 
     if params is None:
         raise InvalidRequest("a remote prefill needs kv_transfer_params", "kv_transfer_params")
     engine_id, host, port = params.remote_address()
+    last = port + params.tp_size * params.pp_size - 1
+    if rank_ports and last > MAX_PORT:
+        # Each rank listens on port + rank: a P at 65535 with two ranks names port 65536 (the handshake
+        # raised OverflowError, uncounted, once per request: found by a review).
+        raise InvalidRequest(
+            f"kv_transfer_params: remote_port {port} with {params.tp_size * params.pp_size} ranks "
+            f"(one port each, consecutive) runs past port {MAX_PORT}",
+            "kv_transfer_params",
+        )
     return RemoteEngine(
         engine_id=engine_id,
         host=host,

@@ -28,7 +28,8 @@ MAX_FRAME_BYTES = 16 * 1024 * 1024
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Version = Annotated[int, msgspec.Meta(ge=1)]
-Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+MAX_PORT = 65535
+Port = Annotated[int, msgspec.Meta(ge=0, le=MAX_PORT)]
 # A ``FailReason`` value as a peer sent it: a newer peer's may be one this version does not know.
 ReasonText = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 # A content digest (CRC-32 today: 4 bytes); longer is refused as malformed before it is kept anywhere.
@@ -197,11 +198,12 @@ class ReportFailed(msgspec.Struct, tag="report_failed", tag_field="type", kw_onl
     # that sent the push_reg: a newer life at the same address refuses the report.
     pp_rank: NonNeg
     tp_rank: NonNeg
-    to_incarnation: str
+    to_incarnation: IdText
     # The ``failed`` notification P would have sent: P's identity and rank, the transfer, the reason.
-    transfer_id: str
-    engine_id: str
-    incarnation: str
+    # Bounded as in the notification (a longer id was acked, then dropped as malformed when re-encoded).
+    transfer_id: IdText
+    engine_id: IdText
+    incarnation: IdText
     from_pp_rank: NonNeg
     from_tp_rank: NonNeg
     # The reason as sent (``auth`` covers these exact characters), not a ``FailReason``: a reason this

@@ -33,12 +33,21 @@ class BodyTooLarge(ValueError):
     """An engine's answer over the limit for its kind."""
 
 
-def json_object(body: bytes) -> dict[str, Any]:
-    """An engine's JSON answer as an object; ``ValueError`` naming what it is instead."""
+def parse_json(body: bytes) -> Any:
+    """An engine's JSON; ``ValueError`` for anything malformed, too deep included (``json`` raises
+    ``RecursionError`` for ``[[[...`` a few thousand deep, which passed every handler of a leg or a health
+    check: the router answered 500, and a hostile /health left its engine marked healthy)."""
     try:
-        obj = json.loads(body)
+        return json.loads(body)
     except ValueError:
         raise ValueError("answer is not JSON") from None
+    except RecursionError:
+        raise ValueError("answer is not JSON (nested too deep)") from None
+
+
+def json_object(body: bytes) -> dict[str, Any]:
+    """An engine's JSON answer as an object; ``ValueError`` naming what it is instead."""
+    obj = parse_json(body)
     if not isinstance(obj, dict):
         raise ValueError("answer is not a JSON object")
     return obj

@@ -6,7 +6,6 @@ which engine failed), so the app above handles one exception type.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,6 +21,7 @@ from kvwire.router.http import (
     BodyTooLarge,
     EngineClient,
     json_object,
+    parse_json,
     read_bounded,
 )
 from kvwire.router.openai_api import ApiError, ErrorType, engine_error_kind
@@ -152,7 +152,7 @@ def _engine_param(payload: object) -> str | None:
 
 def _error_of_response(role: Role, url: str, status: int, content: bytes) -> LegError:
     try:
-        payload: object = json.loads(content)
+        payload: object = parse_json(content)
     except ValueError:
         payload = None
     text = content[:200].decode(errors="replace")
@@ -241,7 +241,7 @@ class DecodeStream:
 
     def _event(self, data: bytes) -> dict[str, Any]:
         try:
-            event = json.loads(data)
+            event = parse_json(data)
         except ValueError as exc:
             raise LegError(Role.DECODE, self.url, ErrorType.ENGINE_ERROR, "bad SSE event") from exc
         if not isinstance(event, dict):
