@@ -175,6 +175,10 @@ class RouterConfig:
     router_token: str | None = field(default=None, repr=False)
     # etcd://HOST:PORT[/prefix]: engines found there join the static URLs (``kvwire.discovery``).
     discovery: str | None = None
+    # Requests in flight at once; one more is refused 503 at once. Each holds up to two engine connections,
+    # and the legs' pool holds exactly twice this many, so a leg never waits for a connection another
+    # request holds (a shared pool of 512 starved push-mode pairs and the health polls past 512 streams).
+    max_requests: int = 2048
 
     def __post_init__(self) -> None:
         if (not self.prefill_urls or not self.decode_urls) and self.discovery is None:
@@ -189,6 +193,8 @@ class RouterConfig:
                     f"engine URL {url} is this router's own address ({self.host}:{self.port}): "
                     "list the engines' URLs, or give the router another --port"
                 )
+        if self.max_requests < 1:
+            raise ConfigError(f"--max-requests {self.max_requests}: at least 1")
         for name in ("request_timeout_s", "connect_timeout_s", "health_interval_s", "health_timeout_s"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):  # NaN passed ``<= 0``: every request then a 500

@@ -128,6 +128,33 @@ async def test_a_departed_engine_loses_its_healthy_series() -> None:
     assert f"kvwire_router_engine_healthy{{{labels}}} 1.0" in text
 
 
+async def test_a_departed_prefill_engine_checked_while_our_request_was_on_it_leaves_no_index_entry() -> None:
+    """P's record goes while a request of ours is on it (its state lingers), a health round sizes its prefix
+    index again, then the request ends and the state is dropped: the size entry stayed, one per departed
+    URL for good (engines that come back under new addresses grow it without bound)."""
+    fleet = Fleet()
+    reg = _router().registry
+
+    async def handle(request: Seen) -> tuple[int, Any]:
+        status, body = await fleet.handle(request)
+        if request.path == "/health":
+            body |= {"kv_blocks": 256, "block_size": 16}  # a cache size: the index sizes itself by it
+        return status, body
+
+    async with serving_here([(scripted_app(handle), port) for port in fleet.ports()]):
+        for p in (fleet.p1, fleet.p2):
+            reg.sync(found(p, fleet.d), {})
+            reg.begin(p, fleet.d)
+            reg.sync(found(None, fleet.d), {})  # its record goes; our request is still on it
+            await reg.check_all()  # sizes its index again (its /health names a cache)
+            reg.end(p, fleet.d)
+            with pytest.raises(KeyError):
+                reg.get(p)
+    assert reg.prefix.urls() == set()
+    await reg.close()
+    await reg._client.close()
+
+
 async def test_token_ids_past_32_bits_are_routed_not_a_router_error() -> None:
     """Also: the router token and engine API key go with legs only, never with a health poll (any URL
     etcd names is polled)."""

@@ -89,11 +89,13 @@ class Router:
             config.connect_timeout_s,
             config.request_timeout_s,
             config.engine_api_key,
+            max_connections=2 * config.max_requests,
             router_token=config.router_token,
         )
         self.registry = EngineRegistry(
             self.client, config.prefill_urls, config.decode_urls, config.health_timeout_s, config.engines
         )
+        self.registry.max_active = config.max_requests
         self.fleet = FleetDiscovery(config.discovery, self.registry) if config.discovery else None
         self.metrics = KvMetrics(MetricRole.ROUTER, config.model, transfers=False)
         if self.fleet is not None:

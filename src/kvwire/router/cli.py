@@ -62,6 +62,10 @@ def router_options() -> list[Option]:
             "event (a long stream still arriving is never cut)", R,
         ),
         Option("connect_timeout", float, 5.0, "seconds to connect to an engine", R),
+        Option(
+            "max_requests", int, 2048, "requests in flight at once (each holds up to two engine "
+            "connections); one more is refused 503 at once, which OpenAI clients retry", R,
+        ),
         Option("health_interval", float, 2.0, "seconds between engine health checks", R),
         Option("health_timeout", float, 2.0, "seconds one health check may take", R),
         Option(
@@ -106,6 +110,7 @@ def config_from_values(values: dict[str, Any]) -> RouterConfig:
         model=values["model"],
         request_timeout_s=values["request_timeout"],
         connect_timeout_s=values["connect_timeout"],
+        max_requests=values["max_requests"],
         health_interval_s=values["health_interval"],
         health_timeout_s=values["health_timeout"],
         engines=EngineKind(values["engines"]),

@@ -28,6 +28,7 @@ from kvwire.router.dialects import DEFAULT_KIND
 from kvwire.router.health import HealthInfo as HealthInfo
 from kvwire.router.health import split_fragment
 from kvwire.router.http import EngineClient
+from kvwire.router.openai_api import ApiError, ErrorType
 from kvwire.router.policy import (
     EngineView,
     Load,
@@ -195,6 +196,8 @@ class EngineRegistry:
         # Prompt blocks sent to P, and of those the ones P was believed to hold (``/health``).
         self.prefix_blocks = {"hit": 0, "total": 0}
         self._rechecks: dict[Role, asyncio.Task[None]] = {}  # recheck(role) in flight, shared
+        self.active = 0  # requests between begin and end
+        self.max_active = 1 << 30  # the router's --max-requests
 
     def _state(self, url: str, role: Role) -> EngineState:
         return EngineState(split_fragment(url)[0], role, self.dialect.static_info(url, role))
@@ -434,13 +437,23 @@ class EngineRegistry:
     # The counts below tolerate a URL already forgotten: the engine left the fleet, and the request that
     # ends on it has nothing left to count.
     def begin(self, *urls: str) -> None:
-        """Count a request this router sent to these engines (least-loaded picks see it at once)."""
+        """Count a request this router sends to these engines (least-loaded picks see it at once), before
+        its legs start; ``ApiError`` (503) when ``max_active`` requests are already in flight."""
+        if self.active >= self.max_active:
+            raise ApiError(
+                ErrorType.UNAVAILABLE,
+                f"the router has {self.active} requests in flight, its limit (--max-requests): retry, add a "
+                "router, or raise the limit",
+            )
+        self.active += 1
         for state in filter(None, map(self._by_url.get, urls)):
             state.inflight += 1
             state.sent += 1
             self._touch(state)
 
     def end(self, *urls: str) -> None:
+        """The end of a request ``begin`` counted (with the same engines)."""
+        self.active -= 1
         for url in urls:
             state = self._by_url.get(url)
             if state is not None:
@@ -549,6 +562,9 @@ class EngineRegistry:
             return
         if state.inflight <= 0 and state.prefill_tokens <= 0:
             del self._by_url[url]
+            # A check of it after ``sync`` forgot its index sized it again (``_size_prefix``): one entry per
+            # departed URL for good, with engines that come and go under new addresses (found by a review).
+            self.prefix.forget(url)
 
     async def poll(self, interval_s: float, stop: asyncio.Event) -> None:
         """Re-check every engine each ``interval_s`` until ``stop`` is set."""

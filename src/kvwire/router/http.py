@@ -1,4 +1,5 @@
-"""The router's one HTTP client to its engines: both legs of every request and the health polls.
+"""The router's HTTP client to its engines: both legs of every request, and the health polls in a pool of
+their own.
 
 aiohttp, not httpx: a router spends most of its CPU in its HTTP client, and on the short-request path that
 CPU is latency (P, D and the router share the host's cores). Measured on this 2-core host against a
@@ -27,6 +28,10 @@ _JSON = {"Content-Type": "application/json"}
 SMALL_BODY_LIMIT = 1 << 20
 COMPLETION_BODY_LIMIT = 64 << 20
 _READ_CHUNK = 1 << 16
+# Health polls and model lists at once. A round polls every engine at once, and a poll's time includes its
+# wait for a connection here: 256 engines that hang to the timeout together would make the rest of a
+# larger fleet wait past theirs.
+PROBE_CONNECTIONS = 256
 
 
 class BodyTooLarge(ValueError):
@@ -85,14 +90,27 @@ class EngineClient:
         self._get_headers = bearer(api_key)
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+        # Health polls and model lists have a pool of their own: in the legs' pool they waited behind
+        # streams for a free connection, timed out, and marked healthy engines down (found by a review).
+        self._probes: aiohttp.ClientSession | None = None
 
     def session(self) -> aiohttp.ClientSession:
+        """The legs' session (``max_connections`` connections at most)."""
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=self._max_connections, ttl_dns_cache=300)
-            self._session = aiohttp.ClientSession(
-                connector=connector, timeout=self._timeout, headers=self._headers, raise_for_status=False
-            )
+            self._session = self._new_session(self._max_connections)
         return self._session
+
+    def probe_session(self) -> aiohttp.ClientSession:
+        """The session of health polls and model lists (``PROBE_CONNECTIONS`` at most)."""
+        if self._probes is None or self._probes.closed:
+            self._probes = self._new_session(PROBE_CONNECTIONS)
+        return self._probes
+
+    def _new_session(self, limit: int) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(limit=limit, ttl_dns_cache=300)
+        return aiohttp.ClientSession(
+            connector=connector, timeout=self._timeout, headers=self._headers, raise_for_status=False
+        )
 
     def post(self, url: str, body: Mapping[str, object]) -> aiohttp.client._RequestContextManager:
         """POST ``body`` as JSON; use as ``async with client.post(...) as resp``."""
@@ -103,12 +121,13 @@ class EngineClient:
         ``api_key``: send the API key (``/v1/...``; ``/health`` is open)."""
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         headers = self._get_headers if api_key else None
-        async with self.session().get(url, timeout=timeout, headers=headers) as resp:
+        async with self.probe_session().get(url, timeout=timeout, headers=headers) as resp:
             return resp.status, await read_bounded(resp, SMALL_BODY_LIMIT)
 
     async def close(self) -> None:
-        if self._session is not None and not self._session.closed:
-            await self._session.close()
-            # Lets the connector's transports close before the loop does (aiohttp's documented advice).
-            await asyncio.sleep(0)
-        self._session = None
+        for session in (self._session, self._probes):
+            if session is not None and not session.closed:
+                await session.close()
+        # Lets the connectors' transports close before the loop does (aiohttp's documented advice).
+        await asyncio.sleep(0)
+        self._session = self._probes = None

@@ -123,3 +123,7 @@ class PrefixIndex:
 
     def size(self, url: str) -> int:
         return len(self._engines.get(url, ()))
+
+    def urls(self) -> set[str]:
+        """Every engine URL the index keeps anything for (its blocks or its cache size)."""
+        return set(self._engines) | set(self._capacity)
