@@ -211,13 +211,13 @@ class InvalidRequest(RequestError):
 
 
 class TransferIdReused(InvalidRequest):
-    """D was asked to load KV under a ``transfer_id`` it has served (or is serving) in this life: a
-    request's identity is single-use, so a ``done`` meant for the other request cannot complete this one
-    (HTTP 400)."""
+    """D was asked to load KV under a ``transfer_id`` it has served (or is serving) in this life, or P to
+    hold KV under one it still holds (its event not polled): a request's identity is single-use, so a
+    ``done`` meant for the other request cannot complete this one (HTTP 400)."""
 
-    def __init__(self, transfer_id: str) -> None:
+    def __init__(self, transfer_id: str, engine: str = "decode") -> None:
         super().__init__(
-            f"transfer_id {transfer_id!r} was already used on this decode engine: each request needs a "
+            f"transfer_id {transfer_id!r} was already used on this {engine} engine: each request needs a "
             "new one",
             "kv_transfer_params",
         )

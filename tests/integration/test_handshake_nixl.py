@@ -7,6 +7,7 @@ reads one of P's blocks by the region's base address (no prepared list), byte fo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 
@@ -109,3 +110,29 @@ def test_notif_only_then_upgrade_over_real_nixl() -> None:
             asyncio.run(asyncio.wait_for(scenario(), 60))
         finally:
             d.agent.close()
+
+
+def _sockets() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed between the listing and the read
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    return n
+
+
+def test_an_agent_warms_up_once_for_every_start_of_its_connectors() -> None:
+    """NIXL keeps the TCP connection of an unloaded peer that is still alive, and the warm-up loads and
+    unloads one (the process's throwaway agent): every connector start on the same agents left two more
+    sockets open for good (measured 22 -> 34 over six starts before)."""
+    os.environ.setdefault("UCX_MODULES", "^ib*")
+    from kvwire.transport.nixl import NixlAgent
+
+    agent = NixlAgent("warm/once/pp0/tp0")
+    try:
+        agent.warm_up()
+        after_first = _sockets()
+        for _ in range(4):
+            agent.warm_up()
+        assert _sockets() == after_first
+    finally:
+        agent.close()

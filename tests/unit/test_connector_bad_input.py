@@ -4,13 +4,21 @@ and no byte of either cache touched."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
 import pytest
 
-from kvwire.connector import ConnectorConfig, ConsumerEventKind, ProducerOutcome
-from kvwire.errors import TransferIdReused
+from kvwire.connector import (
+    ConnectorConfig,
+    Consumer,
+    ConsumerEventKind,
+    Producer,
+    ProducerOutcome,
+    RemoteEngine,
+)
+from kvwire.errors import ConfigError, TransferIdReused
 from kvwire.handshake.server import SideChannelServer
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.codec import decode_notif, encode_notif
@@ -25,7 +33,7 @@ from kvwire.protocol.messages import (
 from kvwire.testing.connector_env import Pair, wait_for
 from kvwire.testing.engines import build_engine, same_bytes, untouched_blocks_zero
 from kvwire.transport.base import make_agent_name
-from kvwire.transport.inproc import InprocAgent
+from kvwire.transport.inproc import InprocAgent, InprocFabric
 
 SPEC = KVSpec(num_layers=2, kv_heads=2, head_dim=8, block_size=4)
 D_BLOCKS = 16
@@ -334,3 +342,36 @@ def test_a_second_request_finished_under_a_held_id_is_refused_at_the_call() -> N
         pair.producer.request_finished("t-held", [2], 4)  # polled: the id is free again
     finally:
         pair.close()
+
+
+def test_engine_calls_before_start_or_after_close_leave_no_trace() -> None:
+    """A call refused because the connector was not running recorded its transfer id first: the same call
+    after start() was then refused as a reuse (and P kept the id for good). A closed connector's start()
+    answered its old port, which nothing served; a closed layer-wise P's step_over raised into the step."""
+    fabric = InprocFabric()
+    p = build_engine(f"lc-p{next(_n)}", SPEC, num_blocks=8, fabric=fabric)
+    d = build_engine(f"lc-d{next(_n)}", SPEC, num_blocks=8, fabric=fabric)
+    cfg = ConnectorConfig()
+    producer = Producer(p.engine, p.ranks, dataclasses.replace(cfg, layerwise=True), warm_up=False)
+    consumer = Consumer(d.engine, d.ranks, cfg, warm_up=False)
+    remote = RemoteEngine(p.engine.engine_id, "127.0.0.1", 1)
+    try:
+        with pytest.raises(ConfigError, match="call start"):
+            producer.request_finished("t1", [1], 4)
+        with pytest.raises(ConfigError, match="call start"):
+            consumer.request_allocated("t1", [1], 4, 0, remote)
+        producer.start()
+        consumer.start()
+        producer.request_finished("t1", [1], 4)  # refused as a reuse before
+        consumer.request_allocated("t1", [1], 4, 0, remote)
+    finally:
+        producer.close()
+        consumer.close()
+    for conn in (producer, consumer):
+        with pytest.raises(ConfigError, match="closed and cannot start again"):
+            conn.start()
+    with pytest.raises(ConfigError, match="is closed"):
+        producer.request_finished("t2", [2], 4)
+    assert producer.step_over(["t1"], 0.1)  # nothing can land after close
+    p.close()
+    d.close()

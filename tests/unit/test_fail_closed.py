@@ -37,7 +37,7 @@ from kvwire.kv.digest import DigestScope, kv_digest, pair_heads, payload_bytes
 from kvwire.kv.mapping import HeadSlice, RankLayout
 from kvwire.kv.spec import KVSpec, Layout
 from kvwire.protocol.codec import decode_notif
-from kvwire.protocol.messages import Done, Failed, FailReason, PushReg
+from kvwire.protocol.messages import Cancel, Done, Failed, FailReason, PushReg, TransferMode
 from kvwire.testing.core_harness import TestEngine, events, one, only, sent
 from kvwire.testing.cores_env import (
     BLOCKS,
@@ -45,6 +45,7 @@ from kvwire.testing.cores_env import (
     D_BLOCKS,
     FAILED,
     PULL,
+    PUSH,
     READY,
     RELEASED,
     TID,
@@ -360,6 +361,21 @@ def test_a_closing_d_releases_held_blocks_at_once() -> None:
     t.from_p(0.5, t.failed(FailReason.TRANSFER_TIMEOUT))
     assert events(t.core.shutdown(0.6)) == [ev(RELEASED, FailReason.TRANSFER_TIMEOUT)]
     assert t.core.live_requests == 0
+
+
+@pytest.mark.parametrize("mode", [PUSH, PULL])
+def test_a_closing_d_releases_a_request_still_waiting_for_p(mode: TransferMode) -> None:
+    """A request registered with P (push: waiting for its write; pull: its READ posted) when D closes:
+    its cancel asks for an answer no loop will read, so it stayed cancelling, with no event for the engine
+    and counted live for good (a review found it)."""
+    t = D(mode=mode)
+    t.start(0.0)
+    assert t.core.live_requests == 1
+    out = t.core.shutdown(0.6)
+    assert events(out) == [ev(RELEASED, FailReason.SHUTDOWN)]
+    assert t.core.live_requests == 0
+    if mode is PUSH:  # P is still told to stop writing
+        assert [m.transfer_id for m in sent(out, Cancel)] == [TID]
 
 
 # -- the digest over real memory ------------------------------------------------------------------------

@@ -183,6 +183,8 @@ class ConnectorBase(Generic[E]):
     def start(self) -> int:
         """Register every local cache, start the side channel and the ticker; returns the bound port. A
         start that fails (the port taken, say) undoes what it did, so that it can be called again."""
+        if self._closed:
+            raise ConfigError(f"the {self.role} is closed and cannot start again: make a new one")
         if self._started:
             return self._port
         try:
@@ -313,9 +315,17 @@ class ConnectorBase(Generic[E]):
         self.close()
 
     # -- hand-off from the engine thread ---------------------------------------------------------------
-    def _call(self, inp: Input) -> None:
-        if not self._started or self._closed or self._bg is None:
+    def _check_running(self) -> None:
+        """``ConfigError`` unless started and not closed: before an engine call records anything (a refused
+        call left its transfer id marked used, and the same call after start() was refused as a reuse)."""
+        if self._closed:
+            raise ConfigError(f"the {self.role} is closed")
+        if not self._started or self._bg is None:
             raise ConfigError(f"the {self.role} is not running (call start() first)")
+
+    def _call(self, inp: Input) -> None:
+        self._check_running()
+        assert self._bg is not None  # _check_running
         self._bg.loop.call_soon_threadsafe(self._handoff, inp)
 
     def _handoff(self, inp: Input) -> None:

@@ -73,6 +73,7 @@ class Consumer(ConnectorBase[ConsumerEvent]):
             transfer_id, tuple(int(b) for b in block_ids), int(num_tokens), int(num_cached_tokens), remote
         )
         check_allocation(self.engine, self.core.num_blocks, inp)  # raise to the engine, not in the loop
+        self._check_running()
         with self._claims_lock:
             if not self._claims.add(inp.transfer_id):
                 raise TransferIdReused(inp.transfer_id)

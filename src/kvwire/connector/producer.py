@@ -66,9 +66,10 @@ class Producer(ConnectorBase[ProducerEvent]):
     def request_finished(self, transfer_id: str, block_ids: Sequence[int], num_tokens: int) -> None:
         """Raises ``TransferIdReused`` while another request holds ``transfer_id`` (its event not polled)."""
         ids = self._checked(transfer_id, block_ids, num_tokens)
+        self._check_running()
         with self._held_lock:
             if transfer_id in self._held:
-                raise TransferIdReused(transfer_id)
+                raise TransferIdReused(transfer_id, "prefill")
             self._held.add(transfer_id)
         self._call(Finished(transfer_id, ids, int(num_tokens)))
 
@@ -93,6 +94,8 @@ class Producer(ConnectorBase[ProducerEvent]):
         finish). False when writes were still in flight (they are released and their registrations fail)."""
         core = self.core
         if not transfer_ids or not isinstance(core, LayerwisePushProducerCore) or self._bg is None:
+            return True
+        if self._closed:  # its writes were released and its memory deregistered: nothing lands after this
             return True
         tids = frozenset(transfer_ids)
 

@@ -301,10 +301,17 @@ class ConsumerCore(CoreBase):
     def _on_shutdown(self, now: float) -> None:
         for req in list(self._requests.values()):
             req.aborted, req.hold_until = True, 0.0  # the engine's memory goes with it
+            req.reason = req.reason or FailReason.SHUTDOWN
             for part in req.parts.values():
                 if part.machine.accepts(CT.CANCEL):
                     part.machine.cancel()
-            self._settle(now, req)
+            self._settle(now, req)  # P's ranks are told to stop (push), reads released (pull)
+            # No answer will be read: the parts end here (they stayed cancelling, the request unreported
+            # and counted live, for good: found by a review).
+            if self._requests.get(req.transfer_id) is req:
+                for part in (p for p in req.parts.values() if not p.machine.is_terminal):
+                    part.machine.shutdown()
+                self._settle(now, req)
 
 
 class PushConsumerCore(ConsumerCore):

@@ -227,6 +227,9 @@ class ConsumerTrigger(enum.Enum):
     CANCEL = "cancel"
     ENDED_ALL = "ended_all"  # every rank ended its registration (pull: every READ handle is finished)
     RELEASE = "release"  # the request is over (decoded) and its blocks go back
+    # This engine closes: its memory is deregistered, so nothing can land in the blocks or be read into
+    # them, and no answer to a cancel will be read. Any live state ends ABORTED.
+    SHUTDOWN = "shutdown"
 
 
 _CS, _CE = ConsumerState, ConsumerTrigger
@@ -290,6 +293,14 @@ _PULL_ROWS = [
 _CONSUMER_TERMINAL = frozenset({_CS.FINISHED, _CS.ABORTED, _CS.FAILED})
 
 
+def _shutdown_rows(
+    rows: list[tuple[ConsumerState, list[tuple[ConsumerTrigger, ConsumerState]]]],
+) -> list[tuple[ConsumerState, list[tuple[ConsumerTrigger, ConsumerState]]]]:
+    """SHUTDOWN from every live state of a mode (its own rows' and the drains'): ABORTED."""
+    live = [s for s, _ in rows if s not in _CONSUMER_TERMINAL] + [_CS.CANCELLING, _CS.FAILING]
+    return [(s, [(_CE.SHUTDOWN, _CS.ABORTED)]) for s in live]
+
+
 def _consumer_table(mode: TransferMode) -> TransitionTable[ConsumerState, ConsumerTrigger]:
     rows = _PUSH_ROWS if mode is TransferMode.PUSH else _PULL_ROWS
     drain = _DRAIN_COMMON
@@ -301,7 +312,7 @@ def _consumer_table(mode: TransferMode) -> TransitionTable[ConsumerState, Consum
         events=ConsumerTrigger,
         initial=_CS.ALLOCATED,
         terminal=_CONSUMER_TERMINAL,
-        transitions=_table([*_CONSUMER_COMMON, *rows, *drain]),
+        transitions=_table([*_CONSUMER_COMMON, *rows, *drain, *_shutdown_rows([*_CONSUMER_COMMON, *rows])]),
     )
 
 
@@ -367,6 +378,10 @@ class ConsumerRequest(_Machine[ConsumerState, ConsumerTrigger]):
     def cancel(self) -> ConsumerState:
         self.handle(_CE.CANCEL)
         return self._settle()
+
+    def shutdown(self) -> ConsumerState:
+        """This engine closes (``ConsumerTrigger.SHUTDOWN``): ABORTED from any live state."""
+        return self.handle(_CE.SHUTDOWN)
 
     def fail(self, event: ConsumerTrigger) -> ConsumerState:
         """TIMEOUT, HANDSHAKE_FAILED or READ_FAILED."""

@@ -168,6 +168,7 @@ class NixlAgent(PeerTableAgent[PeerEntry]):
         self._xfers: list[XferHandle] = []
         self._inbox: dict[str, list[bytes]] = {}
         self._closed = False
+        self._warmed = False  # warm_up ran
         # Every call on self._agent holds self._calls's lock (see the module docstring).
         self._calls = CallWorker(name, busy_grace_s)
         self._md_full: bytes | None = None  # cached: the side channel must answer while a load is stuck
@@ -208,8 +209,13 @@ class NixlAgent(PeerTableAgent[PeerEntry]):
         """UCX sets up a worker's first endpoint lazily, in the agent's first load of a remote agent: that
         load costs 10-30 ms where later ones cost about 1 ms, and without this it lands in the first
         request's handshake (D's notif-only one with P). Load, then unload, a throwaway agent's metadata
-        (one throwaway per process)."""
+        (one throwaway per process). Once per agent: NIXL 1.5.1 keeps the TCP connection of an unloaded
+        peer that is still alive (the throwaway is), so each warm-up cost two sockets for good, and a
+        connector started again on the same agents warmed it again (found by a review)."""
+        if self._warmed:
+            return
         self.remove_peer(self.add_peer(_spare_metadata()))
+        self._warmed = True
 
     # -- memory --------------------------------------------------------------------------------------
     def register_range(
