@@ -26,6 +26,8 @@ FIELD = "kv_transfer_params"  # the request body's key, and the parameter an err
 # (512: TP 8 x PP 61, the most one could name before TP went past 8, 488).
 MAX_REMOTE_TP = 64
 MAX_REMOTE_RANKS = 512
+# A prompt's blocks on P: a 4M-token prompt in 16-token blocks, or a 1M-token one over four KV cache groups.
+MAX_REMOTE_BLOCK_IDS = 1 << 18
 _Tp = Annotated[int, msgspec.Meta(ge=1, le=MAX_REMOTE_TP)]
 _Pp = Annotated[int, msgspec.Meta(ge=1, le=MAX_REMOTE_RANKS)]
 
@@ -50,7 +52,9 @@ class KvTransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
     remote_hosts: Annotated[tuple[HostText, ...], msgspec.Meta(max_length=MAX_REMOTE_RANKS)] | None = None
     remote_tp_size: _Tp | None = None  # P's parallelism; not given: 1
     remote_pp_size: _Pp | None = None
-    remote_block_ids: tuple[int, ...] | None = None  # pull mode: P's blocks of the prompt, in token order
+    # Pull mode: P's blocks of the prompt, in token order (bounded: 2,000,000 ids were taken, 16 MB kept per
+    # request, until P refused the claim).
+    remote_block_ids: Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_REMOTE_BLOCK_IDS)] | None = None
     num_tokens: int | None = None  # P's answer (reference engine): the prompt's tokens
 
     @property

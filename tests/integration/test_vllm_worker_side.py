@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from kvwire.integrations.vllm.params import KvRole, OpKind, settings_from_extra
+from kvwire.integrations.vllm.params import KvRole, OpKind, parse_params, settings_from_extra
 from kvwire.integrations.vllm.scheduler import LocalEngine, SchedulerSide
 from kvwire.integrations.vllm.worker import Finished, RankPlace, WorkerSide
 from kvwire.testing.procs import free_port
@@ -164,15 +164,53 @@ def test_bad_settings_stop_the_engine_and_bad_params_are_served_locally(
     with pytest.raises(InvalidRequest, match="remote_port"):
         parse_params({"do_remote_prefill": True, "remote_port": "x"})
     both = SchedulerSide(KvRole.BOTH, settings_from_extra({}), LocalEngine("e", "h", 1, 1, 1), BS)
-    for bad in (
-        {"do_remote_prefill": True},
-        {"do_remote_prefill": True, "remote_port": "x"},
-        {"transfer_id": 7},
+    for i, bad in enumerate(
+        (
+            {"do_remote_prefill": True},
+            {"do_remote_prefill": True, "remote_port": "x"},
+            {"transfer_id": 7},
+        )
     ):
-        assert both.matched_tokens("r", bad, 10, 0) == (0, False)
-    assert both.finished("r", {"do_remote_decode": "maybe"}, [1], 10, False) == (False, None)
+        assert both.matched_tokens(f"r{i}", bad, 10, 0) == (0, False)
+    assert both.finished("r3", {"do_remote_decode": "maybe"}, [1], 10, False) == (False, None)
     assert both.rejected == 4 and both.take_ops() == []
     assert "prefilled locally" in caplog.text
+
+
+def test_a_refused_request_is_counted_and_logged_once_however_often_vllm_asks(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """vLLM asks ``get_num_new_matched_tokens`` at every step a request waits for blocks: a request with
+    bad kv_transfer_params was counted and logged at each (12 for one request; 13 on kv_both, whose
+    ``finished`` counted it again). A D leg naming no transfer id, or another prompt length than P's, is
+    refused the same way (before, it loaded under its own request id, which no P holds, until P's fence)."""
+    both = SchedulerSide(KvRole.BOTH, settings_from_extra({}), LocalEngine("e", "h", 1, 1, 1), BS)
+    leg = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "P",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5700,
+    }
+    cases = {
+        "bad-port": {**leg, "remote_port": "x", "transfer_id": "t0"},
+        "no-id": leg,
+        "longer-than-p": {**leg, "transfer_id": "t2", "num_tokens": 8},
+    }
+    for req_id, params in cases.items():
+        for _ in range(12):
+            assert both.matched_tokens(req_id, params, 10, 0) == (0, False)
+        assert both.finished(req_id, params, [1], 10, False) == (False, None)
+    assert both.rejected == 3
+    # P is told to free its blocks where it can be named (another prompt length); the others name no P
+    # or no transfer it could hold.
+    assert [(op.kind, op.transfer_id) for op in both.take_ops()] == [(OpKind.DECLINE, "t2")]
+    assert caplog.text.count("is prefilled locally") == 3
+    assert "need transfer_id" in caplog.text and "P prefilled 8 tokens, this prompt has 10" in caplog.text
+    # The id is free again once the request finished: another request under it is judged afresh.
+    assert both.matched_tokens("bad-port", cases["bad-port"], 10, 0) == (0, False)
+    assert both.rejected == 4
+    # P's prompt length matching D's loads as before.
+    assert both.matched_tokens("ok", {**leg, "transfer_id": "t3", "num_tokens": 10}, 10, 0) == (10, True)
 
 
 @pytest.mark.parametrize("registered_first", [True, False])
@@ -286,3 +324,25 @@ def test_a_second_send_under_a_held_transfer_id_leaves_the_first_whole(second: s
     finally:
         p.worker.close()
         d.worker.close()
+
+
+def test_p_refuses_a_transfer_id_sent_before_and_hashes_a_request_id_too_long_for_the_wire() -> None:
+    """A transfer id sent again after its transfer ended was answered with params (the client told the
+    prefill was sent) while kvwire's core only replayed the first transfer's end, and D refused the load
+    as a reuse. A vLLM request id past 1,024 characters (a client's X-Request-Id) went out as the transfer
+    id, which every D refuses, while P held the blocks to its lease."""
+    p = SchedulerSide(KvRole.PRODUCER, settings_from_extra({}), LocalEngine("e", "h", 1, 1, 1), BS)
+    send = {"do_remote_decode": True, "transfer_id": "t-once"}
+    delay, params = p.finished("r1", send, [1, 2], 10, False)
+    assert delay and params is not None and params["transfer_id"] == "t-once"
+    assert params["num_tokens"] == 10  # D checks its prompt against it
+    p.transfers_ended(["r1"], [])
+    assert p.finished("r2", send, [3, 4], 10, False) == (False, None)
+    assert p.rejected == 1 and [op.req_id for op in p.take_ops()] == ["r1"]
+    long_id = "x" * 2000
+    delay, params = p.finished(long_id, {"do_remote_decode": True}, [5], 10, False)
+    assert delay and params is not None
+    tid = params["transfer_id"]
+    assert tid.startswith("req-sha256-") and len(tid) <= 1024 and tid == params["remote_request_id"]
+    assert parse_params({**params, "do_remote_prefill": True}) is not None  # what D parses, it takes
+    assert [op.transfer_id for op in p.take_ops()] == [tid]

@@ -344,6 +344,26 @@ async def test_a_prompt_token_out_of_the_vocabulary_names_the_prompt() -> None:
         server.stop()
 
 
+async def test_a_decode_leg_for_another_prompt_than_p_prefilled_is_refused() -> None:
+    """P's answer names its prompt's length (``num_tokens``): a D leg with a longer prompt would read (pull)
+    slots P never wrote for it, as KV; a shorter one a prefix of another prompt's."""
+    engine = Engine(EngineConfig(TINY, role=Role.DECODE, num_blocks=16), model=MODEL)
+    server = EngineServer(engine, Identity(Role.DECODE, "d", "i"))
+    server.start()
+    leg = {"do_remote_prefill": True, "transfer_id": "t", "remote_engine_id": "P", "remote_host": "127.0.0.1",
+           "remote_port": 1, "num_tokens": 4}  # fmt: skip
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=server.app), base_url="http://e") as c:
+            r = await c.post("/v1/completions", json={"prompt": "abcdefgh", "kv_transfer_params": leg})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"].startswith(
+            "kv_transfer_params: P prefilled 4 tokens, this prompt"
+        )
+        assert engine.kv.allocator.num_free == 16  # refused before any block was taken
+    finally:
+        server.stop()
+
+
 async def test_a_client_that_hangs_up_on_a_long_unary_answer_stops_its_generation() -> None:
     """The disconnect was checked only while no output came: a client that left a 2,500-token unary
     answer after 1.5 s still cost its whole 10 s generation."""

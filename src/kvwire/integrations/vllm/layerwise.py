@@ -27,7 +27,7 @@ from typing import Any
 from kvwire.connector import Producer
 from kvwire.errors import InvalidRequest, KvwireError
 from kvwire.integrations.vllm.memory import layer_index
-from kvwire.integrations.vllm.params import Op, OpKind, parse_params
+from kvwire.integrations.vllm.params import Op, OpKind, parse_params, send_id
 
 log = logging.getLogger("kvwire.vllm")
 
@@ -59,7 +59,7 @@ class StreamPlanner:
         except InvalidRequest:
             return
         if params is not None and params.do_remote_decode:
-            self._cands[req_id] = _Candidate(params.transfer_id or req_id, num_prompt_tokens)
+            self._cands[req_id] = _Candidate(send_id(params, req_id), num_prompt_tokens)
 
     def forget(self, req_id: str) -> None:
         self._cands.pop(req_id, None)

@@ -16,8 +16,9 @@ import msgspec
 
 from kvwire.config import ENV_SIDE_CHANNEL_HOST, WILDCARD_HOSTS, env_config
 from kvwire.core.config import ConnectorConfig
-from kvwire.errors import ConfigError
+from kvwire.errors import ConfigError, InvalidRequest
 from kvwire.kv_params import KvTransferParams, parse_kv_params
+from kvwire.protocol.limits import MAX_ID_CHARS
 from kvwire.protocol.messages import TransferMode
 from kvwire.startup import check_exposure
 
@@ -209,6 +210,30 @@ def parse_params(raw: object) -> KvTransferParams | None:
     """A request's ``kv_transfer_params`` as vLLM hands them (any client library's JSON: numbers and
     booleans may arrive as strings, so not strict); ``InvalidRequest`` when malformed."""
     return parse_kv_params(raw, strict=False)
+
+
+def send_id(params: KvTransferParams, req_id: str) -> str:
+    """P: the transfer id a request's KV is held under: the router's ``transfer_id``, else vLLM's request
+    id, hashed when longer than an id may be on the wire (vLLM takes it from a client's X-Request-Id: a
+    longer one went out in P's answer, every D refused it, and P held the blocks to its lease)."""
+    tid = params.transfer_id or req_id
+    if len(tid) <= MAX_ID_CHARS:
+        return tid
+    return "req-sha256-" + hashlib.sha256(tid.encode()).hexdigest()
+
+
+def load_id(params: KvTransferParams) -> str:
+    """D: the transfer id to load under (``transfer_id``, else ``remote_request_id``, as vLLM's proxies
+    name it); ``InvalidRequest`` when neither is given: D's own request id was used, which no P holds, and
+    the load waited for P's fence or lease (30 s) to fail."""
+    tid = params.transfer_id or params.remote_request_id
+    if tid is None:
+        raise InvalidRequest(
+            "kv_transfer_params with do_remote_prefill need transfer_id (or remote_request_id): pass P's "
+            "answer on as it is",
+            "kv_transfer_params",
+        )
+    return tid
 
 
 class OpKind(enum.Enum):

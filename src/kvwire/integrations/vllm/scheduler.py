@@ -24,9 +24,19 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvwire.core.consumer_records import UsedIds
 from kvwire.errors import ConfigError, InvalidRequest
 from kvwire.integrations.api import remote_engine
-from kvwire.integrations.vllm.params import KvRole, Op, OpKind, RankChannel, Settings, parse_params
+from kvwire.integrations.vllm.params import (
+    KvRole,
+    Op,
+    OpKind,
+    RankChannel,
+    Settings,
+    load_id,
+    parse_params,
+    send_id,
+)
 from kvwire.integrations.vllm.stats import REJECTED, payload
 from kvwire.kv_params import KvTransferParams
 from kvwire.protocol.messages import TransferMode
@@ -78,6 +88,12 @@ class SchedulerSide:
         self._ops: list[Op] = []
         self.rejected = 0  # requests whose kv_transfer_params were malformed (served locally instead)
         self._rejected_told = 0  # ...of which step_stats has reported
+        # D: requests refused (counted and logged once: vLLM asks matched_tokens at every step a request
+        # waits, and each asked counted and logged it again); forgotten when they finish.
+        self._refused: set[str] = set()
+        # P: transfer ids sent in this life. One sent again was acknowledged with params and SENT while
+        # kvwire's core only replayed the first one's end: D then refused it as reused (a review found it).
+        self._sent_ids = UsedIds(_MAX_TRACKED)
 
     def set_channels(self, channels: Mapping[tuple[int, int], RankChannel]) -> None:
         """The workers' side channels, keyed (pp_rank, tp_rank), as vLLM gathers them at start: the
@@ -115,18 +131,26 @@ class SchedulerSide:
         in ``rejected``."""
         if not self.role.consumes:
             return 0, False
+        if req_id in self._refused:
+            return 0, False
         try:
             params = parse_params(raw)
             if params is None or not params.do_remote_prefill or req_id in self._loaded:
                 return 0, False
-            remote_engine(
-                params, rank_ports=True
-            )  # malformed remote parameters are refused here, not in a worker
+            remote_engine(params, rank_ports=True)  # malformed remote parameters: refused here
+            load_id(params)
+            if params.num_tokens is not None and params.num_tokens != num_prompt_tokens:
+                # P's KV is for its prompt: a longer one here read slots P never wrote for it (pull; push
+                # refused it at P), a shorter one a prefix of another prompt's KV.
+                raise InvalidRequest(
+                    f"P prefilled {params.num_tokens} tokens, this prompt has {num_prompt_tokens}: the same "
+                    "prompt (tokenizer, chat template) must go to both",
+                    "kv_transfer_params",
+                )
             if len(self._pending) >= _MAX_TRACKED:
                 raise InvalidRequest(f"more than {_MAX_TRACKED} requests waiting for remote KV")
         except InvalidRequest as exc:
-            self.rejected += 1
-            log.warning("kvwire: %s is prefilled locally: %s", req_id, exc)
+            self._refuse(req_id, f"kvwire: {req_id} is prefilled locally: {exc}")
             return 0, False
         count = num_prompt_tokens - num_computed_tokens
         # A local prefix hit is used only in whole blocks (kvwire trims P's writes to D's uncached suffix).
@@ -150,7 +174,7 @@ class SchedulerSide:
             Op(
                 OpKind.LOAD,
                 req_id,
-                params.transfer_id or params.remote_request_id or req_id,
+                load_id(params),  # checked in matched_tokens
                 list(block_ids),
                 num_prompt_tokens,
                 pending.num_cached_tokens,
@@ -171,6 +195,8 @@ class SchedulerSide:
         pending = self._pending.pop(req_id, None)
         handled = req_id in self._loaded
         self._loaded.discard(req_id)
+        refused = req_id in self._refused
+        self._refused.discard(req_id)
         if req_id in self._loading:
             # vLLM keeps the blocks of a request aborted while waiting for KV until finished_recving.
             self._ops.append(Op(OpKind.ABORT, req_id, req_id))
@@ -182,12 +208,13 @@ class SchedulerSide:
         try:
             params = parse_params(raw)
         except InvalidRequest as exc:  # never raise inside vLLM's scheduler (see matched_tokens)
-            self.rejected += 1
-            log.warning("kvwire: %s is not sent to a D: %s", req_id, exc)
+            if not refused:  # kv_both: counted once, when it was matched
+                self.rejected += 1
+                log.warning("kvwire: %s is not sent to a D: %s", req_id, exc)
             return False, None
         if params is None or not params.do_remote_decode:
             return False, None
-        tid = params.transfer_id or req_id
+        tid = send_id(params, req_id)
         if self._held_tids.get(tid) == req_id:
             del self._held_tids[tid]  # reserved when it streamed (``reserve``): taken again below
         if aborted or not block_ids:
@@ -203,9 +230,21 @@ class SchedulerSide:
                 "kvwire: %s is not sent: transfer id %s is held by %s", req_id, tid, self._held_tids[tid]
             )
             return False, None
+        if not self._sent_ids.add(tid):
+            self.rejected += 1
+            log.warning("kvwire: %s is not sent: transfer id %s was sent before (each needs a new one)",
+                        req_id, tid)  # fmt: skip
+            return False, None
         self._sending[req_id], self._held_tids[tid] = tid, req_id
         self._ops.append(Op(OpKind.SEND, req_id, tid, list(block_ids), num_prompt_tokens))
-        return True, self._params_for_d(tid, block_ids)
+        return True, self._params_for_d(tid, block_ids, num_prompt_tokens)
+
+    def _refuse(self, req_id: str, why: str) -> None:
+        """A decode request refused: counted and logged once (``_refused``, bounded as the other tables)."""
+        if len(self._refused) < _MAX_TRACKED:
+            self._refused.add(req_id)
+        self.rejected += 1
+        log.warning("%s", why)
 
     def _decline_unloaded(self, req_id: str, raw: dict[str, Any] | None, pending: _Pending | None) -> None:
         """A decode request that ends without its LOAD (dropped while it queued, or never scheduled):
@@ -222,7 +261,10 @@ class SchedulerSide:
             remote_engine(params, rank_ports=True)
         except InvalidRequest:
             return
-        tid = params.transfer_id or params.remote_request_id or req_id
+        try:
+            tid = load_id(params)
+        except InvalidRequest:
+            return  # no id a P could hold
         self._ops.append(Op(OpKind.DECLINE, req_id, tid, remote=params))
 
     def reserve(self, req_id: str, transfer_id: str) -> bool:
@@ -245,7 +287,7 @@ class SchedulerSide:
             return False
         return params is not None and bool(params.do_remote_decode)
 
-    def _params_for_d(self, transfer_id: str, block_ids: list[int]) -> dict[str, Any]:
+    def _params_for_d(self, transfer_id: str, block_ids: list[int], num_tokens: int) -> dict[str, Any]:
         pull = self.settings.mode is TransferMode.PULL
         params = KvTransferParams(
             # do_remote_decode written as false: vLLM's proxies forward P's params to D as they are.
@@ -261,6 +303,7 @@ class SchedulerSide:
             remote_tp_size=self.local.tp_size,
             remote_pp_size=self.local.pp_size,
             remote_block_ids=tuple(block_ids) if pull else None,
+            num_tokens=num_tokens,  # D refuses another prompt's length (matched_tokens)
         )
         # vLLM hands the client a dict (the OpenAI server serializes it): the struct's JSON form.
         return params.to_json()
