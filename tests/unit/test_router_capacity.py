@@ -12,7 +12,10 @@ import asyncio
 import json
 from collections import Counter
 
+import pytest
+
 from kvwire.config import RouterConfig
+from kvwire.router import cli
 from kvwire.router.app import Router
 from kvwire.router.openai_api import ApiKind
 from kvwire.testing.fake_engines import FakeCluster, ServerThread, fake_engine_app
@@ -74,3 +77,40 @@ def test_streams_past_the_limit_are_refused_at_once_and_never_mark_engines_down(
     assert all(status == 503 and message.startswith(busy) for status, message in refused), tally
     assert tally[(200, "streamed")] >= 2 * LIMIT  # each wave: the first LIMIT at least
     assert tally[(200, "streamed")] + sum(refused.values()) == 2 * STREAMS
+
+
+class _Limits:
+    """``resource``'s open-file limits, as the router sees them (nothing of this process is changed)."""
+
+    def __init__(self, soft: int, hard: int) -> None:
+        self.soft, self.hard = soft, hard
+        self.set: list[tuple[int, int]] = []
+
+    def getrlimit(self, _which: int) -> tuple[int, int]:
+        return self.soft, self.hard
+
+    def setrlimit(self, _which: int, limits: tuple[int, int]) -> None:
+        self.set.append(limits)
+        self.soft = limits[0]
+
+
+def _fit(monkeypatch: pytest.MonkeyPatch, soft: int, hard: int) -> tuple[RouterConfig, _Limits]:
+    limits = _Limits(soft, hard)
+    monkeypatch.setattr(cli.resource, "getrlimit", limits.getrlimit)
+    monkeypatch.setattr(cli.resource, "setrlimit", limits.setrlimit)
+    return cli.fit_open_files(RouterConfig(("http://p:1",), ("http://d:2",), max_requests=2048)), limits
+
+
+def test_the_router_raises_its_open_file_limit_to_what_its_requests_need(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """2,048 requests hold up to 6,144 sockets (a client's and two legs each): a soft limit of 1,024 (a
+    common default) would fail them with EMFILE. Raised to the hard limit; past it, fewer requests."""
+    need = 2048 * 3 + 512
+    config, limits = _fit(monkeypatch, 1024, 1 << 20)
+    assert config.max_requests == 2048 and limits.set == [(need, 1 << 20)]
+    config, limits = _fit(monkeypatch, 1024, 2048)
+    assert config.max_requests == (2048 - 512) // 3 and limits.set == [(2048, 2048)]
+    assert "--max-requests 2048 needs 6656 open files, the limit is 2048 (ulimit -n)" in caplog.text
+    config, limits = _fit(monkeypatch, 1 << 16, 1 << 20)
+    assert config.max_requests == 2048 and limits.set == []

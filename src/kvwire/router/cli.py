@@ -7,7 +7,9 @@ process that holds its port for one of its engines.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import resource
 import signal
 from typing import Any
 
@@ -143,11 +145,38 @@ def _disaggregation(config: RouterConfig) -> str:
     return f"disaggregation conditional (local prefill up to {config.local_prefill_max_tokens} tokens)"
 
 
+# File descriptors a request in flight may hold (its client's connection and two legs), and what the router
+# holds besides (its listener, the health polls' pool, etcd, logs).
+_FDS_PER_REQUEST = 3
+_FDS_BESIDES = 512
+
+
+def fit_open_files(config: RouterConfig) -> RouterConfig:
+    """Raise this process's open-file limit to what ``--max-requests`` needs (up to the hard limit, as
+    vLLM's servers do); past the hard limit, lower ``max_requests`` to fit, with a warning naming the fix.
+    The router kept at most 512 engine connections before ``--max-requests``: with 2,048 requests allowed,
+    a soft limit of 1,024 (a common default) would fail sockets with EMFILE instead."""
+    need = config.max_requests * _FDS_PER_REQUEST + _FDS_BESIDES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    ceiling = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    if soft != resource.RLIM_INFINITY and soft < ceiling:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (ceiling, hard))
+        soft = ceiling
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return config
+    fits = max(1, (soft - _FDS_BESIDES) // _FDS_PER_REQUEST)
+    log.warning(
+        "--max-requests %d needs %d open files, the limit is %d (ulimit -n): serving %d at once; raise the "
+        "hard limit to allow more", config.max_requests, need, soft, fits,
+    )  # fmt: skip
+    return dataclasses.replace(config, max_requests=fits)
+
+
 def run_router(values: dict[str, Any]) -> int:
     """Serve the router with its resolved options (``kvwire.serve`` resolves them) until a signal."""
     try:
         configure(values["log_level"], LogFormat(values["log_format"]), values["log_http"])
-        config = config_from_values(values)
+        config = fit_open_files(config_from_values(values))
         sock = bind_tcp(config.host, config.port, "HTTP", "stop it or pass another --port")
     except KvwireError as exc:
         return fail("kvwire serve router", exc)
