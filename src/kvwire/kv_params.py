@@ -26,8 +26,9 @@ FIELD = "kv_transfer_params"  # the request body's key, and the parameter an err
 # (512: TP 8 x PP 61, the most one could name before TP went past 8, 488).
 MAX_REMOTE_TP = 64
 MAX_REMOTE_RANKS = 512
-# A prompt's blocks on P: a 4M-token prompt in 16-token blocks, or a 1M-token one over four KV cache groups.
-MAX_REMOTE_BLOCK_IDS = 1 << 18
+# A prompt's blocks on P: a 16M-token prompt in 16-token blocks, or a 4M-token one over four KV cache groups
+# (P checks it before it answers: vLLM's scheduler side).
+MAX_REMOTE_BLOCK_IDS = 1 << 20
 _Tp = Annotated[int, msgspec.Meta(ge=1, le=MAX_REMOTE_TP)]
 _Pp = Annotated[int, msgspec.Meta(ge=1, le=MAX_REMOTE_RANKS)]
 

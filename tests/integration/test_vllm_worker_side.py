@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
+from kvwire.integrations.vllm import scheduler
 from kvwire.integrations.vllm.params import KvRole, OpKind, parse_params, settings_from_extra
 from kvwire.integrations.vllm.scheduler import LocalEngine, SchedulerSide
 from kvwire.integrations.vllm.worker import Finished, RankPlace, WorkerSide
@@ -346,3 +347,33 @@ def test_p_refuses_a_transfer_id_sent_before_and_hashes_a_request_id_too_long_fo
     assert tid.startswith("req-sha256-") and len(tid) <= 1024 and tid == params["remote_request_id"]
     assert parse_params({**params, "do_remote_prefill": True}) is not None  # what D parses, it takes
     assert [op.transfer_id for op in p.take_ops()] == [tid]
+
+
+def test_a_full_table_refuses_for_now_and_p_does_not_answer_block_ids_no_d_takes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request refused because the table of requests waiting for remote KV was full is asked again (room
+    may free: it loads then); refusals for its params are remembered. P in pull mode does not answer more
+    block ids than D's and routers' bound (they refused them while P held the blocks to its lease)."""
+    monkeypatch.setattr(scheduler, "_MAX_TRACKED", 2)
+    d = SchedulerSide(KvRole.CONSUMER, settings_from_extra({}), LocalEngine("e", "h", 1, 1, 1), BS)
+    leg = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "P",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5700,
+    }
+    for i in range(2):
+        assert d.matched_tokens(f"w{i}", {**leg, "transfer_id": f"t{i}"}, 10, 0) == (10, True)
+    third = {**leg, "transfer_id": "t2"}
+    assert d.matched_tokens("w2", third, 10, 0) == (0, False)  # full
+    d.allocated("w0", [1], 10, 10)  # room again
+    assert d.matched_tokens("w2", third, 10, 0) == (10, True)
+    monkeypatch.setattr(scheduler, "MAX_REMOTE_BLOCK_IDS", 4)
+    p = SchedulerSide(
+        KvRole.PRODUCER, settings_from_extra({"mode": "pull"}), LocalEngine("e", "h", 1, 1, 1), BS
+    )
+    assert p.finished("p0", {"do_remote_decode": True}, [1, 2, 3, 4, 5], 80, False) == (False, None)
+    assert p.rejected == 1 and p.take_ops() == []
+    delay, params = p.finished("p1", {"do_remote_decode": True}, [1, 2, 3, 4], 64, False)
+    assert delay and params is not None and params["remote_block_ids"] == [1, 2, 3, 4]

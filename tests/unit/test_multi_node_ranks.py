@@ -168,6 +168,9 @@ def test_pull_legs_carry_ps_hosts_and_a_static_router_takes_them_from_the_url() 
                                      "remote_port": 1, "remote_tp_size": 1, "remote_pp_size": 2,
                                      "remote_hosts": ["a", "b"]}}  # fmt: skip
     assert pull_params("http://p:1", answer)["remote_hosts"] == ["a", "b"]
+    # P's prompt length goes to D too (D refuses another prompt: it would read slots P never wrote).
+    answer["kv_transfer_params"]["num_tokens"] = 17
+    assert pull_params("http://p:1", answer)["num_tokens"] == 17
     vllm = dialects.lookup("vllm")
     url = "http://p:1#engine_id=P&side_channel=a:5700&pp=2&side_channel_hosts=a,b"
     info = vllm.static_info(url, Role.PREFILL)

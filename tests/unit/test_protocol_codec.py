@@ -421,7 +421,7 @@ def test_kv_transfer_params_remote_host_and_port_are_bounded() -> None:
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"remote_port": 70000}, KvTransferParams)
     # P's block ids (pull): 2,000,000 were taken (16 MB kept per request) until P refused the claim.
-    ids = list(range(1 << 18))
+    ids = list(range(1 << 20))
     assert msgspec.convert({"remote_block_ids": ids}, KvTransferParams).remote_block_ids == tuple(ids)
     with pytest.raises(msgspec.ValidationError, match="length"):
         msgspec.convert({"remote_block_ids": [*ids, 0]}, KvTransferParams)

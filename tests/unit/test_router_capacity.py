@@ -114,3 +114,32 @@ def test_the_router_raises_its_open_file_limit_to_what_its_requests_need(
     assert "--max-requests 2048 needs 6656 open files, the limit is 2048 (ulimit -n)" in caplog.text
     config, limits = _fit(monkeypatch, 1 << 16, 1 << 20)
     assert config.max_requests == 2048 and limits.set == []
+
+
+def test_a_request_refused_at_the_limit_leaves_the_prefix_index_as_it_was() -> None:
+    """A refused request's prompt was recorded in P's prefix index before the limit refused it: the
+    router then believed P held prompts it never saw, under overload, when the limit fires."""
+    cluster = FakeCluster()
+    pp, dp = free_port(), free_port()
+    p_url, d_url = f"http://127.0.0.1:{pp}", f"http://127.0.0.1:{dp}"
+    apps = [(fake_engine_app("prefill", cluster, 5600), pp), (fake_engine_app("decode", cluster, 5601), dp)]
+
+    async def main() -> None:
+        router = Router(RouterConfig((p_url,), (d_url,), max_requests=1))
+        await router.start()
+        try:
+            router.registry.active = 1  # one request in flight: the limit
+            raw = json.dumps({"model": "kvwire", "prompt": "z" * 200, "max_tokens": 1}).encode()
+            resp = await router.serve(raw, ApiKind.COMPLETION)
+            assert resp.status_code == 503
+            assert router.registry.prefix.size(p_url) == 0
+            assert router.registry.prefix_blocks == {"hit": 0, "total": 0}
+            router.registry.active = 0
+            assert (await router.serve(raw, ApiKind.COMPLETION)).status_code == 200
+            assert router.registry.prefix.size(p_url) > 0 and router.registry.active == 0
+        finally:
+            await router.close()
+
+    with ServerThread(apps):
+        asyncio.run(asyncio.wait_for(main(), 30))
+    assert len(cluster.prefill_bodies) == 1  # only the admitted one reached P

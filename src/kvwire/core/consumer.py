@@ -300,8 +300,7 @@ class ConsumerCore(CoreBase):
 
     def _on_shutdown(self, now: float) -> None:
         for req in list(self._requests.values()):
-            req.aborted, req.hold_until = True, 0.0  # the engine's memory goes with it
-            req.reason = req.reason or FailReason.SHUTDOWN
+            req.aborted, req.hold_until = True, 0.0  # the engine's memory goes with it (P is told aborted)
             for part in req.parts.values():
                 if part.machine.accepts(CT.CANCEL):
                     part.machine.cancel()

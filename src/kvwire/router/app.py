@@ -238,7 +238,6 @@ class Router:
             return await self._local(req, rid, d.url, tokens, start)
         p_url, d_url = p.url, d.url
         p_info = await self._pair_info(p_url, d_url)
-        self.registry.prefix_sent(p_url, hashes)
         trace.transfer_id = transfer_id = uuid.uuid4().hex
         base = req.engine_body()
         legs = (prefill_body(base, transfer_id), decode_body(base, transfer_id, p_info))
@@ -246,9 +245,10 @@ class Router:
             "request %s: transfer %s, prefill %s, decode %s, stream %s",
             rid, transfer_id, p_url, d_url, req.stream, extra=transfer_extra(transfer_id),
         )  # fmt: skip
-        self.registry.begin(p_url, d_url)
+        self.registry.begin(p_url, d_url)  # refuses past --max-requests: before P's index records the prompt
         streaming = False  # from _stream on, the stream ends the in-flight counts (its failure or its relay)
         try:
+            self.registry.prefix_sent(p_url, hashes)
             prefilled = None
             if cfg.mode is TransferMode.PULL:
                 # D reads P's blocks, so it needs their ids: P answers first (vLLM's order).

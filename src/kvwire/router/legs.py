@@ -101,8 +101,8 @@ def decode_body(base: Mapping[str, Any], transfer_id: str, p: HealthInfo) -> dic
 
 
 def pull_params(p_url: str, prefilled: Mapping[str, Any]) -> dict[str, Any]:
-    """What D's leg needs from P's answer in pull mode: P's block ids (and P's own view of its address),
-    as JSON fields to merge into D's ``kv_transfer_params``."""
+    """What D's leg needs from P's answer in pull mode: P's block ids and prompt length (and P's own view of
+    its address), as JSON fields to merge into D's ``kv_transfer_params``."""
     try:
         kv = parse_kv_params(prefilled.get(FIELD))
     except InvalidRequest as exc:
@@ -120,6 +120,7 @@ def pull_params(p_url: str, prefilled: Mapping[str, Any]) -> dict[str, Any]:
         remote_hosts=kv.remote_hosts,
         remote_tp_size=kv.remote_tp_size,
         remote_pp_size=kv.remote_pp_size,
+        num_tokens=kv.num_tokens,  # D refuses a prompt of another length (it would read slots P never wrote)
     )
     return picked.to_json()
 

@@ -38,7 +38,7 @@ from kvwire.integrations.vllm.params import (
     send_id,
 )
 from kvwire.integrations.vllm.stats import REJECTED, payload
-from kvwire.kv_params import KvTransferParams
+from kvwire.kv_params import MAX_REMOTE_BLOCK_IDS, KvTransferParams
 from kvwire.protocol.messages import TransferMode
 
 log = logging.getLogger("kvwire.vllm")
@@ -147,10 +147,14 @@ class SchedulerSide:
                     "prompt (tokenizer, chat template) must go to both",
                     "kv_transfer_params",
                 )
-            if len(self._pending) >= _MAX_TRACKED:
-                raise InvalidRequest(f"more than {_MAX_TRACKED} requests waiting for remote KV")
         except InvalidRequest as exc:
             self._refuse(req_id, f"kvwire: {req_id} is prefilled locally: {exc}")
+            return 0, False
+        if len(self._pending) >= _MAX_TRACKED:
+            # Not remembered: room may free before vLLM asks again (the params are fine).
+            self.rejected += 1
+            log.warning("kvwire: %s is prefilled locally: more than %d requests wait for remote KV", req_id,
+                        _MAX_TRACKED)  # fmt: skip
             return 0, False
         count = num_prompt_tokens - num_computed_tokens
         # A local prefix hit is used only in whole blocks (kvwire trims P's writes to D's uncached suffix).
@@ -229,6 +233,12 @@ class SchedulerSide:
             log.warning(
                 "kvwire: %s is not sent: transfer id %s is held by %s", req_id, tid, self._held_tids[tid]
             )
+            return False, None
+        if self.settings.mode is TransferMode.PULL and len(block_ids) > MAX_REMOTE_BLOCK_IDS:
+            # D and routers refuse longer params: P would hold the blocks to its lease for nothing.
+            self.rejected += 1
+            log.warning("kvwire: %s is not sent: %d blocks, more than a D takes (%d)", req_id, len(block_ids),
+                        MAX_REMOTE_BLOCK_IDS)  # fmt: skip
             return False, None
         if not self._sent_ids.add(tid):
             self.rejected += 1
