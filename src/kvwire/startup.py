@@ -9,8 +9,10 @@ from __future__ import annotations
 import errno
 import ipaddress
 import logging
+import signal
 import socket
 import sys
+from typing import Protocol
 
 from kvwire.errors import ConfigError
 
@@ -99,3 +101,28 @@ def fail(prog: str, exc: BaseException) -> int:
     """Print one line on stderr and return the exit status of a configuration error."""
     print(f"{prog}: error: {exc}", file=sys.stderr)
     return EXIT_CONFIG
+
+
+class _Stoppable(Protocol):
+    """What ``record_stops`` needs of a uvicorn ``Server``."""
+
+    started: bool
+    should_exit: bool
+
+
+def record_stops(server: _Stoppable) -> list[int]:
+    """Install SIGINT/SIGTERM handlers for a uvicorn server about to run: the signals received, recorded
+    (uvicorn re-raises the ones it handled to these after its graceful shutdown, so a requested stop
+    exits 0), and one that comes before uvicorn installs its own handlers (its start-up) stops it once
+    started: it was recorded and nothing else, and the server served until a second signal (a
+    supervisor's SIGKILL at the end of its grace period; found by a review)."""
+    stopped_by: list[int] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stopped_by.append(signum)
+        if not server.started:
+            server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    return stopped_by

@@ -383,5 +383,15 @@ async def test_a_client_that_hangs_up_on_a_long_unary_answer_stops_its_generatio
                 break
             await asyncio.sleep(0.02)
         assert srv.engine.scheduler.num_active == 0
+        # Counted as the router counts it (engines counted no request whose client left).
+        text = await _metrics_text(srv)
+        assert (
+            'kvwire_requests_total{model_name="kvwire-tiny",outcome="cancelled",role="colocated"} 1.0' in text
+        )
     finally:
         srv.stop()
+
+
+async def _metrics_text(srv: Any) -> str:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=srv.app), base_url="http://e") as c:
+        return (await c.get("/metrics")).text

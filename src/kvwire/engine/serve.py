@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import signal
 import socket
 import uuid
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from kvwire.handshake.manager import stalled_reason
 from kvwire.handshake.server import engine_compat_hash
 from kvwire.logsetup import LogFormat, configure
 from kvwire.protocol.messages import TransferMode
-from kvwire.startup import bind_tcp, check_exposure, fail, in_use_message
+from kvwire.startup import bind_tcp, check_exposure, fail, in_use_message, record_stops
 from kvwire.transport.base import new_incarnation
 
 if TYPE_CHECKING:
@@ -204,11 +203,9 @@ def run_engine(values: dict[str, Any], role: Role) -> int:
         from kvwire.engine.fleet import DrainingServer
 
         userver = DrainingServer(config, fleet)
-    stopped_by: list[int] = []
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler that was
     # installed before it: this one records it, so a requested stop exits with status 0.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, _frame: stopped_by.append(signum))
+    stopped_by = record_stops(userver)
     try:
         userver.run(sockets=[started.sock])
     finally:

@@ -385,7 +385,7 @@ class EngineServer:
         except (asyncio.CancelledError, ClientGone) as exc:
             # The client hung up (or the router cancelled this leg): a decode leg waiting for KV must not
             # keep its blocks until the fence expires.
-            self.engine.abort(req.request_id)
+            self._gone(req, started)
             if isinstance(exc, ClientGone):
                 return Response(status_code=CLIENT_CLOSED)
             raise
@@ -401,7 +401,7 @@ class EngineServer:
             while not outs[-1].finished:
                 outs.append(await self._next(http, queue))
         except (asyncio.CancelledError, ClientGone) as exc:
-            self.engine.abort(req.request_id)
+            self._gone(req, started)
             if isinstance(exc, ClientGone):
                 return Response(status_code=CLIENT_CLOSED)
             raise
@@ -476,8 +476,15 @@ class EngineServer:
                     return
                 out = await queue.get()
         finally:
-            if not out.finished:  # the client went away (or the server is stopping)
-                self.engine.abort(req.request_id)
+            if not out.finished:  # the client went away (or the server is stopping), or an error ended it
+                self._gone(req, started, counted=out.error is not None)
+
+    def _gone(self, req: EngineRequest, started: float, counted: bool = False) -> None:
+        """The request's client went away (or the server is stopping): its work ends, counted ``cancelled``
+        as the router counts it (engines counted none: docs/metrics.md names the outcome)."""
+        self.engine.abort(req.request_id)
+        if not counted:
+            self.metrics.record_request(Outcome.CANCELLED, time.monotonic() - started, None)
 
     @staticmethod
     async def _next(http: Request, queue: asyncio.Queue[Any]) -> Any:

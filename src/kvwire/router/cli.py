@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import resource
-import signal
 from typing import Any
 
 from kvwire.config import (
@@ -27,7 +26,7 @@ from kvwire.logsetup import LogFormat, configure
 from kvwire.options import Command, Option, discovery_option, logging_options
 from kvwire.protocol.messages import TransferMode
 from kvwire.router import dialects
-from kvwire.startup import bind_tcp, fail
+from kvwire.startup import bind_tcp, fail, record_stops
 
 log = logging.getLogger("kvwire.router")
 R = frozenset({Command.ROUTER})
@@ -190,13 +189,12 @@ def run_router(values: dict[str, Any]) -> int:
     server_config = uvicorn.Config(
         app, host=config.host, port=port, log_config=None, access_log=values["log_http"], lifespan="on"
     )
-    stopped_by: list[int] = []
+    userver = uvicorn.Server(server_config)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler installed
     # before it: the default one killed the process (status 143 after a clean SIGTERM, where supervisors
     # and `kvwire serve` engines see 0). This one records it, so a requested stop exits with status 0.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, _frame: stopped_by.append(signum))
-    uvicorn.Server(server_config).run(sockets=[sock])
+    stopped_by = record_stops(userver)
+    userver.run(sockets=[sock])
     if stopped_by:
         log.info("router stopped by signal %d", stopped_by[0])
     return 0
