@@ -6,6 +6,7 @@ kill -9 of D leaves the view when its lease expires. ``-k "etcd or discovery"`` 
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -109,3 +110,38 @@ def test_discovery_fleet_processes_join_drain_and_die(
     group.kill(d)
     took = wait_until(lambda: d.url not in view(router), "D's lease to expire", 10.0)
     assert took < 5.0
+
+
+def test_a_drain_that_times_out_answers_live_requests_and_refuses_late_ones(tmp_path: Path) -> None:
+    """--drain-timeout reached with a request still generating: uvicorn cancelled its handler at shutdown
+    (a bare 500 in plain text), and a request arriving after the drain's grace was taken and cut the same
+    way. Now the engine ends the live one (its typed 503) and refuses the late one (503) at once."""
+    with EtcdServer(tmp_path / "etcd") as etcd, ServerGroup(tmp_path / "logs", server_env()) as group:
+        port = free_port()
+        args = ["serve", "decode", "--port", str(port), "--num-blocks", "1024", "--discovery", etcd.url,
+                "--discovery-ttl", "2", "--drain-timeout", "1"]  # fmt: skip
+        d = group.start("decode", args, port)
+        group.wait_healthy([d], 90.0)
+        body = {"model": "kvwire-tiny", "prompt": "x", "max_tokens": 6000, "ignore_eos": True}  # ~15 s
+        answers: dict[str, httpx.Response] = {}
+
+        def ask(name: str) -> None:
+            answers[name] = httpx.post(d.url + "/v1/completions", json=body, timeout=60.0)
+
+        live = threading.Thread(target=ask, args=("live",))
+        live.start()
+        wait_until(lambda: _live_requests(d) == 1, "the request to run")
+        assert d.proc is not None
+        d.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.8)  # past the drain's 0.5 s grace
+        ask("late")
+        assert d.proc.wait(timeout=20) == 0
+        live.join(20)
+    for name, says in (("late", "the engine is draining"), ("live", "the engine is shutting down")):
+        assert answers[name].status_code == 503, answers[name].text
+        assert answers[name].json()["error"]["message"].startswith(says)
+
+
+def _live_requests(server: Server) -> int:
+    accounting = httpx.get(server.url + "/v1/kv_stats", timeout=5.0).json()["accounting"]
+    return int(accounting["requests"]["live"])

@@ -23,11 +23,13 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 
 from kvwire.discovery.record import EngineRecord, FleetRole, RecordLoad, SideChannel
 from kvwire.discovery.registrar import Registrar
 from kvwire.discovery.source import open_store
-from kvwire.engine.server import EngineServer
+from kvwire.engine.server import EngineServer, http_error
+from kvwire.errors import EngineOverloaded
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +83,12 @@ class Fleet:
         client = open_store(discovery)
         self.registrar = Registrar(client, lambda: engine_record(server, url), ttl_s)
         self.drain_timeout_s = drain_timeout_s
+        self.refusing = False  # past a drain's grace: new work is refused (``_RefuseWhenDrained``)
 
     def install(self, app: FastAPI) -> None:
-        """Register once the app serves, deregister when it stops (wraps the app's lifespan)."""
+        """Register once the app serves, deregister when it stops (wraps the app's lifespan); refuse new
+        work once a drain's grace is over."""
+        app.add_middleware(_RefuseWhenDrained, fleet=self)
         inner = app.router.lifespan_context
 
         @asynccontextmanager
@@ -104,15 +109,40 @@ class Fleet:
         log.info("draining: %s marked, finishing in-flight requests", self.url)
         await self.registrar.drain()
         await asyncio.sleep(DRAIN_GRACE_S)
+        self.refusing = True  # a request that arrives now was picked by no router that saw the mark
         deadline = start + self.drain_timeout_s
         while not idle(self.server) and time.monotonic() < deadline:
             await asyncio.sleep(_IDLE_POLL_S)
         if not idle(self.server):
             log.warning("drain timeout (%.0f s): stopping with requests still live", self.drain_timeout_s)
+            # Ended by the engine, so their handlers answer its typed 503 (or an SSE error event) now:
+            # left to uvicorn, they were cancelled at its shutdown (a bare 500, a stream cut mid-chunk).
+            await asyncio.to_thread(self.server.stop)
+            await asyncio.sleep(_IDLE_POLL_S)  # their answers go out before uvicorn stops
         await self.registrar.close()  # the record goes now, not after the lease's TTL
         took = time.monotonic() - start
         log.info("drained in %.2f s", took)
         return took
+
+
+class _RefuseWhenDrained:
+    """ASGI middleware: once a drain's grace is over, new completions get the engine's typed 503 (they were
+    taken after the mark, and cut when the drain timed out). A plain ASGI class, not ``BaseHTTPMiddleware``,
+    which wraps every response (streams included) and its disconnect checks."""
+
+    def __init__(self, app: Any, fleet: Fleet) -> None:
+        self.app, self.fleet = app, fleet
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if self.fleet.refusing and scope.get("method") == "POST" and path.startswith("/v1/"):
+            refusal = EngineOverloaded(
+                "the engine is draining (SIGTERM): send new requests to another engine"
+            )
+            status, body, headers = http_error(refusal)
+            await JSONResponse(body, status_code=status, headers=headers)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 class DrainingServer(uvicorn.Server):
