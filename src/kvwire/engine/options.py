@@ -37,8 +37,8 @@ CONNECTOR_HELP: dict[str, tuple[str, frozenset[Command]]] = {
     "engine_ttl_s": ("peers unused this long are forgotten (agents removed)", CONNECTED),
     "kv_load_failure_policy": ("when the KV does not arrive: answer an error (fail) or prefill locally "
                                "(recompute)", frozenset({D})),
-    "handshake_timeout_s": ("one handshake attempt with a peer's side channel", CONNECTED),
-    "handshake_retries": ("further attempts after a failed handshake", CONNECTED),
+    "handshake_timeout_s": ("one whole handshake with a peer (every attempt and the agent load)", CONNECTED),
+    "handshake_retries": ("further attempts after a failed one, within that deadline", CONNECTED),
     "poll_interval_s": ("connector loop period while transfers are live", CONNECTED),
     "idle_poll_interval_s": ("connector loop period when idle", CONNECTED),
     "tombstone_s": ("how long P remembers an ended registration", frozenset({P})),
