@@ -377,3 +377,15 @@ def test_a_full_table_refuses_for_now_and_p_does_not_answer_block_ids_no_d_takes
     assert p.rejected == 1 and p.take_ops() == []
     delay, params = p.finished("p1", {"do_remote_decode": True}, [1, 2, 3, 4], 64, False)
     assert delay and params is not None and params["remote_block_ids"] == [1, 2, 3, 4]
+
+
+def test_a_transfer_id_sent_before_is_not_streamed_layer_by_layer() -> None:
+    """Layer-wise push streams a request's layers from the step that computes them, under its transfer
+    id: one sent before would stream and then be refused at ``finished``, its writes started for nothing."""
+    p = SchedulerSide(KvRole.PRODUCER, settings_from_extra({}), LocalEngine("e", "h", 1, 1, 1), BS)
+    assert p.reserve("r1", "t-once")
+    delay, _ = p.finished("r1", {"do_remote_decode": True, "transfer_id": "t-once"}, [1], 10, False)
+    assert delay
+    p.transfers_ended(["r1"], [])
+    assert not p.reserve("r2", "t-once")  # sent before: not streamed
+    assert p.reserve("r3", "t-new")

@@ -281,6 +281,9 @@ class SchedulerSide:
         """Hold ``transfer_id`` for ``req_id`` from the step that streams its layers (False: another
         request holds it, and must not be streamed into: its Finished would carry other blocks). The
         request's ``finished`` then takes the id over, or lets it go."""
+        if transfer_id in self._sent_ids:  # sent before: its SEND will be refused (counted then)
+            log.warning("kvwire: %s is not streamed: transfer id %s was sent before", req_id, transfer_id)
+            return False
         if self._held_tids.setdefault(transfer_id, req_id) != req_id:  # counted when its SEND is refused
             log.warning("kvwire: %s is not streamed: transfer id %s is held by %s", req_id, transfer_id,
                         self._held_tids[transfer_id])  # fmt: skip
