@@ -134,6 +134,8 @@ def test_a_drain_that_times_out_answers_live_requests_and_refuses_late_ones(tmp_
         assert d.proc is not None
         d.proc.send_signal(signal.SIGTERM)
         time.sleep(0.8)  # past the drain's 0.5 s grace
+        health = httpx.get(d.url + "/health", timeout=5.0)  # 503 while draining: probes and balancers stop
+        assert (health.status_code, health.json()["status"]) == (503, "draining")
         ask("late")
         assert d.proc.wait(timeout=20) == 0
         live.join(20)

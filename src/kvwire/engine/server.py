@@ -545,8 +545,8 @@ class EngineServer:
 
         @app.get("/health")
         async def health() -> JSONResponse:
-            body = self.health()
-            return JSONResponse(body, status_code=503 if body["problems"] else 200)
+            body = self.health()  # draining: 503 too, so a readiness probe or a load balancer stops sending
+            return JSONResponse(body, status_code=503 if body["problems"] or self.draining else 200)
 
         @app.get("/metrics")
         async def metrics() -> Response:
