@@ -97,6 +97,23 @@ def test_a_crashed_p_is_confirmed_gone_before_the_quarantine_bound(mode: str, se
     assert not any(k.endswith("incompatible") for k in report.outcomes)
 
 
+@pytest.mark.parametrize(
+    ("seed", "layerwise", "partition"), [(1112, False, 0.05), (1124, False, 0.5), (1124, True, 0.5)]
+)
+def test_a_d_frozen_while_p_is_frozen_never_frees_blocks_p_still_writes(
+    seed: int, layerwise: bool, partition: float
+) -> None:
+    """Found by a fuzzing helper under heavy pauses: D frozen, P's heartbeats queued behind the freeze,
+    then P frozen with a write posted. D's first tick after its thaw took its own freeze for P's silence
+    and declared P dead; the heartbeats read right after (sent before P froze) confirmed that verdict,
+    and D freed the blocks; P thawed and its recalled write landed in them (C1). D now notices its own
+    freeze, as P does, and restarts the P lives' silence clocks."""
+    faults = dataclasses.replace(Faults.chaos(), pause=1.0, partition=partition)
+    report = simulate(2000 if partition == 0 else 1500, seed, faults=faults, layerwise=layerwise)
+    assert report.violations == []
+    assert report.faults["pause"] > 0
+
+
 def test_fault_free_run_delivers_every_request() -> None:
     report = simulate(1000, 3, faults=Faults())
     assert report.violations == []

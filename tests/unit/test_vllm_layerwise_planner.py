@@ -118,6 +118,8 @@ def test_the_scheduler_side_holds_a_streamed_id_until_its_send_takes_it_over_or_
     assert sent and out is not None and out["transfer_id"] == "t1"
     assert not sched.reserve("c", "t1")  # held by a's SEND now
     sched.transfers_ended(["a"], [])
-    assert sched.reserve("c", "t1")
-    assert sched.finished("c", params, [1, 2], 20, aborted=True) == (False, None)  # aborted: let go
-    assert sched.reserve("d", "t1")
+    assert not sched.reserve("c", "t1")  # sent before: a transfer id is single-use (its SEND is refused)
+    fresh = {"do_remote_decode": True, "transfer_id": "t2"}
+    assert sched.reserve("c", "t2")
+    assert sched.finished("c", fresh, [1, 2], 20, aborted=True) == (False, None)  # aborted: let go
+    assert sched.reserve("d", "t2")  # never sent: free again

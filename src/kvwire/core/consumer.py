@@ -298,6 +298,9 @@ class ConsumerCore(CoreBase):
             self._send(key, agent_name, hb)
             self.stats.heartbeats_sent += 1
 
+    def _before(self, now: float, inp: Input) -> None:  # D's own freeze is no P's silence (Lives.input_at)
+        self._lives.input_at(now, self.config.liveness_timeout_s - self.config.heartbeat_interval_s)
+
     def _on_shutdown(self, now: float) -> None:
         for req in list(self._requests.values()):
             req.aborted, req.hold_until = True, 0.0  # the engine's memory goes with it (P is told aborted)
@@ -305,9 +308,7 @@ class ConsumerCore(CoreBase):
                 if part.machine.accepts(CT.CANCEL):
                     part.machine.cancel()
             self._settle(now, req)  # P's ranks are told to stop (push), reads released (pull)
-            # No answer will be read: the parts end here (they stayed cancelling, the request unreported
-            # and counted live, for good: found by a review).
-            if self._requests.get(req.transfer_id) is req:
+            if self._requests.get(req.transfer_id) is req:  # no answer will be read: the parts end here
                 for part in (p for p in req.parts.values() if not p.machine.is_terminal):
                     part.machine.shutdown()
                 self._settle(now, req)

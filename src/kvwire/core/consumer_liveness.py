@@ -98,6 +98,20 @@ class Lives:
         self._verdicts_wake = math.inf  # the earliest grace or quarantine end of a verdict
         self._verdicts_dirty = False  # a word came that may confirm a dead life
         self.ranks_heard: dict[str, float] = {}  # P agent -> its last heartbeat (push: ``forgotten``)
+        self._last_input = math.inf  # when D's core last had an input (``input_at``)
+
+    def input_at(self, now: float, frozen_after_s: float) -> None:
+        """Before each input of D's core. A gap over ``frozen_after_s`` since the last one was D's own
+        freeze (a driver feeds a core at least every heartbeat period), not the silence of the P lives it
+        waits on: their silence clocks restart now, so the thaw's first tick declares none of them dead
+        before the words they sent meanwhile, queued behind the freeze, are read. Found by a fuzzing
+        helper (the simulator, heavy pauses): that tick's verdict, then a heartbeat P sent before it froze
+        read as the proof of its recall, freed blocks a frozen P still had a write posted to (C1)."""
+        gap, self._last_input = now - self._last_input, now
+        if gap > frozen_after_s:
+            for life in self.table.values():
+                if life.dead_at is None:
+                    life.last_seen = max(life.last_seen, now)
 
     @staticmethod
     def live_links(requests: Mapping[str, Request]) -> dict[tuple[RankKey, str], list[str]]:
