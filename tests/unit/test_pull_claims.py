@@ -27,6 +27,8 @@ from kvwire.core.io import (
     SendClaim,
 )
 from kvwire.core.types import PeerAddress
+from kvwire.errors import HandshakeTimeout
+from kvwire.handshake.lines import ClaimLines
 from kvwire.handshake.server import ClaimVerdict
 from kvwire.kv.spec import KVSpec
 from kvwire.protocol.messages import (
@@ -42,7 +44,7 @@ from kvwire.protocol.messages import (
 from kvwire.testing.connector_env import Pair
 from kvwire.testing.core_harness import events, one, protocol
 from kvwire.testing.cores_env import BLOCKS, CFG, FAILED, PULL, READY, RELEASED, TID, TOKENS, D, P, ev, freed
-from kvwire.testing.handshake_env import manager_pair
+from kvwire.testing.handshake_env import SilentListener, manager_pair
 
 
 def _claim(d_rank: int = 0, blocks: tuple[int, ...] = BLOCKS, life: str = "D-life1", tp: int = 1) -> Claim:
@@ -262,3 +264,21 @@ def test_a_burst_of_pull_loads_claims_on_a_few_kept_connections(secret: bytes | 
         assert pair.producer._server is not None and pair.producer._server.stats.refused_connections == 0
     finally:
         pair.close()
+
+
+def test_a_claim_nobody_answers_is_a_typed_timeout_naming_the_address() -> None:
+    """The claim's whole budget fired before the try's own deadline (same length, started first):
+    asyncio's bare TimeoutError, message empty, and D logged "P refused the claim: TimeoutError: "."""
+    claim = Claim(
+        pp_rank=0, tp_rank=0, to_incarnation="P-life1", transfer_id="t1", block_ids=[1, 2], engine_id="D",
+        incarnation="D-life1", from_pp_rank=0, from_tp_rank=0, tp_size=1,
+    )  # fmt: skip
+
+    async def body() -> None:
+        async with SilentListener() as silent:
+            addr = PeerAddress("127.0.0.1", silent.port, 0, 0)
+            for lines in (ClaimLines(), None):
+                with pytest.raises(HandshakeTimeout, match=rf"127.0.0.1:{silent.port}.*no answer to a claim"):
+                    await claim_until_finished(addr, claim, 0.3, None, lines)
+
+    asyncio.run(body())
