@@ -137,11 +137,21 @@ def test_a_drain_that_times_out_answers_live_requests_and_refuses_late_ones(tmp_
         health = httpx.get(d.url + "/health", timeout=5.0)  # 503 while draining: probes and balancers stop
         assert (health.status_code, health.json()["status"]) == (503, "draining")
         ask("late")
+        # A decode leg continuing a transfer (pull mode sends it once P answered, maybe after the grace) is
+        # no new work: judged as any other (here: its P is unreachable), not refused as the late one.
+        leg = {"do_remote_prefill": True, "transfer_id": "t-late", "remote_engine_id": "P",
+               "remote_host": "127.0.0.1", "remote_port": 1}  # fmt: skip
+        answers["leg"] = httpx.post(
+            d.url + "/v1/completions", json={**body, "max_tokens": 2, "kv_transfer_params": leg}, timeout=30.0
+        )
         assert d.proc.wait(timeout=20) == 0
         live.join(20)
     for name, says in (("late", "the engine is draining"), ("live", "the engine is shutting down")):
         assert answers[name].status_code == 503, answers[name].text
         assert answers[name].json()["error"]["message"].startswith(says)
+    assert not answers["leg"].json()["error"]["message"].startswith("the engine is draining"), answers[
+        "leg"
+    ].text
 
 
 def _live_requests(server: Server) -> int:

@@ -25,6 +25,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
+from kvwire.apikey import MAX_BODY_BYTES
 from kvwire.discovery.record import EngineRecord, FleetRole, RecordLoad, SideChannel
 from kvwire.discovery.registrar import Registrar
 from kvwire.discovery.source import open_store
@@ -127,22 +128,37 @@ class Fleet:
 
 class _RefuseWhenDrained:
     """ASGI middleware: once a drain's grace is over, new completions get the engine's typed 503 (they were
-    taken after the mark, and cut when the drain timed out). A plain ASGI class, not ``BaseHTTPMiddleware``,
-    which wraps every response (streams included) and its disconnect checks."""
+    taken after the mark, and cut when the drain timed out). A decode leg that continues a transfer (its
+    body names ``do_remote_prefill``) is no new work: in pull mode it comes only once P answered, maybe
+    after the grace, and refusing it failed the request while P held its KV (found by a review). A plain
+    ASGI class, not ``BaseHTTPMiddleware``, which wraps every response (streams included)."""
 
     def __init__(self, app: Any, fleet: Fleet) -> None:
         self.app, self.fleet = app, fleet
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         path = scope.get("path", "") if scope["type"] == "http" else ""
-        if self.fleet.refusing and scope.get("method") == "POST" and path.startswith("/v1/"):
-            refusal = EngineOverloaded(
-                "the engine is draining (SIGTERM): send new requests to another engine"
-            )
-            status, body, headers = http_error(refusal)
-            await JSONResponse(body, status_code=status, headers=headers)(scope, receive, send)
+        if not (self.fleet.refusing and scope.get("method") == "POST" and path.startswith("/v1/")):
+            await self.app(scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        raw, more = b"", True
+        while more and len(raw) <= MAX_BODY_BYTES:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left
+            raw, more = raw + message.get("body", b""), bool(message.get("more_body", False))
+        if not more and b"do_remote_prefill" in raw:  # the handler judges it as any other
+            replay = [{"type": "http.request", "body": raw, "more_body": False}]
+            await self.app(scope, lambda: _next_message(replay, receive), send)
+            return
+        refusal = EngineOverloaded("the engine is draining (SIGTERM): send new requests to another engine")
+        status, body, headers = http_error(refusal)
+        await JSONResponse(body, status_code=status, headers=headers)(scope, receive, send)
+
+
+async def _next_message(replay: list[dict[str, Any]], receive: Any) -> Any:
+    """The body read already, then what the client sends next (its disconnect)."""
+    return replay.pop() if replay else await receive()
 
 
 class DrainingServer(uvicorn.Server):
