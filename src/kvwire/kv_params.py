@@ -106,6 +106,17 @@ class KvTransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
             )
         return hosts
 
+    def check_prompt(self, num_tokens: int) -> None:
+        """D's leg: ``InvalidRequest`` when P's answer names another prompt length than D's (``num_tokens``,
+        when given). P's KV is its prompt's: a longer prompt on D read slots P never wrote for it as KV
+        (pull; push refused it at P), a shorter one a prefix of another prompt's."""
+        if self.num_tokens is not None and self.num_tokens != num_tokens:
+            raise InvalidRequest(
+                f"{FIELD}: P prefilled {self.num_tokens} tokens, this prompt has {num_tokens}: send D the "
+                "prompt P prefilled (the same tokenizer and chat template)",
+                FIELD,
+            )
+
     def to_json(self) -> dict[str, Any]:
         """The JSON object: the fields that are set, under vLLM's names (plain JSON types: lists, not
         tuples, so it compares equal to what a client decodes)."""

@@ -178,6 +178,10 @@ def test_bad_settings_stop_the_engine_and_bad_params_are_served_locally(
     assert "prefilled locally" in caplog.text
 
 
+# A decode leg's kv_transfer_params naming P (each test adds its transfer id and what it varies).
+D_LEG = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_host": "127.0.0.1", "remote_port": 5700}
+
+
 def test_a_refused_request_is_counted_and_logged_once_however_often_vllm_asks(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -186,12 +190,7 @@ def test_a_refused_request_is_counted_and_logged_once_however_often_vllm_asks(
     ``finished`` counted it again). A D leg naming no transfer id, or another prompt length than P's, is
     refused the same way (before, it loaded under its own request id, which no P holds, until P's fence)."""
     both = SchedulerSide(KvRole.BOTH, settings_from_extra({}), LocalEngine("e", "h", 1, 1, 1), BS)
-    leg = {
-        "do_remote_prefill": True,
-        "remote_engine_id": "P",
-        "remote_host": "127.0.0.1",
-        "remote_port": 5700,
-    }
+    leg = D_LEG
     cases = {
         "bad-port": {**leg, "remote_port": "x", "transfer_id": "t0"},
         "no-id": leg,
@@ -357,12 +356,7 @@ def test_a_full_table_refuses_for_now_and_p_does_not_answer_block_ids_no_d_takes
     block ids than D's and routers' bound (they refused them while P held the blocks to its lease)."""
     monkeypatch.setattr(scheduler, "_MAX_TRACKED", 2)
     d = SchedulerSide(KvRole.CONSUMER, settings_from_extra({}), LocalEngine("e", "h", 1, 1, 1), BS)
-    leg = {
-        "do_remote_prefill": True,
-        "remote_engine_id": "P",
-        "remote_host": "127.0.0.1",
-        "remote_port": 5700,
-    }
+    leg = D_LEG
     for i in range(2):
         assert d.matched_tokens(f"w{i}", {**leg, "transfer_id": f"t{i}"}, 10, 0) == (10, True)
     third = {**leg, "transfer_id": "t2"}

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 from kvwire.core.handshake import refusal
 from kvwire.core.io import AnswerClaim, ClaimAnswered, ClaimArrived, HandshakeDone, SendClaim, StartHandshake
 from kvwire.core.types import PeerAddress, PeerRank
-from kvwire.errors import HandshakeTimeout, KvwireError, NobodyListens
+from kvwire.errors import KvwireError, NobodyListens
 from kvwire.handshake.client import send_claim
-from kvwire.handshake.lines import ClaimLines
+from kvwire.handshake.lines import ClaimLines, claim_timeout
 from kvwire.handshake.server import ClaimVerdict
 from kvwire.protocol.messages import Claim, ErrorCode, ErrorReply, FailReason, Granted
 
@@ -107,7 +107,7 @@ async def claim_until_finished(
         if asking or reply is None:
             # This budget fires before the try's own (same length, started first): asyncio's bare
             # TimeoutError named no address, and D logged "P refused the claim: TimeoutError: ".
-            raise HandshakeTimeout(f"{addr}: no answer to a claim within {budget_s:.3g} s") from None
+            raise claim_timeout(addr, budget_s) from None
         return reply
 
 

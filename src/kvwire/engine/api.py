@@ -189,14 +189,8 @@ def parse_completion(body: Any, tokenizer: ByteTokenizer) -> CompletionRequest:
     max_tokens = parsed.max_tokens if parsed.max_tokens is not None else DEFAULT_MAX_TOKENS
     params = parsed.kv_transfer_params
     role, transfer_id = _transfer(params)
-    told = params.num_tokens if params is not None and role is TransferRole.REMOTE_PREFILL else None
-    if told is not None and told != len(prompt):
-        # P's KV is its prompt's: a longer prompt here would read slots P never wrote for it (pull).
-        raise InvalidRequest(
-            f"kv_transfer_params: P prefilled {told} tokens, this prompt has {len(prompt)}: "
-            "send D the prompt P prefilled",
-            _KV_PARAMS,
-        )
+    if params is not None and role is TransferRole.REMOTE_PREFILL:
+        params.check_prompt(len(prompt))
     options = parsed.stream_options
     if options is not None and not parsed.stream:
         raise InvalidRequest("'stream_options' can only be given with stream: true", "stream_options")

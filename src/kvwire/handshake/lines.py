@@ -52,6 +52,11 @@ class _Address:
     wanted: int = 0  # claims waiting for a line or on one: a line is kept only while this is above 0
 
 
+def claim_timeout(addr: PeerAddress, timeout_s: float) -> HandshakeTimeout:
+    """A claim that got no answer within ``timeout_s`` (this module's, or its caller's whole budget)."""
+    return HandshakeTimeout(f"{addr}: no answer to a claim within {timeout_s:.3g} s")
+
+
 class ClaimLines:
     """Claims sent on kept connections, at most ``per_address`` at once to one P address (the rest wait
     for a free one). One event loop's: create, use and close it on the connector's loop."""
@@ -75,7 +80,7 @@ class ClaimLines:
             async with asyncio.timeout(timeout_s), entry.slots:
                 return await self._on_a_line(entry, addr, claim, secret)
         except TimeoutError:
-            raise HandshakeTimeout(f"{addr}: no answer to a claim within {timeout_s:.3g} s") from None
+            raise claim_timeout(addr, timeout_s) from None
         except (OSError, asyncio.IncompleteReadError) as exc:
             raise network_error(addr, exc) from None
         finally:

@@ -139,14 +139,7 @@ class SchedulerSide:
                 return 0, False
             remote_engine(params, rank_ports=True)  # malformed remote parameters: refused here
             load_id(params)
-            if params.num_tokens is not None and params.num_tokens != num_prompt_tokens:
-                # P's KV is for its prompt: a longer one here read slots P never wrote for it (pull; push
-                # refused it at P), a shorter one a prefix of another prompt's KV.
-                raise InvalidRequest(
-                    f"P prefilled {params.num_tokens} tokens, this prompt has {num_prompt_tokens}: the same "
-                    "prompt (tokenizer, chat template) must go to both",
-                    "kv_transfer_params",
-                )
+            params.check_prompt(num_prompt_tokens)
         except InvalidRequest as exc:
             self._refuse(req_id, f"kvwire: {req_id} is prefilled locally: {exc}")
             return 0, False
