@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import time
 
@@ -130,9 +131,12 @@ def test_an_agent_warms_up_once_for_every_start_of_its_connectors() -> None:
     agent = NixlAgent("warm/once/pp0/tp0")
     try:
         agent.warm_up()
+        gc.collect()  # sockets an earlier test left to the collector go now, not during the count
         after_first = _sockets()
-        for _ in range(4):
+        for _ in range(8):
             agent.warm_up()
-        assert _sockets() == after_first
+        # Two more per warm-up before (16 here); the rest of the process (an earlier test's threads) may
+        # open or close one meanwhile: CI saw 45 -> 46 with the fix in.
+        assert _sockets() - after_first <= 2
     finally:
         agent.close()
